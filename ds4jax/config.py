@@ -84,7 +84,9 @@ class Config:
 
     def compress_ratio(self, layer: int) -> int:
         """0 for sliding-only layers, else the layer's compression ratio."""
-        kind = self.attention_types[layer]
+        return self.compress_ratio_of(self.attention_types[layer])
+
+    def compress_ratio_of(self, kind: AttentionType) -> int:
         return {AttentionType.SLIDING: 0, AttentionType.CSA: self.csa_ratio, AttentionType.HCA: self.hca_ratio}[kind]
 
     def layers_of(self, kind: AttentionType) -> tuple[int, ...]:

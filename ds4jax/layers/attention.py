@@ -1,0 +1,102 @@
+"""Attention with one shared K=V head, sink, sliding window and compressed entries (spec §3.4-§3.8).
+
+Pieces shared by the full-sequence forward and the pooled steps:
+`project_qkv` (query latent, normalised rotated queries, the rotated K=V vector), `attend` (dense masked
+softmax with the sink in the denominator; a reference for the Pallas kernel), `output_projection` (inverse
+RoPE at the query position, grouped low-rank projection). `attention_sequence` is the cache-free forward.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.config import AttentionType, Config
+from ds4jax.layers import compressor, indexer
+from ds4jax.layers.linear import linear
+from ds4jax.layers.norms import rms_norm, unweighted_rms_norm
+from ds4jax.layers.rope import apply_rope, inv_frequencies
+
+
+def layer_inv_freq(cfg: Config, kind: AttentionType) -> np.ndarray:
+    return inv_frequencies(cfg, compressed=kind is not AttentionType.SLIDING)
+
+
+def project_qkv(x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq: np.ndarray):
+    """x [b, t, e] -> (q_latent [b, t, l], q [b, t, h, d], kv [b, t, d])."""
+    q_latent = rms_norm(linear(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps)
+    q = linear(q_latent, p["wq_b"]).reshape(x.shape[:-1] + (cfg.num_heads, cfg.head_dim))
+    q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), positions, inv_freq)
+    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps), positions, inv_freq)
+    return q_latent, q, kv
+
+
+def attend(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """q [b, t, h, d], keys [b, s, d] (K = V), valid [b, t, s] bool, sink [h] -> [b, t, h, d].
+
+    p_j = exp(l_j) / (sum_valid exp(l) + exp(sink_h)); a query with no valid key returns 0. Invalid keys must
+    hold finite values (callers zero them): masked logits are -inf, so they get probability 0."""
+    logits = jnp.einsum("bthd,bsd->bths", q, keys, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST) * scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    sink = sink.astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [b, t, h]
+    probs = jnp.exp(logits - peak[..., None])
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
+    probs = (probs / denom[..., None]).astype(keys.dtype)
+    out = jnp.einsum("bths,bsd->bthd", probs, keys, preferred_element_type=jnp.float32,
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(q.dtype)
+
+
+def output_projection(o: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq: np.ndarray) -> jax.Array:
+    """o [b, t, h, d] -> [b, t, e]: conjugate RoPE at the query position, then the grouped projection."""
+    o = apply_rope(o, positions, inv_freq, inverse=True)
+    grouped = o.reshape(o.shape[:2] + (cfg.o_groups, -1))  # heads of group k are contiguous
+    z = jnp.einsum("btgi,gio->btgo", grouped, p["wo_a"].astype(o.dtype), preferred_element_type=jnp.float32)
+    return linear(z.astype(o.dtype).reshape(o.shape[:2] + (-1,)), p["wo_b"])
+
+
+def sliding_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """[..., t, s]: key position in (q - window, q]."""
+    delta = q_pos[..., :, None] - k_pos[..., None, :]
+    return (delta >= 0) & (delta < window)
+
+
+def attention_sequence(x: jax.Array, p: dict, cfg: Config, kind: AttentionType):
+    """Cache-free attention over a whole sequence starting at position 0.
+
+    x [b, t, e] (normalised). Returns (y [b, t, e], indexer selection [b, t, n] int32 or None)."""
+    b, t, _ = x.shape
+    inv_freq = layer_inv_freq(cfg, kind)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q_latent, q, kv = project_qkv(x, positions, p, cfg, inv_freq)
+    keys, valid = kv, sliding_mask(positions, positions, cfg.sliding_window)
+    selection = None
+    if kind is not AttentionType.SLIDING:
+        ratio = cfg.compress_ratio_of(kind)
+        entries = compressor.compress_sequence(
+            x, p["compressor"], ratio=ratio, overlap=kind is AttentionType.CSA, width=cfg.head_dim,
+            inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+        n = entries.shape[1]
+        causal = jnp.arange(n)[None, None, :] < ((positions + 1) // ratio)[..., None]  # [b, t, n]
+        if kind is AttentionType.CSA:
+            selection = csa_select(x, q_latent, positions, p["indexer"], cfg, inv_freq, causal)
+            chosen = jnp.zeros((b, t, n + 1), bool)
+            chosen = jax.vmap(jax.vmap(lambda row, sel: row.at[jnp.where(sel < 0, n, sel)].set(True)))(
+                chosen, selection)[..., :n]
+            causal = causal & chosen
+        keys = jnp.concatenate([keys, entries], axis=1)
+        valid = jnp.concatenate([valid, causal], axis=-1)
+    o = attend(q, keys, valid, p["sink"], cfg.head_dim**-0.5)
+    return output_projection(o, positions, p, cfg, inv_freq), selection
+
+
+def csa_select(x, q_latent, positions, p, cfg: Config, inv_freq, causal) -> jax.Array:
+    """Indexer top-k for a whole sequence: [b, t, min(index_topk, n)] entry ids (-1 = none)."""
+    keys = compressor.compress_sequence(
+        x, p["compressor"], ratio=cfg.csa_ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq,
+        eps=cfg.rms_norm_eps)
+    if keys.shape[1] == 0:
+        return jnp.zeros(positions.shape + (0,), jnp.int32)
+    q, weights = indexer.queries(q_latent, x, positions, p, cfg, inv_freq)
+    return indexer.select(indexer.scores(q, weights, keys, cfg), causal, cfg.index_topk)

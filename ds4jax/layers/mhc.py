@@ -1,0 +1,54 @@
+"""Manifold-constrained hyper-connections (spec §3.2): N residual streams mixed by Sinkhorn-projected weights.
+
+X has shape [..., m, e]. All mixing weights are float32; the sub-layer input is cast to X's dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.config import Config
+
+
+def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """rho * (fn x_flat) with rho the reciprocal RMS over all m*e values: [..., outputs] float32."""
+    flat = x.reshape(x.shape[:-2] + (-1,)).astype(jnp.float32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + eps)
+    return jnp.einsum("...i,io->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m]."""
+    comb = jax.nn.softmax(logits, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def body(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, body, comb)
+
+
+def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e])."""
+    m = cfg.hc_mult
+    mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
+    scale, base = p["scale"].astype(jnp.float32), p["base"].astype(jnp.float32)
+    pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + cfg.hc_eps
+    post = 2 * jax.nn.sigmoid(mix[..., m : 2 * m] * scale[1] + base[m : 2 * m])
+    comb_logits = mix[..., 2 * m :] * scale[2] + base[2 * m :]
+    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    collapsed = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(y: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_k = post_k * y + sum_j comb[j, k] X_j (input stream j is the row index), in float32, one cast."""
+    mixed = jnp.einsum("...jk,...je->...ke", comb, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(x.dtype)
+
+
+def hc_head(x: jax.Array, p: dict, cfg: Config) -> jax.Array:
+    """Final stream reduction (no Sinkhorn, no post): [..., m, e] -> [..., e]."""
+    mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
+    pre = jax.nn.sigmoid(mix * p["scale"].astype(jnp.float32) + p["base"].astype(jnp.float32)) + cfg.hc_eps
+    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)

@@ -1,0 +1,91 @@
+"""The DeepSeek-V4 network as pure functions over a params pytree (spec §2).
+
+`forward` is the cache-free, differentiable full-sequence forward (training, parity checks, `compare`).
+The pooled prefill / decode / draft-extend steps live in `ds4jax.steps` and reuse the same blocks.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.config import AttentionType, Config, MlpType
+from ds4jax.layers.attention import attention_sequence
+from ds4jax.layers.linear import linear
+from ds4jax.layers.mhc import hc_head, hc_post, hc_pre
+from ds4jax.layers.moe import Routing, moe
+from ds4jax.layers.norms import rms_norm
+
+# attention sub-layer: normalised input [b, t, e] -> (output [b, t, e], extra)
+AttentionFn = Callable[[jax.Array], tuple[jax.Array, Any]]
+
+
+class BlockAux(NamedTuple):
+    routing: Routing  # expert selection over the flattened [b*t] tokens
+    attention: Any  # indexer selection [b, t, n] for CSA layers, else None (or step-specific extras)
+
+
+def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn):
+    """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux)."""
+    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
+    y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
+    x = hc_post(y, x, post, comb)
+    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
+    y, routing = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
+    return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
+
+
+def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:
+    """[b, t] -> hyper-connection streams [b, t, m, e] (the embedding copied into every stream)."""
+    e = params["embed"][token_ids]
+    return jnp.broadcast_to(e[..., None, :], e.shape[:-1] + (cfg.hc_mult, e.shape[-1]))
+
+
+def logits_from_streams(x: jax.Array, head_params: dict, norm: jax.Array, head: jax.Array, cfg: Config) -> jax.Array:
+    """[..., m, e] -> [..., v]: hc_head reduction, final RMSNorm, vocab projection (float32 logits)."""
+    y = rms_norm(hc_head(x, head_params, cfg), norm, cfg.rms_norm_eps)
+    return jnp.einsum("...e,ev->...v", y, head.astype(y.dtype), preferred_element_type=jnp.float32)
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [b, t, v] float32
+    hidden: list  # per layer: streams after the block [b, t, m, e]
+    aux: list  # per layer: BlockAux
+
+
+def forward_full(cfg: Config, params: dict, token_ids: jax.Array) -> ForwardOutput:
+    """Full-sequence forward of the target model from position 0 (no cache)."""
+    x = embed(params, token_ids, cfg)
+    hidden, aux = [], []
+    for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
+        with jax.named_scope(f"layer{i}_{kind.name.lower()}"):
+            attn = lambda h, p=p, kind=kind: attention_sequence(h, p["attn"], cfg, kind)
+            x, a = block(x, token_ids, p, cfg, mlp, attn)
+        hidden.append(x)
+        aux.append(a)
+    logits = logits_from_streams(x, params["hc_head"], params["norm"], params["head"], cfg)
+    return ForwardOutput(logits, hidden, aux)
+
+
+def forward(cfg: Config, params: dict, token_ids: jax.Array, return_hidden: bool = False):
+    """token_ids [b, t] -> logits [b, t, v] (float32); with return_hidden, also the per-layer streams."""
+    out = forward_full(cfg, params, token_ids)
+    return (out.logits, out.hidden) if return_hidden else out.logits
+
+
+def mtp_inputs(cfg: Config, params: dict, streams: jax.Array, next_ids: jax.Array) -> jax.Array:
+    """MTP block input (spec §3.11): target streams of row i [.., m, e] and the embedding of token i+1."""
+    p = params["mtp"]
+    e = rms_norm(params["embed"][next_ids], p["enorm"], cfg.rms_norm_eps)
+    h = rms_norm(streams, p["hnorm"], cfg.rms_norm_eps)
+    return linear(h, p["h_proj"]) + linear(e, p["e_proj"])[..., None, :]
+
+
+def mtp_forward_full(cfg: Config, params: dict, streams: jax.Array, next_ids: jax.Array) -> ForwardOutput:
+    """Cache-free MTP (draft) forward: streams [b, t, m, e] of the target's last block, next_ids [b, t]."""
+    p = params["mtp"]
+    x = mtp_inputs(cfg, params, streams, next_ids)
+    attn = lambda h: attention_sequence(h, p["block"]["attn"], cfg, AttentionType.SLIDING)
+    x, a = block(x, next_ids, p["block"], cfg, MlpType.TOPK, attn)
+    logits = logits_from_streams(x, p["hc_head"], p["norm"], params["head"], cfg)
+    return ForwardOutput(logits, [x], [a])
