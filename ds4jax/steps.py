@@ -1,0 +1,234 @@
+"""Pure, jit-compiled prefill / decode / verify / draft-extend steps over explicit pools.
+
+Every step is ``(params, pool, batch) -> (StepOutput, pool)`` with the config, the pool spec, the role and the
+logits mode static, and the pool donated. The role is keyword-only and decides the network:
+
+* ``Role.TARGET`` runs every layer with its compressed pools;
+* ``Role.DRAFT`` runs the MTP block, which is sliding-window only: its trace contains no compressor or indexer
+  code, and it accepts a pool spec whose compressed capacities are zero. A target step handed a draft pool spec
+  fails at trace time.
+
+A batch is a ragged set of chunks: row b appends ``n_tokens[b]`` tokens to the request in ``slots[b]``.
+``prefill`` (any chunk size), ``decode`` (one token) and ``verify`` (k+1 tokens, all logits) are the same
+computation with different static shapes and logits modes.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.config import AttentionType, Config, MlpType
+from ds4jax.layers.mhc import hc_post, hc_pre
+from ds4jax.layers.moe import moe
+from ds4jax.layers.norms import rms_norm
+from ds4jax.layers.pooled import (CompressorState, LayerPools, attention_pooled, geometry)
+from ds4jax.model import embed, logits_from_streams, mtp_inputs
+from ds4jax.pool_spec import PoolSpec
+from ds4jax.pools import KVPool, PoolError, check_pool
+from ds4jax.roles import Role
+
+
+class Logits(enum.Enum):
+    NONE = "none"  # intermediate prefill chunks: skip the vocab projection
+    LAST = "last"  # logits of each row's last valid token: [B, v]
+    ALL = "all"  # logits of every chunk token: [B, C, v] (verification, parity tests)
+
+
+class StepBatch(NamedTuple):
+    slots: jax.Array  # [B] int32 pool slot of each row (distinct)
+    token_ids: jax.Array  # [B, C] int32 (draft: the ids of the NEXT tokens, see draft_extend)
+    n_tokens: jax.Array  # [B] int32 valid tokens per row (0 = padding row)
+
+
+class StepOutput(NamedTuple):
+    logits: jax.Array | None  # [B, v] or [B, C, v] float32, per `Logits`
+    streams: jax.Array  # [B, C, m, e] final hyper-connection streams (pre hc_head): the draft's input
+    selections: tuple  # per CSA layer: indexer selection [B, C, n] (diagnostics and tests)
+
+
+def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batch: StepBatch) -> None:
+    name = f"{role.name.lower()} step"
+    if role is Role.TARGET:
+        need_csa, need_hca = len(cfg.layers_of(AttentionType.CSA)), len(cfg.layers_of(AttentionType.HCA))
+        if spec.num_layers != cfg.num_layers or spec.num_csa_layers != need_csa or spec.num_hca_layers != need_hca:
+            raise PoolError(
+                f"{name}: the pool spec has {spec.num_layers} layers ({spec.num_csa_layers} CSA, "
+                f"{spec.num_hca_layers} HCA) but the target model has {cfg.num_layers} ({need_csa} CSA, {need_hca} "
+                f"HCA); a draft pool spec cannot serve the target")
+        if need_csa and (spec.c4_entries == 0 or spec.indexer_entries == 0):
+            raise PoolError(f"{name}: the pool spec has no C4/indexer capacity (a draft spec?)")
+        if need_hca and spec.c128_entries == 0:
+            raise PoolError(f"{name}: the pool spec has no C128 capacity (a draft spec?)")
+        for kind, ratio, rows, what in (
+            (AttentionType.CSA, cfg.csa_ratio, spec.c4_state_rows, "c4_state_rows"),
+            (AttentionType.CSA, cfg.csa_ratio, spec.indexer_state_rows, "indexer_state_rows"),
+            (AttentionType.HCA, cfg.hca_ratio, spec.c128_state_rows, "c128_state_rows"),
+        ):
+            span = 2 * ratio if kind is AttentionType.CSA else ratio
+            if cfg.layers_of(kind) and rows < span + max(spec.draft_tokens - 2, 0):
+                raise PoolError(f"{name}: spec.{what}={rows} cannot hold a {span}-token window plus "
+                                f"{spec.draft_tokens} speculative tokens")
+    else:
+        if spec.num_layers != 1 or spec.num_csa_layers or spec.num_hca_layers:
+            raise PoolError(f"{name}: the draft owns one sliding-window layer; the pool spec has "
+                            f"{spec.num_layers} layers ({spec.num_csa_layers} CSA, {spec.num_hca_layers} HCA)")
+    if spec.swa_rows < cfg.sliding_window:
+        raise PoolError(f"{name}: spec.swa_rows={spec.swa_rows} is smaller than the window {cfg.sliding_window}")
+    if spec.head_dim != cfg.head_dim:
+        raise PoolError(f"{name}: spec.head_dim={spec.head_dim} but the model's head_dim is {cfg.head_dim}")
+    check_pool(pool, spec, name)
+    b = batch.slots.shape[0]
+    if batch.token_ids.ndim != 2 or batch.token_ids.shape[0] != b or batch.n_tokens.shape != (b,):
+        raise PoolError(f"{name}: batch shapes slots {batch.slots.shape}, token_ids {batch.token_ids.shape}, "
+                        f"n_tokens {batch.n_tokens.shape} disagree")
+    if b > spec.max_slots:
+        raise PoolError(f"{name}: {b} rows exceed the pool's {spec.max_slots} slots")
+
+
+def _layer_pools(pool: KVPool, slots, layer: int, cfg: Config) -> tuple[LayerPools, int | None]:
+    kind = cfg.attention_types[layer]
+    ring = pool.swa_kv[layer, slots]
+    if kind is AttentionType.CSA:
+        i = cfg.layers_of(AttentionType.CSA).index(layer)
+        return LayerPools(
+            ring, pool.c4_kv[i], CompressorState(pool.c4_state_kv[i, slots], pool.c4_state_gate[i, slots]),
+            pool.indexer_kv[i],
+            CompressorState(pool.indexer_state_kv[i, slots], pool.indexer_state_gate[i, slots])), i
+    if kind is AttentionType.HCA:
+        i = cfg.layers_of(AttentionType.HCA).index(layer)
+        return LayerPools(ring, pool.c128_kv[i],
+                          CompressorState(pool.c128_state_kv[i, slots], pool.c128_state_gate[i, slots]),
+                          None, None), i
+    return LayerPools(ring, None, None, None, None), None
+
+
+def _store_layer(pool: KVPool, new: LayerPools, slots, layer: int, index: int | None, cfg: Config) -> KVPool:
+    kind = cfg.attention_types[layer]
+    changes = {"swa_kv": pool.swa_kv.at[layer, slots].set(new.ring.astype(pool.swa_kv.dtype))}
+    if kind is AttentionType.CSA:
+        changes.update(
+            c4_kv=pool.c4_kv.at[index].set(new.entries),
+            c4_state_kv=pool.c4_state_kv.at[index, slots].set(new.state.kv),
+            c4_state_gate=pool.c4_state_gate.at[index, slots].set(new.state.gate),
+            indexer_kv=pool.indexer_kv.at[index].set(new.index_entries),
+            indexer_state_kv=pool.indexer_state_kv.at[index, slots].set(new.index_state.kv),
+            indexer_state_gate=pool.indexer_state_gate.at[index, slots].set(new.index_state.gate),
+        )
+    elif kind is AttentionType.HCA:
+        changes.update(
+            c128_kv=pool.c128_kv.at[index].set(new.entries),
+            c128_state_kv=pool.c128_state_kv.at[index, slots].set(new.state.kv),
+            c128_state_gate=pool.c128_state_gate.at[index, slots].set(new.state.gate),
+        )
+    return pool.replace(**changes)
+
+
+def _pooled_block(x, token_ids, p, pool, slots, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
+                  spec: PoolSpec):
+    layer_pools, index = _layer_pools(pool, slots, layer, cfg)
+    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
+    y, new, selection = attention_pooled(
+        rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps), layer_pools, g, p["attn"], cfg, kind,
+        page_size=spec.page_size, max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window)
+    x = hc_post(y, x, post, comb)
+    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
+    y, _ = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
+    return hc_post(y, x, post, comb), _store_layer(pool, new, slots, layer, index, cfg), selection
+
+
+def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits):
+    if mode is Logits.NONE:
+        return None
+    if mode is Logits.LAST:
+        last = jnp.clip(batch.n_tokens - 1, 0, streams.shape[1] - 1)
+        streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)[:, 0]
+    return logits_from_streams(streams, head_params, norm, head, cfg)
+
+
+def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
+          logits: Logits):
+    _validate_static(cfg, spec, role, pool, batch)
+    slots, token_ids = batch.slots, batch.token_ids
+    start = pool.lengths[slots]
+    g = geometry(start, batch.n_tokens, token_ids.shape[1], pool.page_table[slots])
+    selections = []
+    if role is Role.TARGET:
+        x = embed(params, token_ids, cfg)
+        for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
+            with jax.named_scope(f"target/layer{i}_{kind.name.lower()}"):
+                x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, i, kind, mlp, cfg, spec)
+            if sel is not None:
+                selections.append(sel)
+        head_params, norm = params["hc_head"], params["norm"]
+    else:
+        if "mtp" not in params:
+            raise PoolError("draft step: the model has no MTP block (its checkpoint shipped no mtp.* tensors)")
+        mtp = params["mtp"]
+        with jax.named_scope("draft/mtp"):
+            x = mtp_inputs(cfg, params, streams_in, token_ids)
+            x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, 0, AttentionType.SLIDING,
+                                       MlpType.TOPK, _draft_view(cfg), spec)
+        head_params, norm = mtp["hc_head"], mtp["norm"]
+    pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens))
+    out = StepOutput(_logits(x, head_params, norm, params["head"], batch, cfg, logits), x, tuple(selections))
+    return out, pool
+
+
+@functools.lru_cache(maxsize=None)
+def _draft_view(cfg: Config) -> Config:
+    """The MTP block seen as a one-layer sliding-window model (so pool layer 0 is the draft's ring)."""
+    return cfg.replace(num_layers=1, attention_types=(AttentionType.SLIDING,), mlp_types=(MlpType.TOPK,))
+
+
+_STATIC = ("cfg", "spec", "role", "logits")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
+def _target_step(params, pool, batch, *, cfg, spec, role, logits):
+    if role is not Role.TARGET:
+        raise PoolError(f"this step runs the target; got role={role}")
+    return _step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
+def _draft_step(params, pool, batch, streams, *, cfg, spec, role, logits):
+    if role is not Role.DRAFT:
+        raise PoolError(f"draft_extend runs the MTP draft; got role={role}")
+    return _step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=logits)
+
+
+def prefill(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET,
+            need_logits: bool = True, all_logits: bool = False):
+    """Append a chunk of each request's prompt. Intermediate chunks pass need_logits=False (no vocab projection).
+
+    Returns (StepOutput, pool); logits are [B, v] for each row's last token, or [B, C, v] with all_logits."""
+    mode = Logits.ALL if all_logits else (Logits.LAST if need_logits else Logits.NONE)
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=mode)
+
+
+def decode(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET):
+    """One token per request: batch.token_ids is [B, 1]. Returns (StepOutput with logits [B, v], pool)."""
+    if batch.token_ids.shape[1] != 1:
+        raise PoolError(f"decode takes one token per row, got token_ids {batch.token_ids.shape}")
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.LAST)
+
+
+def verify(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET):
+    """Score k+1 positions per request in one step (logits at every position) — speculative verification."""
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.ALL)
+
+
+def draft_extend(params, pool: KVPool, batch: StepBatch, streams: jax.Array, *, cfg: Config, spec: PoolSpec,
+                 role: Role = Role.DRAFT, all_logits: bool = False):
+    """Run the MTP draft over rows (target streams of position i, id of token i+1) at positions start + i.
+
+    Both draft paths use it: after target prefill (token_ids = prompt shifted left by one plus the sampled token,
+    streams = the target's per-token streams) and after verification (the accepted tokens and their streams).
+    streams: [B, C, m, e]. Returns (StepOutput with logits of each row's last token, pool)."""
+    mode = Logits.ALL if all_logits else Logits.LAST
+    return _draft_step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=mode)
