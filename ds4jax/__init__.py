@@ -5,10 +5,17 @@ h query heads, d head dim, r rotary dim, l q-LoRA rank, e embed, f expert ffw, x
 streams, v vocab, g output groups, o output LoRA rank, c compressed entries, n top-k.
 """
 
+from ds4jax.api import forward_logits
+from ds4jax.checkpoint import CheckpointError, load, save
 from ds4jax.config import AttentionType, Config, ConfigError, MlpType, flash, flash_slice, from_hf_config, pro, tiny
+from ds4jax.generate import SamplingParams, generate, greedy_generate
+from ds4jax.model_handle import Model
+from ds4jax.pool_spec import PoolSpec, configure
+from ds4jax.pools import KVPool, PoolBook, PoolError
 from ds4jax.roles import Role
 
 __all__ = [
-    "AttentionType", "Config", "ConfigError", "MlpType", "Role",
-    "flash", "flash_slice", "from_hf_config", "pro", "tiny",
+    "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
+    "PoolError", "PoolSpec", "Role", "SamplingParams", "configure", "flash", "flash_slice", "forward_logits",
+    "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
 ]

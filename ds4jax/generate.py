@@ -1,0 +1,122 @@
+"""Plain (non-speculative) generation over the pooled steps: chunked prefill, then one decode step per token.
+
+This is the simple correct loop: host bookkeeping validates every step, the pool is donated through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax import steps
+from ds4jax.model_handle import Model
+from ds4jax.pool_spec import PoolSpec
+from ds4jax.pools import PoolBook, PoolError, zeros
+from ds4jax.roles import Role
+from ds4jax.sampling import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+
+def _as_prompts(prompt_ids) -> list[list[int]]:
+    arr = prompt_ids
+    if isinstance(arr, (np.ndarray, jax.Array)):
+        arr = np.asarray(arr)
+        return [arr.tolist()] if arr.ndim == 1 else [list(r) for r in arr.tolist()]
+    if len(arr) and isinstance(arr[0], (int, np.integer)):
+        return [list(arr)]
+    return [list(p) for p in arr]
+
+
+def pool_dtype(model: Model) -> str:
+    return jnp.dtype(model.params["embed"].dtype).name
+
+
+def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: Sequence[int],
+                    prompts: Sequence[Sequence[int]], chunk: int):
+    """Prefill every prompt in chunks of `chunk` tokens; returns (last-token logits [rows, v], pool)."""
+    cfg = model.config
+    pos = [0] * len(prompts)
+    last_logits = [None] * len(prompts)
+    while any(p < len(q) for p, q in zip(pos, prompts)):
+        n = [min(chunk, len(q) - p) for p, q in zip(pos, prompts)]
+        tok = np.zeros((len(prompts), chunk), np.int32)
+        for r, q in enumerate(prompts):
+            tok[r, : n[r]] = q[pos[r] : pos[r] + n[r]]
+        book.check_extend(slots, tok, n)
+        finishing = [r for r in range(len(prompts)) if n[r] and pos[r] + n[r] == len(prompts[r])]
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
+        out, pool = steps.prefill(model.params, pool, batch, cfg=cfg, spec=spec, need_logits=bool(finishing))
+        book.commit(slots, n)
+        for r in finishing:
+            last_logits[r] = out.logits[r]
+        pos = [p + k for p, k in zip(pos, n)]
+    return jnp.stack(last_logits), pool
+
+
+def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
+             prefill_chunk: int | None = None) -> list[list[int]]:
+    """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt."""
+    cfg = model.config
+    prompts = _as_prompts(prompt_ids)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise PoolError("every prompt needs at least one token")
+    if params.max_new_tokens < 1:
+        raise PoolError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    page = cfg.hca_ratio * max(1, 256 // cfg.hca_ratio) if cfg.hca_ratio <= 256 else cfg.hca_ratio
+    max_context = longest + params.max_new_tokens
+    spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(prompts), max_context=max_context,
+                             page_size=page, dtype=pool_dtype(model))
+    book = PoolBook(spec, cfg.vocab_size)
+    slots = [book.admit() for _ in prompts]
+    for s, p in zip(slots, prompts):
+        book.reserve(s, len(p) + params.max_new_tokens)
+    pool = book.sync(zeros(spec))
+    logits, pool = chunked_prefill(model, pool, book, spec, slots, prompts, prefill_chunk or longest)
+
+    rows = len(prompts)
+    keys = jax.random.split(jax.random.key(params.seed), rows)
+    temperature = jnp.full((rows,), params.temperature, jnp.float32)
+    top_p = jnp.full((rows,), params.top_p, jnp.float32)
+    stop = set(params.stop_ids)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(rows, bool)
+    for step in range(params.max_new_tokens):
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+        token = np.asarray(sample(logits, step_keys, temperature, top_p))
+        for r in range(rows):
+            if not done[r]:
+                out[r].append(int(token[r]))
+                done[r] = int(token[r]) in stop or len(out[r]) >= params.max_new_tokens
+        if done.all():
+            break
+        n = (~done).astype(np.int32)
+        tok = np.where(done, 0, token)[:, None].astype(np.int32)
+        book.check_extend(slots, tok, n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n))
+        res, pool = steps.decode(model.params, pool, batch, cfg=cfg, spec=spec)
+        book.commit(slots, n)
+        logits = res.logits
+    return out
+
+
+def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,
+                    stop_ids: Sequence[int] = ()):
+    """Greedy generation over the pooled steps. One prompt -> list of ids; several prompts -> list of lists."""
+    result = generate(model, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids)),
+                      prefill_chunk=prefill_chunk)
+    single = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer))
+    single = single or (isinstance(prompt_ids, (np.ndarray, jax.Array)) and np.ndim(prompt_ids) == 1)
+    return result[0] if single else result
