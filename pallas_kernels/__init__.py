@@ -1,0 +1,38 @@
+"""Pallas kernels for ds4jax (portable Pallas, Triton backend; interpret mode on CPU).
+
+Each op: `op(...)` (kernel), `op_reference(...)` (pure jnp, same signature: the specification),
+`validate_op_static/dynamic`, and a frozen `BlockSizes`. Backend selection lives in `_backend.py`.
+This package never imports ds4jax.
+"""
+
+from pallas_kernels.indexer_topk import BlockSizes as IndexerTopkBlockSizes
+from pallas_kernels.indexer_topk import (
+    indexer_topk,
+    indexer_topk_reference,
+    validate_indexer_topk_dynamic,
+    validate_indexer_topk_static,
+)
+from pallas_kernels.sparse_attention import BlockSizes as SparseAttentionBlockSizes
+from pallas_kernels.sparse_attention import (
+    finalize_partials,
+    merge_partials,
+    sparse_attention,
+    sparse_attention_reference,
+    validate_sparse_attention_dynamic,
+    validate_sparse_attention_static,
+)
+
+__all__ = [
+    "IndexerTopkBlockSizes",
+    "SparseAttentionBlockSizes",
+    "finalize_partials",
+    "indexer_topk",
+    "indexer_topk_reference",
+    "merge_partials",
+    "sparse_attention",
+    "sparse_attention_reference",
+    "validate_indexer_topk_dynamic",
+    "validate_indexer_topk_static",
+    "validate_sparse_attention_dynamic",
+    "validate_sparse_attention_static",
+]

@@ -1,0 +1,62 @@
+"""The one place that knows which Pallas GPU backend the kernels are lowered with.
+
+Today: Pallas + Triton (`jax.experimental.pallas.triton`), the portable GPU path that also runs on ROCm.
+JAX 0.11 deprecates it; a successor backend replaces the functions below and nothing else.
+
+Why explicit Triton params: without them `pallas_call` on NVIDIA may pick Mosaic GPU (flag
+`jax_pallas_use_mosaic_gpu`), which the kernels here are not written for.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Triton's `tt.dot` needs every matmul extent >= 16; interpret mode has no such limit.
+TRITON_MIN_DOT_DIM = 16
+
+
+def _triton():
+    with warnings.catch_warnings():  # the module warns as deprecated on jax >= 0.11
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas import triton as pltriton
+    return pltriton
+
+
+def compiler_params(*, num_warps: int, num_stages: int, interpret: bool):
+    """Backend compiler params for `pl.pallas_call` (None in interpret mode)."""
+    if interpret:
+        return None
+    return _triton().CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def gather_rows(ref, ids, valid):
+    """ref [r, d], ids [n] i32, valid [n] bool -> [n, d]: ref[ids] where valid, else 0.
+
+    A masked load: invalid slots are never read (they may hold -1 or point at NaN-poisoned rows), and
+    Triton can still stream the rows into shared memory (cp.async with zero fill) for the matmuls.
+    """
+    n, d = ids.shape[0], ref.shape[1]
+    # Both dims as index arrays (a row-id column and a column iota): the form that both the Triton
+    # lowering and the interpreter's masked-load rule accept.
+    rows = jnp.where(valid, ids, 0)[:, None]  # [n, 1]
+    cols = lax.broadcasted_iota(jnp.int32, (1, d), 1)  # [1, d]
+    return _triton().load(ref.at[rows, cols], mask=jnp.broadcast_to(valid[:, None], (n, d)), other=0)
+
+
+def min_dot_dim(interpret: bool) -> int:
+    """Smallest M/N/K a kernel may feed to a matmul on this backend."""
+    return 1 if interpret else TRITON_MIN_DOT_DIM
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """f32 inputs: force IEEE f32 (Triton's DEFAULT means TF32); bf16: native MMA."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def default_interpret() -> bool:
+    """Interpret on hosts without a GPU (CPU tests); compile otherwise."""
+    return jax.default_backend() == "cpu"

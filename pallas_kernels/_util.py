@@ -1,0 +1,20 @@
+"""Small integer helpers shared by all kernels (defined once, per the style guide)."""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1). Triton tensors need power-of-two extents."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0

@@ -1,0 +1,27 @@
+"""Shared helpers for kernel tests: backend detection, paged row maps, NaN poisoning."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def has_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def paged_rows(rng: np.random.Generator, n_entries: int, page: int, free_pages: list[int]) -> np.ndarray:
+    """Row of each logical entry 0..n_entries-1 under a random page table drawn from `free_pages`
+    (consumed), so consecutive entries cross page boundaries like a real pool."""
+    n_pages = -(-n_entries // page)
+    table = [free_pages.pop(rng.integers(len(free_pages))) for _ in range(n_pages)]
+    j = np.arange(n_entries)
+    return (np.asarray(table, np.int64)[j // page] * page + j % page).astype(np.int32)
+
+
+def poison_unused(pool: np.ndarray, used_rows: np.ndarray) -> np.ndarray:
+    """NaN in every pool row not in `used_rows`: reading one poisons the result."""
+    out = np.full_like(pool, np.nan)
+    used = np.unique(used_rows[used_rows >= 0])
+    out[used] = pool[used]
+    return out

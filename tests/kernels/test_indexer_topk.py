@@ -1,0 +1,245 @@
+"""indexer_topk kernel vs its reference: exact indices, ragged n_valid, paged entry->row maps, ties,
+NaN-poisoned rows of invisible entries, garbage map entries beyond n_valid.
+
+The base class holds the grid; `TestIndexerTopkInterpret` runs it on CPU (interpret mode) and
+`TestIndexerTopkDevice` (marker `device`) compiles it on a GPU (run with JAX_PLATFORMS=cuda or rocm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_util import has_gpu, paged_rows, poison_unused
+
+from pallas_kernels import IndexerTopkBlockSizes as BlockSizes
+from pallas_kernels import (
+    indexer_topk,
+    indexer_topk_reference,
+    validate_indexer_topk_dynamic,
+    validate_indexer_topk_static,
+)
+from pallas_kernels.indexer_topk import running_topk as rt
+from pallas_kernels.indexer_topk import select_topk
+
+reference = jax.jit(indexer_topk_reference, static_argnames=("k",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    t: int
+    h: int
+    d: int
+    c: int
+    k: int
+    n_valid: tuple[int, ...]  # one per token
+    dtype: str = "float32"
+    integer_valued: bool = False  # small integers: exact arithmetic, many exact ties
+    page: int = 8
+    block_sizes: BlockSizes | None = None
+    seed: int = 0
+
+    def __str__(self):
+        return self.name
+
+
+def make_inputs(case: Case):
+    """Tokens of 3 requests; entry j of a request lives at a paged pool row; map beyond n_valid is garbage."""
+    rng = np.random.default_rng(case.seed)
+    n_req = 3
+    pages_per_req = -(-case.c // case.page)
+    r = n_req * pages_per_req * case.page
+    free = list(range(n_req * pages_per_req))
+    req_rows = [paged_rows(rng, case.c, case.page, free) for _ in range(n_req)]
+    n_valid = np.asarray(case.n_valid, np.int32)
+    key_rows = rng.integers(-1, r + 7, (case.t, case.c)).astype(np.int32)  # garbage: never dereferenced
+    for i in range(case.t):
+        key_rows[i, : n_valid[i]] = req_rows[i % n_req][: n_valid[i]]
+    visible = np.arange(case.c)[None, :] < n_valid[:, None]
+
+    if case.integer_valued:
+        q = rng.integers(-1, 2, (case.t, case.h, case.d)).astype(np.float32)
+        keys = rng.integers(-1, 2, (r, case.d)).astype(np.float32)
+        w = rng.choice(np.array([-1.0, 1.0, 2.0], np.float32), (case.t, case.h))
+    else:
+        q = rng.standard_normal((case.t, case.h, case.d)).astype(np.float32)
+        keys = rng.standard_normal((r, case.d)).astype(np.float32)
+        w = rng.standard_normal((case.t, case.h)).astype(np.float32)
+    keys = poison_unused(keys, np.where(visible, key_rows, -1))
+    dt = jnp.dtype(case.dtype)
+    return jnp.asarray(q, dt), jnp.asarray(w), jnp.asarray(keys, dt), jnp.asarray(key_rows), jnp.asarray(n_valid)
+
+
+def brute_force_topk(q, w, keys, key_rows, n_valid, k):
+    """Independent numpy oracle of the documented order: sort by (-score, j)."""
+    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+    out = np.full((q.shape[0], k), -1, np.int32)
+    for i in range(q.shape[0]):
+        n = int(n_valid[i])
+        rows = keys[np.asarray(key_rows[i, :n])]  # [n, d]
+        score = np.asarray(w[i], np.float64) @ np.maximum(q[i] @ rows.T, 0.0) * q.shape[-1] ** -0.5
+        order = sorted(range(n), key=lambda j: (-score[j], j))[:k]
+        out[i, : len(order)] = order
+    return out
+
+
+CPU_CASES = [
+    Case("tiny", t=4, h=4, d=32, c=40, k=8, n_valid=(40, 0, 5, 23)),
+    Case(
+        "mid_bf16",
+        t=6,
+        h=8,
+        d=64,
+        c=96,
+        k=16,
+        n_valid=(96, 0, 15, 16, 17, 61),
+        dtype="bfloat16",
+        block_sizes=BlockSizes(block_c=16, num_splits=1),
+    ),
+    Case(
+        "mid_split_ragged",
+        t=5,
+        h=8,
+        d=64,
+        c=130,
+        k=12,
+        n_valid=(130, 129, 3, 64, 100),
+        block_sizes=BlockSizes(block_c=8, stage=8, num_splits=4),
+    ),
+    Case("k_above_c", t=3, h=4, d=32, c=10, k=16, n_valid=(10, 4, 0)),
+]
+
+DEVICE_CASES = [
+    Case("flash_decode_bf16", t=4, h=64, d=128, c=4096, k=512, n_valid=(4096, 3000, 100, 0), dtype="bfloat16", page=64),
+    Case(
+        "flash_split_f32",
+        t=2,
+        h=64,
+        d=128,
+        c=8192,
+        k=512,
+        n_valid=(8192, 5000),
+        page=64,
+        block_sizes=BlockSizes(num_splits=4),
+    ),
+    Case("ties_f32", t=4, h=64, d=128, c=2048, k=512, n_valid=(2048, 1500, 511, 513), integer_valued=True, page=64),
+]
+
+
+class IndexerTopkTestBase:
+    INTERPRET = True
+
+    def check(self, case: Case):
+        args = make_inputs(case)
+        validate_indexer_topk_dynamic(*args, k=case.k)
+        out = indexer_topk(*args, k=case.k, block_sizes=case.block_sizes, interpret=self.INTERPRET)
+        ref = reference(*args, k=case.k)
+        assert out.shape == (case.t, case.k) and out.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+        n_sel = np.minimum(np.asarray(args[4]), case.k)
+        assert ((np.asarray(out) >= 0).sum(axis=1) == n_sel).all(), "min(k, n_valid) entries, then -1"
+
+
+class TestIndexerTopkInterpret(IndexerTopkTestBase):
+    INTERPRET = True
+
+    @pytest.mark.parametrize("case", CPU_CASES, ids=str)
+    def test_matches_reference(self, case):
+        self.check(case)
+
+    def test_ties_lower_entry_first(self):
+        """Integer inputs: exact scores, many equal (incl. ReLU zeros; one token scores -0.0 everywhere)."""
+        case = Case(
+            "ties",
+            t=4,
+            h=4,
+            d=16,
+            c=64,
+            k=16,
+            n_valid=(64, 40, 17, 9),
+            integer_valued=True,
+            block_sizes=BlockSizes(block_c=8, stage=8, num_splits=2),
+        )
+        q, w, keys, key_rows, n_valid = make_inputs(case)
+        args = (q.at[3].set(0.0), w.at[3].set(-1.0), keys, key_rows, n_valid)  # token 3: every score is -0.0
+        expect = brute_force_topk(*(np.asarray(a) for a in args), case.k)
+        assert (expect[3] == np.arange(9).tolist() + [-1] * 7).all()
+        np.testing.assert_array_equal(np.asarray(reference(*args, k=case.k)), expect)
+        np.testing.assert_array_equal(
+            np.asarray(indexer_topk(*args, k=case.k, block_sizes=case.block_sizes, interpret=True)), expect
+        )
+
+    def test_empty(self):
+        q, w, keys, key_rows, n_valid = make_inputs(Case("e", t=2, h=4, d=32, c=16, k=4, n_valid=(0, 0)))
+        out = indexer_topk(q[:0], w[:0], keys, key_rows[:0], n_valid[:0], k=4, interpret=True)
+        assert out.shape == (0, 4)
+        out = indexer_topk(q, w, keys, key_rows[:, :0], n_valid * 0, k=4, interpret=True)
+        assert (np.asarray(out) == -1).all()
+
+
+@pytest.mark.device
+class TestIndexerTopkDevice(IndexerTopkTestBase):
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_gpu(self):
+        if not has_gpu():
+            pytest.skip("needs a GPU (run with JAX_PLATFORMS=cuda or rocm)")
+
+    @pytest.mark.parametrize("case", DEVICE_CASES, ids=str)
+    def test_matches_reference(self, case):
+        self.check(case)
+
+
+def test_running_topk_matches_sort():
+    """The in-kernel selection alone (plain jnp): stream ties-heavy blocks through stage + merge."""
+    rng = np.random.default_rng(3)
+    m, stage, block = 8, 8, 4
+    scores = rng.integers(0, 5, 64).astype(np.float32)
+    scores[rng.random(64) < 0.2] = -0.0
+    merge, append = jax.jit(rt.merge), jax.jit(rt.stage_append)
+    buf = rt.init_buffer(m)
+    st_s, st_j = rt.init_stage(stage)
+    n = jnp.int32(0)
+    for start in range(0, 64, block):
+        s, j = jnp.asarray(scores[start : start + block]), jnp.arange(start, start + block, dtype=jnp.int32)
+        if int(n) + block > stage:
+            buf = merge(*buf, st_s, st_j)
+            (st_s, st_j), n = rt.init_stage(stage), jnp.int32(0)
+        st_s, st_j, n = append(st_s, st_j, n, s, j, s > jnp.min(buf[0]))
+    _, buf_j, buf_r = merge(*buf, st_s, st_j)
+    expect = sorted(range(64), key=lambda j: (-scores[j], j))[:m]
+    assert [int(buf_j[i]) for i in np.argsort(np.asarray(buf_r))] == expect
+    assert sorted(np.asarray(buf_r).tolist()) == list(range(m)), "ranks are a permutation"
+
+
+def test_select_topk_folds_negative_zero():
+    scores = jnp.array([[-0.0, 0.0, -jnp.inf, -0.0, 1.0]])
+    ids = jnp.array([[4, 1, 0, 2, 3]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(select_topk(scores, ids, 6)), [[3, 1, 2, 4, -1, -1]])
+
+
+@pytest.mark.parametrize(
+    "bad, name",
+    [
+        ({"w": jnp.zeros((4, 3))}, "w"),
+        ({"key_rows": jnp.zeros((4, 40), jnp.float32)}, "key_rows"),
+        ({"n_valid": jnp.zeros((5,), jnp.int32)}, "n_valid"),
+        ({"keys": jnp.zeros((8, 16))}, "keys"),
+    ],
+)
+def test_static_validation_names_argument(bad, name):
+    q, w, keys, key_rows, n_valid = make_inputs(CPU_CASES[0])
+    args = {"q": q, "w": w, "keys": keys, "key_rows": key_rows, "n_valid": n_valid} | bad
+    with pytest.raises(ValueError, match=name):
+        validate_indexer_topk_static(**args, k=8)
+
+
+def test_dynamic_validation_catches_bad_n_valid():
+    q, w, keys, key_rows, n_valid = make_inputs(CPU_CASES[0])
+    with pytest.raises(ValueError, match="n_valid"):
+        validate_indexer_topk_dynamic(q, w, keys, key_rows, n_valid.at[0].set(41), k=8)
