@@ -166,6 +166,8 @@ class PoolBook:
         self.active[slot] = False
 
     def pages_needed(self, new_length: int) -> int:
+        if self.spec.pages_per_slot == 0:  # a sliding-window-only pool (the draft) has no paged storage
+            return 0
         return -(-new_length // self.spec.page_size)
 
     def reserve(self, slot: int, new_length: int) -> None:

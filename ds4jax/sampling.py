@@ -10,7 +10,7 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logp = jax.nn.log_softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
     before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)  # mass strictly above each token
-    keep_sorted = before < top_p[..., None]  # always keeps the most likely token
+    keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0)  # always keeps the most likely token
     keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if scaled.ndim == 1 else \
         jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
