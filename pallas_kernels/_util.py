@@ -14,7 +14,3 @@ def round_up(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1). Triton tensors need power-of-two extents."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def is_pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0

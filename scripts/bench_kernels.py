@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from pallas_kernels import (
+    IndexerTopkBlockSizes,
     SparseAttentionBlockSizes,
     indexer_topk,
     indexer_topk_reference,
@@ -40,11 +41,16 @@ from pallas_kernels import (
 )
 
 NOMINAL_BW = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
-SWEEP = [  # sparse-attention tile candidates (ptxas: no spills at these on sm_90)
-    SparseAttentionBlockSizes(block_h=32, block_k=32, num_warps=8),
-    SparseAttentionBlockSizes(block_h=16, block_k=32, num_warps=4),
-    SparseAttentionBlockSizes(block_h=16, block_k=16, num_warps=4),
-]
+SWEEP = {  # tile candidates per op (ptxas, sm_90, Triton 3.9: no register spills at these)
+    "sparse": [  # the bf16 default is block_h=32, block_k=32, num_warps=8
+        SparseAttentionBlockSizes(block_h=16, block_k=32, num_warps=4),
+        SparseAttentionBlockSizes(block_h=16, block_k=16, num_warps=4),
+    ],
+    "indexer": [  # the default is block_c=32, stage=32, num_warps=8
+        IndexerTopkBlockSizes(block_c=16, stage=16, num_warps=4),
+        IndexerTopkBlockSizes(block_c=16, stage=32, num_warps=8),
+    ],
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +147,7 @@ def check_indexer(out, ref):
 
 
 def run_config(op, batch, ctx, dims, args_ns, bandwidth, block_sizes=None):
-    rec = {"op": op, "batch": batch, "ctx": ctx, "block_sizes": str(block_sizes) if block_sizes else "default"}
+    rec = {"op": op, "batch": batch, "ctx": ctx, "block_sizes": short(block_sizes)}
     try:
         key = jax.random.key(batch * 1_000_003 + ctx)
         if op == "indexer":
@@ -181,7 +187,22 @@ def run_config(op, batch, ctx, dims, args_ns, bandwidth, block_sizes=None):
     return rec
 
 
-def fmt(x, spec=".1f"):
+def short(bs):
+    """'default' or the non-default fields, e.g. 'block_h=16 num_warps=4'."""
+    if bs is None:
+        return "default"
+    base = type(bs)()
+    return (
+        " ".join(
+            f"{f.name}={getattr(bs, f.name)}"
+            for f in dataclasses.fields(bs)
+            if getattr(bs, f.name) != getattr(base, f.name)
+        )
+        or "default"
+    )
+
+
+def fmt(x, spec=".3g"):
     return "—" if x is None else format(x, spec)
 
 
@@ -213,12 +234,18 @@ def write_markdown(path, meta, records):
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_outputs(out, meta, records):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_markdown(out.with_suffix(".md"), meta, records)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/benchmarks/kernels", help="output path without extension (.json, .md)")
     p.add_argument("--quick", action="store_true", help="fewer configs and iterations")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode + tiny dims (CPU smoke test)")
-    p.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles for sparse attention")
+    p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile candidates")
     p.add_argument("--ops", default="sparse_csa,sparse_hca,indexer")
     p.add_argument("--batches", default=None, help="comma list (default 1,8,64; quick 1,64)")
     p.add_argument("--contexts", default=None, help="comma list (default 8k..512k; quick 8k,128k)")
@@ -250,24 +277,22 @@ def main(argv=None):
     }
     print(f"[bench] {meta['device']} jax {meta['jax']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
 
+    out = pathlib.Path(a.out)
     records = []
     for op in a.ops.split(","):
         for batch in batches:
             for ctx in contexts:
-                variants = [None] + (SWEEP if a.sweep and op != "indexer" else [])
+                variants = [None] + (SWEEP["indexer" if op == "indexer" else "sparse"] if a.sweep else [])
                 for bs in variants:
                     rec = run_config(op, batch, ctx, dims, a, bandwidth, bs)
                     records.append(rec)
+                    write_outputs(out, meta, records)  # after every config: a killed run keeps its results
                     status = rec.get("error") or (
                         f"kernel {rec['kernel_us']:.1f} us, ref {fmt(rec.get('ref_us'))} us, "
                         f"roofline {rec['roofline_measured_us']:.1f} us {rec.get('check', '')}"
                     )
                     print(f"[bench] {op} b={batch} ctx={ctx} {rec['block_sizes']}: {status}", flush=True)
 
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    write_markdown(out.with_suffix(".md"), meta, records)
     n_err = sum("error" in r for r in records)
     print(f"[bench] wrote {out}.json/.md: {len(records)} configs, {n_err} failed", flush=True)
     return 0

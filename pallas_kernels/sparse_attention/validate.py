@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,8 +31,8 @@ def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale
         raise ValueError(f"sink must be [h={h}], got shape {sink.shape}")
     if sink.dtype != jnp.float32:
         raise ValueError(f"sink must be f32, got {sink.dtype}")
-    if not isinstance(scale, (int, float)) or not np.isfinite(scale):
-        raise ValueError(f"scale must be a finite Python float (static), got {scale!r}")
+    if not isinstance(scale, numbers.Real) or not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number (static), got {scale!r}")
 
 
 def validate_sparse_attention_dynamic(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale) -> None:
