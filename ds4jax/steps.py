@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.config import AttentionType, Config, MlpType
+from ds4jax.kernels import Impl, resolve
 from ds4jax.layers.mhc import hc_post, hc_pre
 from ds4jax.layers.moe import moe
 from ds4jax.layers.norms import rms_norm
@@ -129,12 +130,12 @@ def _store_layer(pool: KVPool, new: LayerPools, slots, layer: int, index: int | 
 
 
 def _pooled_block(x, token_ids, p, pool, slots, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
-                  spec: PoolSpec):
+                  spec: PoolSpec, impl: Impl):
     layer_pools, index = _layer_pools(pool, slots, layer, cfg)
     post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
     y, new, selection = attention_pooled(
         rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps), layer_pools, g, p["attn"], cfg, kind,
-        page_size=spec.page_size, max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window)
+        page_size=spec.page_size, max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window, impl=impl)
     x = hc_post(y, x, post, comb)
     post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
     y, _ = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
@@ -151,7 +152,7 @@ def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mod
 
 
 def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
-          logits: Logits):
+          logits: Logits, kernels: Impl = Impl.REFERENCE):
     _validate_static(cfg, spec, role, pool, batch)
     slots, token_ids = batch.slots, batch.token_ids
     start = pool.lengths[slots]
@@ -161,7 +162,7 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
         x = embed(params, token_ids, cfg)
         for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
             with jax.named_scope(f"target/layer{i}_{kind.name.lower()}"):
-                x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, i, kind, mlp, cfg, spec)
+                x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, i, kind, mlp, cfg, spec, kernels)
             if sel is not None:
                 selections.append(sel)
         head_params, norm = params["hc_head"], params["norm"]
@@ -172,7 +173,7 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
         with jax.named_scope("draft/mtp"):
             x = mtp_inputs(cfg, params, streams_in, token_ids)
             x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, 0, AttentionType.SLIDING,
-                                       MlpType.TOPK, _draft_view(cfg), spec)
+                                       MlpType.TOPK, _draft_view(cfg), spec, kernels)
         head_params, norm = mtp["hc_head"], mtp["norm"]
     pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens))
     out = StepOutput(_logits(x, head_params, norm, params["head"], batch, cfg, logits), x, tuple(selections))
@@ -185,50 +186,55 @@ def _draft_view(cfg: Config) -> Config:
     return cfg.replace(num_layers=1, attention_types=(AttentionType.SLIDING,), mlp_types=(MlpType.TOPK,))
 
 
-_STATIC = ("cfg", "spec", "role", "logits")
+_STATIC = ("cfg", "spec", "role", "logits", "kernels")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
-def _target_step(params, pool, batch, *, cfg, spec, role, logits):
+def _target_step(params, pool, batch, *, cfg, spec, role, logits, kernels):
     if role is not Role.TARGET:
         raise PoolError(f"this step runs the target; got role={role}")
-    return _step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits)
+    return _step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
-def _draft_step(params, pool, batch, streams, *, cfg, spec, role, logits):
+def _draft_step(params, pool, batch, streams, *, cfg, spec, role, logits, kernels):
     if role is not Role.DRAFT:
         raise PoolError(f"draft_extend runs the MTP draft; got role={role}")
-    return _step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=logits)
+    return _step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
 
 
 def prefill(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET,
-            need_logits: bool = True, all_logits: bool = False):
+            need_logits: bool = True, all_logits: bool = False, kernels: Impl | str | None = None):
     """Append a chunk of each request's prompt. Intermediate chunks pass need_logits=False (no vocab projection).
 
     Returns (StepOutput, pool); logits are [B, v] for each row's last token, or [B, C, v] with all_logits."""
     mode = Logits.ALL if all_logits else (Logits.LAST if need_logits else Logits.NONE)
-    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=mode)
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=mode, kernels=resolve(kernels))
 
 
-def decode(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET):
+def decode(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET,
+           kernels: Impl | str | None = None):
     """One token per request: batch.token_ids is [B, 1]. Returns (StepOutput with logits [B, v], pool)."""
     if batch.token_ids.shape[1] != 1:
         raise PoolError(f"decode takes one token per row, got token_ids {batch.token_ids.shape}")
-    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.LAST)
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.LAST,
+                        kernels=resolve(kernels))
 
 
-def verify(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET):
+def verify(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET,
+           kernels: Impl | str | None = None):
     """Score k+1 positions per request in one step (logits at every position) — speculative verification."""
-    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.ALL)
+    return _target_step(params, pool, batch, cfg=cfg, spec=spec, role=role, logits=Logits.ALL,
+                        kernels=resolve(kernels))
 
 
 def draft_extend(params, pool: KVPool, batch: StepBatch, streams: jax.Array, *, cfg: Config, spec: PoolSpec,
-                 role: Role = Role.DRAFT, all_logits: bool = False):
+                 role: Role = Role.DRAFT, all_logits: bool = False, kernels: Impl | str | None = None):
     """Run the MTP draft over rows (target streams of position i, id of token i+1) at positions start + i.
 
     Both draft paths use it: after target prefill (token_ids = prompt shifted left by one plus the sampled token,
     streams = the target's per-token streams) and after verification (the accepted tokens and their streams).
     streams: [B, C, m, e]. Returns (StepOutput with logits of each row's last token, pool)."""
     mode = Logits.ALL if all_logits else Logits.LAST
-    return _draft_step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=mode)
+    return _draft_step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=mode,
+                       kernels=resolve(kernels))

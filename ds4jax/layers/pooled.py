@@ -10,7 +10,7 @@ start[b] = pool.lengths[slot]. Per layer:
    written to the paged pool, so windows straddling chunk boundaries give the same entries as a full forward.
    The state ring is then rewritten like the SWA ring.
 3. Compressed keys: HCA attends to all visible entries; CSA runs the indexer over the request's indexer keys and
-   attends to the selected entries.
+   attends to the selected entries. Attention and indexer go through `ds4jax.kernels` (Pallas or reference).
 
 All reads are masked by position: a row is used only if it holds a committed position the query may see.
 Padding rows (n = 0) and padding tokens write nothing.
@@ -26,7 +26,9 @@ import numpy as np
 
 from ds4jax.config import AttentionType, Config
 from ds4jax.layers import compressor, indexer
-from ds4jax.layers.attention import attend, layer_inv_freq, output_projection, project_qkv, sliding_mask
+from ds4jax import kernels
+from ds4jax.kernels import Impl
+from ds4jax.layers.attention import layer_inv_freq, output_projection, project_qkv
 
 
 class ChunkGeometry(NamedTuple):
@@ -123,16 +125,6 @@ def write_entries(pool: jax.Array, entries, ids, ok, g: ChunkGeometry, ratio: in
     return pool.at[rows.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(pool.dtype), mode="drop")
 
 
-def request_entries(pool: jax.Array, g: ChunkGeometry, ratio: int, page_size: int, capacity: int):
-    """All compressed entries of each request: ([B, capacity, w] zeroed where not yet written, count [B])."""
-    ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None, :], (g.start.shape[0], capacity))
-    count = (g.start + g.n) // ratio
-    exists = ids < count[:, None]
-    rows = entry_rows(g.page_table, ids, ratio, page_size)
-    keys = pool[jnp.where(exists, rows, 0)]
-    return jnp.where(exists[..., None], keys, jnp.zeros((), keys.dtype)), count
-
-
 class LayerPools(NamedTuple):
     """One layer's slice of the pools, gathered for the step's slots (None where the layer has no such pool)."""
     ring: jax.Array  # [B, R, d]
@@ -142,47 +134,69 @@ class LayerPools(NamedTuple):
     index_state: CompressorState | None
 
 
+def window_rows(g: ChunkGeometry, ring_rows: int, window: int) -> jax.Array:
+    """Rows of the step's [ring ; fresh] key buffer (flattened over B) each query attends in its window.
+
+    Returns [B, C, window] int32, -1 where the position is before 0 or the query is padding."""
+    b, chunk = g.positions.shape
+    span = ring_rows + chunk
+    p = g.positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, C, W]
+    start = g.start[:, None, None]
+    local = jnp.where(p >= start, ring_rows + (p - start), jnp.mod(p, ring_rows))
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None, None] * span + local
+    return jnp.where((p >= 0) & g.valid[..., None], rows, -1)
+
+
 def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Config, kind: AttentionType, *,
-                     page_size: int, max_entries: int, window: int):
-    """x [B, C, e] normalised -> (y [B, C, e], updated LayerPools, indexer selection or None)."""
+                     page_size: int, max_entries: int, window: int, impl: Impl):
+    """x [B, C, e] normalised -> (y [B, C, e], updated LayerPools, indexer selection [B, C, n] or None).
+
+    Attention runs over two row lists per query (the kernels' interface): list A indexes this step's
+    [ring ; fresh] SWA buffer, list B indexes the compressed pool in place (all visible HCA entries, or the
+    CSA entries the indexer selected)."""
+    b, chunk, _ = x.shape
     inv_freq = layer_inv_freq(cfg, kind)
     q_latent, q, kv = project_qkv(x, g.positions, p, cfg, inv_freq)
-    ring_pos = ring_positions(g.start, pools.ring.shape[1])
-    ring_ok = ring_pos >= 0
-    keys = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0).astype(kv.dtype),
-                            jnp.where(g.valid[..., None], kv, 0)], axis=1)
-    key_pos = jnp.concatenate([ring_pos, g.positions], axis=1)
-    key_ok = jnp.concatenate([ring_ok, g.valid], axis=1)
-    valid = key_ok[:, None, :] & sliding_mask(g.positions, key_pos, window)
+    ring_rows = pools.ring.shape[1]
+    ring_ok = ring_positions(g.start, ring_rows) >= 0
+    swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0).astype(kv.dtype),
+                           jnp.where(g.valid[..., None], kv, 0)], axis=1)  # [B, R + C, d]
+    idx_a = window_rows(g, ring_rows, window)
     new = pools._replace(ring=rewrite_ring(pools.ring, kv, g))
-    selection = None
+    selection, table = None, jnp.zeros((0, cfg.head_dim), kv.dtype)
+    idx_b = jnp.zeros((b, chunk, 0), jnp.int32)
     if kind is not AttentionType.SLIDING:
         ratio = cfg.compress_ratio_of(kind)
         overlap = kind is AttentionType.CSA
-        ents, ids, ok, state = compress_chunk(x, p["compressor"], pools.state, g, ratio=ratio, overlap=overlap,
-                                              width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
-        table = write_entries(pools.entries, ents, ids, ok, g, ratio, page_size)
-        new = new._replace(entries=table, state=state)
         capacity = max_entries // ratio
-        comp, _ = request_entries(table, g, ratio, page_size, capacity)
-        visible = jnp.arange(capacity)[None, None, :] < ((g.positions + 1) // ratio)[..., None]
-        visible = visible & g.valid[..., None]
+        with jax.named_scope("compressor"):
+            ents, ids, ok, state = compress_chunk(x, p["compressor"], pools.state, g, ratio=ratio, overlap=overlap,
+                                                  width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+            table = write_entries(pools.entries, ents, ids, ok, g, ratio, page_size)
+        new = new._replace(entries=table, state=state)
+        all_ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
+        rows_of = entry_rows(g.page_table, all_ids, ratio, page_size)  # [B, capacity]
+        n_visible = jnp.where(g.valid, (g.positions + 1) // ratio, 0)  # [B, C]
         if overlap:
-            ip = p["indexer"]
-            ients, iids, iok, istate = compress_chunk(x, ip["compressor"], pools.index_state, g, ratio=ratio,
-                                                      overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq,
-                                                      eps=cfg.rms_norm_eps)
-            itable = write_entries(pools.index_entries, ients, iids, iok, g, ratio, page_size)
-            new = new._replace(index_entries=itable, index_state=istate)
-            ikeys, _ = request_entries(itable, g, ratio, page_size, capacity)
-            iq, iw = indexer.queries(q_latent, x, g.positions, ip, cfg, inv_freq)
-            selection = indexer.select(indexer.scores(iq, iw, ikeys, cfg), visible, cfg.index_topk)
-            b, c, _ = selection.shape
-            chosen = jnp.zeros((b, c, capacity + 1), bool)
-            chosen = jax.vmap(jax.vmap(lambda row, sel: row.at[jnp.where(sel < 0, capacity, sel)].set(True)))(
-                chosen, selection)[..., :capacity]
-            visible = visible & chosen
-        keys = jnp.concatenate([keys, comp.astype(keys.dtype)], axis=1)
-        valid = jnp.concatenate([valid, visible], axis=-1)
-    o = attend(q, keys, valid, p["sink"], cfg.head_dim**-0.5)
+            with jax.named_scope("indexer"):
+                ip = p["indexer"]
+                ients, iids, iok, istate = compress_chunk(x, ip["compressor"], pools.index_state, g, ratio=ratio,
+                                                          overlap=True, width=cfg.index_head_dim,
+                                                          inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+                itable = write_entries(pools.index_entries, ients, iids, iok, g, ratio, page_size)
+                new = new._replace(index_entries=itable, index_state=istate)
+                iq, iw = indexer.queries(q_latent, x, g.positions, ip, cfg, inv_freq)
+                key_rows = jnp.broadcast_to(rows_of[:, None, :], (b, chunk, capacity)).reshape(b * chunk, capacity)
+                selection = kernels.indexer_topk(
+                    iq.reshape(b * chunk, *iq.shape[2:]), iw.reshape(b * chunk, -1), itable, key_rows,
+                    n_visible.reshape(-1), k=min(cfg.index_topk, capacity), impl=impl).reshape(b, chunk, -1)
+            chosen_rows = jnp.take_along_axis(rows_of, jnp.maximum(selection, 0).reshape(b, -1), axis=1)
+            idx_b = jnp.where(selection >= 0, chosen_rows.reshape(selection.shape), -1)
+        else:
+            visible = all_ids[:, None, :] < n_visible[..., None]  # [B, C, capacity]
+            idx_b = jnp.where(visible, rows_of[:, None, :], -1)
+    o = kernels.sparse_attention(
+        q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa.reshape(-1, cfg.head_dim),
+        idx_a.reshape(b * chunk, -1), table.astype(kv.dtype), idx_b.reshape(b * chunk, -1), p["sink"],
+        scale=cfg.head_dim**-0.5, impl=impl).reshape(q.shape)
     return output_projection(o, g.positions, p, cfg, inv_freq), new, selection

@@ -1,0 +1,57 @@
+"""The one bridge from ds4jax to `pallas_kernels`: picks an implementation per op.
+
+| impl              | what runs                                     | default where        |
+|-------------------|-----------------------------------------------|----------------------|
+| REFERENCE         | the pure-jnp references (XLA)                 | CPU, TPU             |
+| PALLAS            | the portable Pallas kernels (Triton backend)  | GPU (CUDA and ROCm)  |
+| PALLAS_INTERPRET  | the same kernels in the Pallas interpreter    | tests on CPU         |
+
+Override with the `kernels=` argument of the steps or the environment variable ``DS4JAX_KERNELS``
+(``reference`` / ``pallas`` / ``pallas_interpret``). The choice is static: each compiles its own program.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import jax
+
+import pallas_kernels
+
+
+class Impl(enum.Enum):
+    REFERENCE = "reference"
+    PALLAS = "pallas"
+    PALLAS_INTERPRET = "pallas_interpret"
+
+
+def default_impl() -> Impl:
+    env = os.environ.get("DS4JAX_KERNELS")
+    if env:
+        try:
+            return Impl(env.lower())
+        except ValueError:
+            raise ValueError(f"DS4JAX_KERNELS={env!r}: expected one of {[i.value for i in Impl]}") from None
+    return Impl.PALLAS if jax.default_backend() in ("gpu", "cuda", "rocm") else Impl.REFERENCE
+
+
+def resolve(impl: Impl | str | None) -> Impl:
+    if impl is None:
+        return default_impl()
+    return impl if isinstance(impl, Impl) else Impl(impl)
+
+
+def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: Impl):
+    """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d]."""
+    if impl is Impl.REFERENCE:
+        return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
+    return pallas_kernels.sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale,
+                                           interpret=impl is Impl.PALLAS_INTERPRET)
+
+
+def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
+    """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id."""
+    if impl is Impl.REFERENCE:
+        return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
+    return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k, interpret=impl is Impl.PALLAS_INTERPRET)
