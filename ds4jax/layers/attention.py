@@ -51,9 +51,11 @@ def attend(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, sca
 def output_projection(o: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq: np.ndarray) -> jax.Array:
     """o [b, t, h, d] -> [b, t, e]: conjugate RoPE at the query position, then the grouped projection."""
     o = apply_rope(o, positions, inv_freq, inverse=True)
-    grouped = o.reshape(o.shape[:2] + (cfg.o_groups, -1))  # heads of group k are contiguous
-    z = jnp.einsum("btgi,gio->btgo", grouped, p["wo_a"].astype(o.dtype), preferred_element_type=jnp.float32)
-    return linear(z.astype(o.dtype).reshape(o.shape[:2] + (-1,)), p["wo_b"])
+    b, t = o.shape[:2]
+    # heads of group k are contiguous; group-major layout ("gni,gio") is a batched matmul every backend supports
+    grouped = o.reshape(b * t, cfg.o_groups, -1).transpose(1, 0, 2)
+    z = jnp.einsum("gni,gio->gno", grouped, p["wo_a"].astype(o.dtype), preferred_element_type=jnp.float32)
+    return linear(z.astype(o.dtype).transpose(1, 0, 2).reshape(b, t, -1), p["wo_b"])
 
 
 def sliding_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
