@@ -191,6 +191,8 @@ class PoolBook:
             raise PoolError(f"a step's slots must be distinct, got {slots}")
         if token_ids.ndim != 2 or token_ids.shape[0] != len(slots):
             raise PoolError(f"token_ids must be [rows={len(slots)}, chunk], got shape {token_ids.shape}")
+        if len(n_tokens) != len(slots):  # zip below would silently skip the unmatched rows
+            raise PoolError(f"n_tokens must have one entry per row ({len(slots)}), got {len(n_tokens)}")
         for row, (slot, n) in enumerate(zip(slots, n_tokens)):
             n = int(n)
             if not 0 <= slot < self.spec.max_slots or not self.active[slot]:
