@@ -2,6 +2,7 @@
 routed experts through `jax.lax.ragged_dot`, plus the always-on shared expert.
 """
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -37,18 +38,76 @@ def shared_expert(x: jax.Array, p: dict, cfg: Config) -> jax.Array:
     return linear(swiglu(linear(x, p["w1"]), linear(x, p["w3"]), cfg.swiglu_limit), p["w2"])
 
 
-def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config) -> jax.Array:
-    """Grouped GEMMs over tokens sorted by expert: [n, e] -> [n, e] (float32 accumulation)."""
+def moe_strategy(rows: int, num_experts: int) -> str:
+    """How routed experts run for `rows` = tokens x experts-per-token selections (static, from shapes).
+
+    * ``ragged``: `jax.lax.ragged_dot` grouped GEMMs (CPU/TPU; the reference).
+    * ``gather``: each selection gathers its expert's weights (decode/verify: reads exactly the experts used).
+    * ``tiles``: selections sorted by expert and padded to row tiles, one gathered weight block per tile
+      (prefill on GPU, where XLA lowers ragged_dot to a dense product over every expert).
+    Override with the environment variable ``DS4JAX_MOE``."""
+    forced = os.environ.get("DS4JAX_MOE")
+    if forced:
+        if forced not in ("ragged", "gather", "tiles"):
+            raise ValueError(f"DS4JAX_MOE={forced!r}: expected ragged, gather or tiles")
+        return forced
+    if jax.default_backend() in ("cpu", "tpu"):
+        return "ragged"
+    return "gather" if rows <= num_experts // 2 else "tiles"
+
+
+def _ffn_rows(xs, w1, w3, w2, limit):
+    """Expert FFN with weights per row (xs [n, e], w [n, e, f]) or per tile (xs [t, b, e], w [t, e, f])."""
+    rows = "b" if xs.ndim == 3 else ""
+    dot = lambda a, w, eq: jnp.einsum(eq, a, w.astype(a.dtype), preferred_element_type=jnp.float32)
+    up = f"t{rows}e,tef->t{rows}f"
+    h = swiglu(dot(xs, w1, up), dot(xs, w3, up), limit).astype(xs.dtype)
+    return dot(h, w2, f"t{rows}f,tfe->t{rows}e")
+
+
+def _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile: int):
+    """Sorted selections padded so every `tile` rows share one expert; [n, e] f32."""
+    n_sel, num_e = flat_experts.shape[0], cfg.num_routed_experts
+    order = jnp.argsort(flat_experts, stable=True)
+    sorted_e = flat_experts[order]
+    sizes = jnp.bincount(flat_experts, length=num_e)
+    padded = (sizes + tile - 1) // tile * tile
+    starts = jnp.cumsum(sizes) - sizes
+    pad_starts = jnp.cumsum(padded) - padded
+    dest = pad_starts[sorted_e] + (jnp.arange(n_sel) - starts[sorted_e])  # unique padded row of each selection
+    capacity = -(-(n_sel + num_e * (tile - 1)) // tile) * tile  # static bound on padded rows
+    src = jnp.full((capacity,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    tiles = capacity // tile
+    tile_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right")
+    tile_expert = jnp.minimum(tile_expert, num_e - 1)  # tiles past the last group hold only padding
+    live = src >= 0
+    xs = jnp.where(live[:, None], x[jnp.maximum(src, 0) // k], 0).reshape(tiles, tile, -1)
+    y = _ffn_rows(xs, p["w1"][tile_expert], p["w3"][tile_expert], p["w2"][tile_expert], cfg.swiglu_limit)
+    w = jnp.where(live, flat_weights[jnp.maximum(src, 0)], 0.0)
+    y = y.reshape(capacity, -1) * w[:, None]
+    return jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32).at[jnp.maximum(src, 0) // k].add(y)
+
+
+def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strategy: str | None = None) -> jax.Array:
+    """[n, e] -> [n, e] float32: sum over each token's selected experts of weight * expert(x)."""
     n, k = routing.experts.shape
     flat_experts = routing.experts.reshape(-1)  # [n*k]
+    flat_weights = routing.weights.reshape(-1)
+    strategy = strategy or moe_strategy(n * k, cfg.num_routed_experts)
+    if strategy == "gather":
+        xs = jnp.repeat(x, k, axis=0)
+        y = _ffn_rows(xs, p["w1"][flat_experts], p["w3"][flat_experts], p["w2"][flat_experts], cfg.swiglu_limit)
+        return jnp.sum((y * flat_weights[:, None]).reshape(n, k, -1), axis=1)
+    if strategy == "tiles":
+        tile = 64 if n * k <= 4096 else 128
+        return _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile)
     order = jnp.argsort(flat_experts, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat_experts, length=cfg.num_routed_experts).astype(jnp.int32)
     xs = x[token_of]  # [n*k, e] grouped by expert
     dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes, preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, p["w1"]), dot(xs, p["w3"]), cfg.swiglu_limit).astype(x.dtype)
-    y = dot(h, p["w2"])  # [n*k, e] float32
-    y = y * routing.weights.reshape(-1)[order][:, None]
+    y = dot(h, p["w2"]) * flat_weights[order][:, None]  # [n*k, e] float32
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
