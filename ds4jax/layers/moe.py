@@ -99,7 +99,7 @@ def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strateg
         y = _ffn_rows(xs, p["w1"][flat_experts], p["w3"][flat_experts], p["w2"][flat_experts], cfg.swiglu_limit)
         return jnp.sum((y * flat_weights[:, None]).reshape(n, k, -1), axis=1)
     if strategy == "tiles":
-        tile = 64 if n * k <= 4096 else 128
+        tile = 64 if n * k <= 4096 else (128 if n * k <= 32768 else 256)  # bounds the gathered weight blocks
         return _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile)
     order = jnp.argsort(flat_experts, stable=True)
     token_of = order // k
