@@ -13,9 +13,10 @@ from ds4jax.model_handle import Model
 from ds4jax.pool_spec import PoolSpec, configure
 from ds4jax.pools import KVPool, PoolBook, PoolError
 from ds4jax.roles import Role
+from ds4jax.speculative import SpecResult, speculative_generate
 
 __all__ = [
     "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
-    "PoolError", "PoolSpec", "Role", "SamplingParams", "configure", "flash", "flash_slice", "forward_logits",
+    "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
 ]

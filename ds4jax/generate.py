@@ -66,8 +66,15 @@ def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: S
 
 
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
-             prefill_chunk: int | None = None) -> list[list[int]]:
-    """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt."""
+             prefill_chunk: int | None = None, speculative: int = 0) -> list[list[int]]:
+    """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
+
+    speculative=k > 0 drafts k tokens per round with the model's MTP block (`ds4jax.speculative`); greedy output
+    is identical to plain decoding, sampled output follows the same distribution."""
+    if speculative:
+        from ds4jax.speculative import speculative_generate  # imports this module
+
+        return speculative_generate(model, prompt_ids, params, k=speculative, prefill_chunk=prefill_chunk).tokens
     cfg = model.config
     prompts = _as_prompts(prompt_ids)
     if not prompts or any(len(p) == 0 for p in prompts):
