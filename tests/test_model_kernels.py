@@ -1,0 +1,63 @@
+"""The whole model through the Pallas kernels (interpreted on CPU) equals the reference path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ds4jax
+from ds4jax import params as P
+from ds4jax import pools, steps
+from ds4jax.config import AttentionType, MlpType
+from ds4jax.kernels import Impl, default_impl, resolve
+from ds4jax.pool_spec import PoolSpec
+
+
+def _run(cfg, params, spec, ids, lengths, chunk, impl):
+    book = pools.PoolBook(spec, cfg.vocab_size)
+    slots = [book.admit(1), book.admit(0)]
+    for s, n in zip(slots, lengths):
+        book.reserve(s, n)
+    pool = book.sync(pools.poisoned(spec))
+    logits, pos = [], [0, 0]
+    while any(p < n for p, n in zip(pos, lengths)):
+        n = [min(chunk, L - p) for p, L in zip(pos, lengths)]
+        tok = np.zeros((2, chunk), np.int32)
+        for r in range(2):
+            tok[r, : n[r]] = ids[r, pos[r] : pos[r] + n[r]]
+        book.check_extend(slots, tok, n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
+        out, pool = steps.prefill(params, pool, batch, cfg=cfg, spec=spec, all_logits=True, kernels=impl)
+        book.commit(slots, n)
+        logits.append(np.asarray(out.logits))
+        pos = [p + k for p, k in zip(pos, n)]
+    return np.concatenate(logits, axis=1), out.selections
+
+
+def test_kernels_match_reference_in_the_model():
+    cfg = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
+                      mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
+    params = P.init(cfg, jax.random.key(0))
+    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
+                             dtype="float32")
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size))
+    ref, ref_sel = _run(cfg, params, spec, ids, [40, 29], 10, Impl.REFERENCE)
+    got, got_sel = _run(cfg, params, spec, ids, [40, 29], 10, Impl.PALLAS_INTERPRET)
+    assert np.isfinite(ref).all()
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    for a, b in zip(ref_sel, got_sel):
+        np.testing.assert_array_equal(np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1))
+
+
+def test_dispatcher_defaults(monkeypatch):
+    monkeypatch.delenv("DS4JAX_KERNELS", raising=False)
+    assert default_impl() is Impl.REFERENCE  # CPU
+    monkeypatch.setenv("DS4JAX_KERNELS", "pallas_interpret")
+    assert default_impl() is Impl.PALLAS_INTERPRET
+    assert resolve("pallas") is Impl.PALLAS
+    monkeypatch.setenv("DS4JAX_KERNELS", "nope")
+    try:
+        default_impl()
+    except ValueError as e:
+        assert "DS4JAX_KERNELS" in str(e)
+    else:
+        raise AssertionError("a bad DS4JAX_KERNELS value must raise")
