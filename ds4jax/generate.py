@@ -6,6 +6,7 @@ This is the simple correct loop: host bookkeeping validates every step, the pool
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -37,6 +38,12 @@ def _as_prompts(prompt_ids) -> list[list[int]]:
     if len(arr) and isinstance(arr[0], (int, np.integer)):
         return [list(arr)]
     return [list(p) for p in arr]
+
+
+def default_page_size(cfg) -> int:
+    """The peers' 256-token page, or the smallest multiple of both compression ratios above it."""
+    step = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    return -(-256 // step) * step
 
 
 def pool_dtype(model: Model) -> str:
@@ -82,7 +89,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if params.max_new_tokens < 1:
         raise PoolError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     longest = max(len(p) for p in prompts)
-    page = cfg.hca_ratio * max(1, 256 // cfg.hca_ratio) if cfg.hca_ratio <= 256 else cfg.hca_ratio
+    page = default_page_size(cfg)
     max_context = longest + params.max_new_tokens
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(prompts), max_context=max_context,
                              page_size=page, dtype=pool_dtype(model))

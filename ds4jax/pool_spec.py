@@ -35,7 +35,8 @@ Compressor state rings (spec §3.6–3.7, §4.1). Row q mod rows holds the raw p
 and gate = Z_q + ape[q mod ratio] (bias added, so rows are position-independent once written). CSA rows
 keep all 2d channels (overlap half [0:d] feeds the next entry, current half [d:2d] this one). A CSA entry
 reads the previous and the current window, so its ring needs `2·csa_ratio` rows; an HCA entry reads the
-current window, `hca_ratio` rows. Reset values: kv 0, gate −inf (weight 0 in the softmax).
+current window, `hca_ratio` rows. Reset values are 0; rows are only read at positions the request itself
+wrote, so reset contents never enter a computation (the window before position 0 is masked explicitly).
 
 Speculation. `draft_tokens` D is the number of positions one target verify step writes at or beyond the
 committed length c, i.e. c … c+D−1: the last sampled token (always accepted) plus k drafts, D = k+1

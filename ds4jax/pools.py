@@ -158,7 +158,12 @@ class PoolBook:
         self.lengths[slot] = 0
         return slot
 
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.spec.max_slots or not self.active[slot]:
+            raise PoolError(f"slot {slot} is not an admitted request slot (max_slots {self.spec.max_slots})")
+
     def release(self, slot: int) -> None:
+        self._check_slot(slot)
         pages = self.page_table[slot]
         self.free_pages.extend(int(p) for p in pages[pages >= 0])
         self.page_table[slot] = -1
@@ -172,6 +177,7 @@ class PoolBook:
 
     def reserve(self, slot: int, new_length: int) -> None:
         """Make sure `slot` has pages for positions [0, new_length)."""
+        self._check_slot(slot)
         if new_length > self.spec.max_context:
             raise PoolError(
                 f"slot {slot}: {new_length} tokens exceed the pool's max_context of {self.spec.max_context}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ds4jax import steps
 from ds4jax.acceptance import accept_greedy, accept_sampled
-from ds4jax.generate import SamplingParams, _as_prompts, pool_dtype
+from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, pool_dtype
 from ds4jax.model_handle import Model
 from ds4jax.pool_spec import PoolSpec
 from ds4jax.pools import PoolBook, PoolError, zeros
@@ -151,7 +151,7 @@ def _bucket(n: int) -> int:
 
 def specs_for(model: Model, *, max_slots: int, max_context: int, k: int, page_size: int | None = None):
     cfg = model.config
-    page = page_size or cfg.hca_ratio * max(1, 256 // cfg.hca_ratio)
+    page = page_size or default_page_size(cfg)
     common = dict(max_slots=max_slots, max_context=max_context, draft_tokens=k + 1, page_size=page,
                   dtype=pool_dtype(model))
     return (PoolSpec.for_role(cfg, role=Role.TARGET, **common), PoolSpec.for_role(cfg, role=Role.DRAFT, **common))
