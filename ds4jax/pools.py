@@ -163,7 +163,9 @@ class PoolBook:
             raise PoolError(f"slot {slot} is not an admitted request slot (max_slots {self.spec.max_slots})")
 
     def release(self, slot: int) -> None:
-        self._check_slot(slot)
+        """Return the slot's pages; releasing a free slot again is a no-op."""
+        if not 0 <= slot < self.spec.max_slots:
+            raise PoolError(f"slot {slot} is outside [0, {self.spec.max_slots})")
         pages = self.page_table[slot]
         self.free_pages.extend(int(p) for p in pages[pages >= 0])
         self.page_table[slot] = -1
