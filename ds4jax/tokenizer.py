@@ -1,0 +1,111 @@
+"""Tokenizers for the command line: a checkpoint's own ``tokenizer.json`` or a byte-level fallback.
+
+`encode` never adds special tokens by itself; callers ask for a leading BOS with ``add_bos=True``, so the
+same rule holds whatever post-processor a ``tokenizer.json`` declares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Protocol, Sequence
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or does not fit the model."""
+
+
+class Tokenizer(Protocol):
+    bos_id: int | None
+    eos_id: int | None
+    note: str  # one line saying which tokenizer this is and why
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three special ids: BOS 0, EOS 1, PAD 2, byte b -> b + 3 (vocabulary 259).
+
+    BOS/EOS match `Config`'s default ``bos_token_id``/``eos_token_id``."""
+
+    BOS, EOS, PAD = 0, 1, 2
+    OFFSET = 3
+    VOCAB_SIZE = OFFSET + 256
+
+    def __init__(self, note: str = "byte-level tokenizer"):
+        self.bos_id, self.eos_id, self.pad_id = self.BOS, self.EOS, self.PAD
+        self.note = note
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return ([self.BOS] if add_bos else []) + [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Special and out-of-range ids are dropped; invalid UTF-8 (a random model emits plenty) becomes U+FFFD."""
+        data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.VOCAB_SIZE)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` read by the `tokenizers` package."""
+
+    def __init__(self, path: str, bos_id: int | None, eos_id: int | None):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises plain Exceptions for malformed files
+            raise TokenizerError(f"cannot read {path}: {e}") from None
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.note = f"tokenizer from {path}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _special_id(tok: HFTokenizer, tok_cfg: dict, model_cfg: dict, which: str) -> int | None:
+    """``<which>_token`` of tokenizer_config.json (a string or {"content": ...}), else config.json's id."""
+    token = tok_cfg.get(f"{which}_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str) and tok._tok.token_to_id(token) is not None:
+        return tok._tok.token_to_id(token)
+    value = model_cfg.get(f"{which}_token_id")
+    if isinstance(value, (list, tuple)):  # HF allows several eos ids; the first one stops generation here
+        value = value[0] if value else None
+    return int(value) if value is not None else None
+
+
+def load_tokenizer(checkpoint_dir: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer:
+    """The checkpoint's ``tokenizer.json`` if it ships one, else `ByteTokenizer` (which needs vocab_size >= 259).
+
+    BOS/EOS come from ``tokenizer_config.json`` (``bos_token``/``eos_token``), else ``config.json`` ids."""
+    directory = os.fspath(checkpoint_dir)
+    path = os.path.join(directory, "tokenizer.json")
+    if os.path.exists(path):
+        tok = HFTokenizer(path, None, None)
+        tok_cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        model_cfg = _read_json(os.path.join(directory, "config.json"))
+        tok.bos_id = _special_id(tok, tok_cfg, model_cfg, "bos")
+        tok.eos_id = _special_id(tok, tok_cfg, model_cfg, "eos")
+        return tok
+    if vocab_size is not None and vocab_size < ByteTokenizer.VOCAB_SIZE:
+        raise TokenizerError(f"{directory} has no tokenizer.json and its vocabulary ({vocab_size}) is too small "
+                             f"for the byte-level fallback (needs {ByteTokenizer.VOCAB_SIZE})")
+    return ByteTokenizer(note=f"{directory} has no tokenizer.json; using the byte-level tokenizer")
