@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,25 +50,40 @@ def pool_dtype(model: Model) -> str:
     return jnp.dtype(model.params["embed"].dtype).name
 
 
-def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: Sequence[int],
-                    prompts: Sequence[Sequence[int]], chunk: int):
-    """Prefill every prompt in chunks of `chunk` tokens; returns (last-token logits [rows, v], pool)."""
-    cfg = model.config
+class Chunk(NamedTuple):
+    tokens: np.ndarray  # [rows, chunk] int32 (zero padded)
+    n: list[int]  # valid tokens per row
+    start: list[int]  # first prompt position of each row's chunk
+    finishing: list[int]  # rows whose prompt ends in this chunk
+
+
+def prompt_chunks(prompts: Sequence[Sequence[int]], chunk: int) -> Iterator[Chunk]:
+    """Split ragged prompts into aligned steps of `chunk` tokens per row (rows that are done get n = 0)."""
     pos = [0] * len(prompts)
-    last_logits = [None] * len(prompts)
     while any(p < len(q) for p, q in zip(pos, prompts)):
         n = [min(chunk, len(q) - p) for p, q in zip(pos, prompts)]
         tok = np.zeros((len(prompts), chunk), np.int32)
         for r, q in enumerate(prompts):
             tok[r, : n[r]] = q[pos[r] : pos[r] + n[r]]
-        book.check_extend(slots, tok, n)
         finishing = [r for r in range(len(prompts)) if n[r] and pos[r] + n[r] == len(prompts[r])]
-        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
-        out, pool = steps.prefill(model.params, pool, batch, cfg=cfg, spec=spec, need_logits=bool(finishing))
-        book.commit(slots, n)
-        for r in finishing:
-            last_logits[r] = out.logits[r]
+        yield Chunk(tok, n, list(pos), finishing)
         pos = [p + k for p, k in zip(pos, n)]
+
+
+def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: Sequence[int],
+                    prompts: Sequence[Sequence[int]], chunk: int):
+    """Prefill every prompt in chunks of `chunk` tokens; returns (last-token logits [rows, v], pool).
+
+    Only chunks in which some prompt ends project to the vocabulary."""
+    last_logits = [None] * len(prompts)
+    for c in prompt_chunks(prompts, chunk):
+        book.check_extend(slots, c.tokens, c.n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
+        out, pool = steps.prefill(model.params, pool, batch, cfg=model.config, spec=spec,
+                                  need_logits=bool(c.finishing))
+        book.commit(slots, c.n)
+        for r in c.finishing:
+            last_logits[r] = out.logits[r]
     return jnp.stack(last_logits), pool
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ds4jax import steps
 from ds4jax.acceptance import accept_greedy, accept_sampled
-from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, pool_dtype
+from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, pool_dtype, prompt_chunks
 from ds4jax.model_handle import Model
 from ds4jax.pool_spec import PoolSpec
 from ds4jax.pools import PoolBook, PoolError, zeros
@@ -229,37 +229,30 @@ def _prefill_both(model: Model, tpool, dpool, tbook, dbook, tspec, dspec, prompt
     cfg, prm = model.config, model.params
     rows = len(prompts)
     slots = list(range(rows))
-    pos = [0] * rows
     t0 = np.zeros(rows, np.int32)
     draft_logits = [None] * rows
     draft_stream = [None] * rows
-    while any(p < len(q) for p, q in zip(pos, prompts)):
-        n = [min(chunk, len(q) - p) for p, q in zip(pos, prompts)]
-        tok = np.zeros((rows, chunk), np.int32)
-        for r, q in enumerate(prompts):
-            tok[r, : n[r]] = q[pos[r] : pos[r] + n[r]]
-        tbook.check_extend(slots, tok, n)
-        finishing = [r for r in range(rows) if n[r] and pos[r] + n[r] == len(prompts[r])]
-        batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
-        out, tpool = steps.prefill(prm, tpool, batch, cfg=cfg, spec=tspec, need_logits=bool(finishing))
-        tbook.commit(slots, n)
-        if finishing:
+    for c in prompt_chunks(prompts, chunk):
+        tbook.check_extend(slots, c.tokens, c.n)
+        batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
+        out, tpool = steps.prefill(prm, tpool, batch, cfg=cfg, spec=tspec, need_logits=bool(c.finishing))
+        tbook.commit(slots, c.n)
+        if c.finishing:
             first = np.asarray(sample(out.logits, keys, temperature, top_p))
-            for r in finishing:
+            for r in c.finishing:
                 t0[r] = first[r]
         # the draft row i takes the id of token i+1: the next prompt token, or t0 after the last one
-        nxt = np.zeros((rows, chunk), np.int32)
+        nxt = np.zeros_like(c.tokens)
         for r, q in enumerate(prompts):
-            seq = list(q[pos[r] + 1 : pos[r] + n[r] + 1])
-            if pos[r] + n[r] == len(q) and n[r]:
+            seq = list(q[c.start[r] + 1 : c.start[r] + c.n[r] + 1])
+            if r in c.finishing:
                 seq.append(int(t0[r]))
-            nxt[r, : n[r]] = seq[: n[r]]
-        dbook.check_extend(slots, nxt, n)
+            nxt[r, : c.n[r]] = seq[: c.n[r]]
+        dbook.check_extend(slots, nxt, c.n)
         dout, dpool = steps.draft_extend(prm, dpool, steps.StepBatch(batch.slots, jnp.asarray(nxt), batch.n_tokens),
                                          out.streams, cfg=cfg, spec=dspec)
-        dbook.commit(slots, n)
-        for r in finishing:
+        dbook.commit(slots, c.n)
+        for r in c.finishing:
             draft_logits[r] = dout.logits[r]
-            draft_stream[r] = dout.streams[r, n[r] - 1]
-        pos = [p + c for p, c in zip(pos, n)]
+            draft_stream[r] = dout.streams[r, c.n[r] - 1]
     return jnp.asarray(t0), jnp.stack(draft_logits), jnp.stack(draft_stream), tpool, dpool
