@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill the prompt in chunks of C tokens (default: one chunk)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="compute dtype (default: bfloat16 for a checkpoint, float32 for the embedded model)")
-    # Speculative decoding (--speculative K, MTP drafts) is added here by its own change; it maps onto
-    # `ds4jax.generate` in `_generate` and needs no other change to this command.
+    gen.add_argument("--speculative", type=_positive_int, default=None, metavar="K",
+                     help="speculative decoding: the checkpoint's MTP block drafts K tokens per round "
+                          "(greedy output is identical to plain decoding); prints acceptance stats to stderr")
 
     cmp = sub.add_parser("compare", help="compare ds4jax with HF transformers on a checkpoint (fp32, CPU)",
                          description="Run HF transformers' DeepseekV4ForCausalLM and ds4jax on the same random "
@@ -128,7 +129,18 @@ def _generate(args) -> int:
     stop = () if tok.eos_id is None else (tok.eos_id,)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed, stop_ids=stop)
-    new = generate(model, ids, sampling, prefill_chunk=args.prefill_chunk)[0]
+    if args.speculative:
+        from ds4jax.speculative import speculative_generate
+
+        if not model.has_mtp:
+            raise UserError("--speculative needs the MTP block, and this checkpoint has no mtp.* tensors")
+        result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk)
+        new = result.tokens[0]
+        print(f"[speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
+              f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round, "
+              f"{result.seconds:.1f} s including compilation]", file=sys.stderr)
+    else:
+        new = generate(model, ids, sampling, prefill_chunk=args.prefill_chunk)[0]
     if new and new[-1] in stop:
         new = new[:-1]
     print(printable(tok.decode(new)))

@@ -1,0 +1,26 @@
+"""`ds4jax generate --speculative K` routes to speculative decoding (the loop itself is tested elsewhere)."""
+
+import ds4jax.speculative as speculative
+from ds4jax import cli
+
+
+def test_speculative_option_is_wired(monkeypatch, capsys):
+    calls = {}
+
+    def fake(model, ids, sampling, *, k, prefill_chunk):
+        calls.update(k=k, ids=ids, max_new=sampling.max_new_tokens, chunk=prefill_chunk)
+        return speculative.SpecResult(tokens=[[104, 105]], accepted_per_round=[[1]], rounds=[1], mean_accepted=[1.0],
+                                       mean_tokens_per_round=[2.0], seconds=0.5, tokens_per_second=4.0)
+
+    monkeypatch.setattr(speculative, "speculative_generate", fake)
+    code = cli.main(["generate", "--prompt", "Hi", "--max-new-tokens", "2", "--speculative", "3",
+                     "--prefill-chunk", "4"])
+    out = capsys.readouterr()
+    assert code == 0
+    assert calls["k"] == 3 and calls["max_new"] == 2 and calls["chunk"] == 4 and len(calls["ids"]) >= 2
+    assert "speculative k=3" in out.err and "mean accepted 1.00" in out.err
+    assert out.out.strip() != ""
+
+
+def test_speculative_option_rejects_bad_k(capsys):
+    assert cli.main(["generate", "--prompt", "Hi", "--speculative", "0"]) == 2
