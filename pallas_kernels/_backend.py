@@ -47,6 +47,20 @@ def gather_rows(ref, ids, valid):
     return _triton().load(ref.at[rows, cols], mask=jnp.broadcast_to(valid[:, None], (n, d)), other=0)
 
 
+def load_1d(ref, pos, valid, other):
+    """ref [n], pos [...] i32, valid [...] bool -> ref[pos] where valid, else `other` (invalid slots never read)."""
+    return _triton().load(ref.at[jnp.where(valid, pos, 0)], mask=valid, other=other)
+
+
+def store_1d(ref, pos, val, valid):
+    """Scatter ref[pos] = val where valid (a masked store: invalid slots write nothing).
+
+    Invalid lanes get an out-of-range position: a GPU never touches it (masked), and interpret mode,
+    which lowers the store to an XLA scatter, drops it, so it cannot collide with a valid lane.
+    """
+    _triton().store(ref.at[jnp.where(valid, pos, ref.shape[0])], val, mask=valid)
+
+
 def min_dot_dim(interpret: bool) -> int:
     """Smallest M/N/K a kernel may feed to a matmul on this backend."""
     return 1 if interpret else TRITON_MIN_DOT_DIM

@@ -1,17 +1,23 @@
-"""Lightning-indexer scoring + streaming top-k — portable Pallas kernel (Triton backend; interpret on CPU).
+"""Lightning-indexer scoring + top-k — portable Pallas kernels (Triton backend; interpret mode on CPU).
 
-Design: one program per (query token, split of its entries). The program holds the token's [h, d]
-indexer queries and walks its entries in blocks of `block_c`: gather the key rows through the
-entry->row map, score them with one [h, d] x [d, block_c] matmul + ReLU + head-weighted sum, and keep
-a running top-m set (m = next_pow2(k)) in registers (see `running_topk`). Scores never reach HBM;
-each program writes only its m candidates, and one sort of [splits * m] per query (XLA) orders them
-and applies the tie rule. Entries j >= n_valid are never scored and their rows are never read.
+Two kernels, no other device work (the pool is read in place; nothing is padded or copied):
+
+1. `_score_select_kernel`, grid (query token, split of its entries). A program scores its split in
+   blocks of `block_c` entries — gather the key rows through the entry->row map, one
+   [h, d] x [d, block_c] matmul, ReLU, head-weighted sum — and keeps every score in registers as a
+   [rows, block_c] tile (a split is at most `max_split` entries). Then it selects the split's exact
+   top-k in registers: a 32-step radix select on the scores' order-preserving integer keys finds the
+   k-th best key T, entries above T all win, entries equal to T win in entry order until k are taken
+   (the tie rule: lower id first), and a prefix sum scatters the winners to k candidate slots.
+   Scores never reach HBM; entries j >= n_valid are never scored and their rows never read.
+2. `_rank_kernel`, grid (query token, block of candidates): each candidate counts the candidates of
+   its query that beat it (score desc, then lower id) and is scattered to out[rank] if rank < k;
+   unfilled slots get -1. This replaces a sort (Triton-Pallas has none).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,72 +25,120 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
-from pallas_kernels._util import cdiv, next_pow2, round_up
-from pallas_kernels.indexer_topk import running_topk as rt
-from pallas_kernels.indexer_topk.blocks import BlockSizes, choose_num_splits
-from pallas_kernels.indexer_topk.reference import select_topk
+from pallas_kernels._util import cdiv, next_pow2
+from pallas_kernels.indexer_topk.blocks import BlockSizes, choose_split_len
 from pallas_kernels.indexer_topk.validate import validate_indexer_topk_static
 
-
-class _State(NamedTuple):
-    """Loop carry: the running top-m buffer and the stage (see `running_topk`)."""
-
-    buf_s: jax.Array  # [m] f32
-    buf_j: jax.Array  # [m] i32
-    buf_r: jax.Array  # [m] i32 rank in the buffer
-    st_s: jax.Array  # [stage] f32
-    st_j: jax.Array  # [stage] i32
-    n_st: jax.Array  # i32 filled stage slots
+_INT_MIN = -(2**31)
+RANK_INNER = 32  # candidates compared per step of the rank kernel: a [block, 32] compare tile
 
 
-def _indexer_topk_kernel(
+def _count(mask):
+    """Number of True in a 2-D mask (two single-axis reductions: the form Triton lowers)."""
+    return jnp.sum(jnp.sum(mask.astype(jnp.int32), axis=1), axis=0)
+
+
+def _exclusive_cumsum_2d(mask):
+    """Row-major exclusive prefix count of a [R, B] mask."""
+    x = mask.astype(jnp.int32)
+    row_total = jnp.sum(x, axis=1)  # [R]
+    row_offset = jnp.cumsum(row_total) - row_total
+    return row_offset[:, None] + jnp.cumsum(x, axis=1) - x
+
+
+def _order_key(s):
+    """f32 -> i32 with the same order (signed compare); -0.0 must already be folded into +0.0."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _score_select_kernel(
     n_valid_ref,  # [1] i32: visible entries of this query
     q_ref,  # [h, d]
     w_ref,  # [h] f32
-    key_rows_ref,  # [c_p] i32: pool row of logical entry j
+    key_rows_ref,  # [c] i32: pool row of logical entry j
     keys_ref,  # [r, d] whole pool, gathered by index
-    s_out_ref,  # [m] f32: this split's top-m scores (unordered; -inf = empty)
-    j_out_ref,  # [m] i32: their entry ids
+    s_out_ref,  # [m] f32: this split's top-k scores (unordered; -inf = empty slot)
+    j_out_ref,  # [m] i32: their entry ids (-1 = empty slot)
     *,
+    c: int,
+    k: int,
     block_c: int,
-    stage: int,
     split_len: int,
     precision,
 ):
     q = q_ref[...]
     w = w_ref[...]
     scale = q.shape[-1] ** -0.5
-    m = s_out_ref.shape[0]
-    begin = pl.program_id(1) * split_len  # this split: entries [begin, min(begin + split_len, n_valid))
-    end = jnp.minimum(begin + split_len, n_valid_ref[0])
+    rows = split_len // block_c
+    begin = pl.program_id(1) * split_len  # this split: entries [begin, end)
+    end = jnp.minimum(begin + split_len, jnp.clip(n_valid_ref[0], 0, c))
+    n_vis = jnp.maximum(end - begin, 0)
+    row_id = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
-    def flush(st: _State) -> _State:
-        buf = rt.merge(st.buf_s, st.buf_j, st.buf_r, st.st_s, st.st_j)
-        # n_st - n_st, not 0 / zeros_like (a jaxpr literal): Triton's scf.yield needs an SSA value.
-        return _State(*buf, *rt.init_stage(stage), st.n_st - st.n_st)
-
-    def body(blk, st: _State) -> _State:
-        start = begin + blk * block_c
-        j = start + lax.broadcasted_iota(jnp.int32, (block_c,), 0)  # [block_c] entry ids
+    def body(r, scores):
+        j = begin + r * block_c + lax.broadcasted_iota(jnp.int32, (block_c,), 0)
         visible = j < end
-        k_blk = _backend.gather_rows(keys_ref, key_rows_ref[pl.ds(start, block_c)], visible)  # [block_c, d]
+        ids = _backend.load_1d(key_rows_ref, j, visible, 0)
+        k_blk = _backend.gather_rows(keys_ref, ids, visible)  # [block_c, d]; rows of invisible entries never read
         logits = lax.dot_general(
             q, k_blk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # [h, block_c]
         s = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0) * scale  # [block_c]
-        s = jnp.where(visible, s, -jnp.inf)  # invisible entries (zero rows) score 0: exclude them
-        # Only entries above the buffer's worst score can matter (later ids lose every tie), so
-        # stage just those, and merge the stage into the buffer only when it would overflow.
-        n_new = jnp.sum((visible & (s > jnp.min(st.buf_s))).astype(jnp.int32))
-        st = lax.cond(st.n_st + n_new > stage, flush, lambda x: x, st)
-        take = visible & (s > jnp.min(st.buf_s))
-        st_s, st_j, n_st = rt.stage_append(st.st_s, st.st_j, st.n_st, s, j, take)
-        return st._replace(st_s=st_s, st_j=st_j, n_st=n_st)
+        return jnp.where(row_id == r, s[None, :], scores)
 
-    st = _State(*rt.init_buffer(m), *rt.init_stage(stage), jnp.int32(0))
-    st = flush(lax.fori_loop(0, pl.cdiv(jnp.maximum(end - begin, 0), block_c), body, st))
-    s_out_ref[...] = st.buf_s
-    j_out_ref[...] = st.buf_j
+    scores = lax.fori_loop(0, (n_vis + block_c - 1) // block_c, body, jnp.zeros((rows, block_c), jnp.float32))
+    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 and +0.0 are one score (the documented order)
+    j2 = begin + row_id * block_c + lax.broadcasted_iota(jnp.int32, (1, block_c), 1)  # [rows, block_c]
+    visible = j2 < end
+    want = jnp.minimum(n_vis, k)
+
+    if split_len <= k:  # static: every visible entry of the split is a candidate
+        win = visible
+    else:
+        key = _order_key(scores)
+
+        # Radix select: the largest T (built bit by bit in the unsigned order) with >= want keys >= T.
+        def bit(i, t_u):
+            cand = t_u | lax.shift_left(jnp.int32(1), 31 - i)
+            enough = _count(visible & (key >= (cand ^ _INT_MIN))) >= want
+            return jnp.where(enough, cand, t_u)
+
+        t = lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ _INT_MIN  # the want-th best key
+        above = visible & (key > t)
+        tied = visible & (key == t)
+        win = above | (tied & (_exclusive_cumsum_2d(tied) < want - _count(above)))
+
+    _backend.store_1d(s_out_ref, _exclusive_cumsum_2d(win), scores, win)
+    _backend.store_1d(j_out_ref, _exclusive_cumsum_2d(win), j2, win)
+    slot = lax.broadcasted_iota(jnp.int32, (s_out_ref.shape[0],), 0)
+    empty = slot >= want
+    _backend.store_1d(s_out_ref, slot, jnp.full(slot.shape, -jnp.inf, jnp.float32), empty)
+    _backend.store_1d(j_out_ref, slot, jnp.full(slot.shape, -1, jnp.int32), empty)
+
+
+def _rank_kernel(s_ref, j_ref, out_ref, *, n: int, k: int, block: int, inner: int):
+    """s_ref, j_ref [n]: one query's candidates (s = -inf: none). out_ref [k]: ids by rank, then -1."""
+    i = pl.program_id(1) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+    s_i = _backend.load_1d(s_ref, i, i < n, -jnp.inf)
+    j_i = _backend.load_1d(j_ref, i, i < n, -1)
+
+    def body(b, carry):
+        rank, n_cand = carry
+        o = b * inner + lax.broadcasted_iota(jnp.int32, (inner,), 0)
+        s_o = _backend.load_1d(s_ref, o, o < n, -jnp.inf)
+        j_o = _backend.load_1d(j_ref, o, o < n, -1)
+        real = s_o > -jnp.inf
+        beats = real[None, :] & (
+            (s_o[None, :] > s_i[:, None]) | ((s_o[None, :] == s_i[:, None]) & (j_o[None, :] < j_i[:, None]))
+        )  # [block (i), inner (o)]: o ranks above i
+        return rank + jnp.sum(beats.astype(jnp.int32), axis=1), n_cand + jnp.sum(real.astype(jnp.int32))
+
+    rank, n_cand = lax.fori_loop(0, cdiv(n, inner), body, (jnp.zeros((block,), jnp.int32), jnp.int32(0)))
+    win = (s_i > -jnp.inf) & (rank < k)
+    _backend.store_1d(out_ref, rank, j_i, win)
+    empty = (i >= jnp.minimum(n_cand, k)) & (i < k)  # this program's share of the unfilled slots
+    _backend.store_1d(out_ref, i, jnp.full(i.shape, -1, jnp.int32), empty)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_sizes", "interpret"))
@@ -98,53 +152,64 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
       idx: [t, k] i32 entry ids, best first, ties to the lower id; -1 beyond min(k, n_valid).
     """
     validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=k)
-    bs = block_sizes or BlockSizes.get_default()
+    bs = block_sizes or BlockSizes.get_default(q.dtype)
     t, h, d = q.shape
     c = key_rows.shape[1]
     if t == 0 or c == 0:
         return jnp.full((t, k), -1, jnp.int32)
-
-    block_c = max(bs.block_c, _backend.min_dot_dim(interpret))
-    stage = next_pow2(max(bs.stage, block_c))  # a flushed stage must hold a whole block
-    m = next_pow2(k)
-    n_splits = choose_num_splits(bs.num_splits, t=t, c=c, m=m, block_c=block_c)
-    split_len = round_up(cdiv(c, n_splits), block_c)
-    n_splits = cdiv(c, split_len)
-    c_p = round_up(c, block_c)
-    if c_p != c:  # whole blocks of the entry->row map (padding is never visible)
-        key_rows = jnp.pad(key_rows, ((0, 0), (0, c_p - c)))
     if keys.shape[0] == 0:  # nothing can be visible; keep the gather well-formed
         keys = jnp.zeros((1, d), keys.dtype)
-    n_valid = jnp.clip(n_valid, 0, c)
 
-    kernel = functools.partial(
-        _indexer_topk_kernel,
-        block_c=block_c,
-        stage=stage,
-        split_len=split_len,
-        precision=_backend.dot_precision(q.dtype),
-    )
+    block_c = max(next_pow2(bs.block_c), _backend.min_dot_dim(interpret))
+    m = next_pow2(k)  # candidate slots per split (a power of two; k of them used)
+    split_len = choose_split_len(bs, t=t, c=c, m=m, block_c=block_c)
+    n_splits = cdiv(c, split_len)
+    params = functools.partial(_backend.compiler_params, interpret=interpret)
+
     # Grid (token, split): neighbouring tokens of one request share key rows, so they run together.
-    scores, ids = pl.pallas_call(
-        kernel,
+    cand_s, cand_j = pl.pallas_call(
+        functools.partial(
+            _score_select_kernel,
+            c=c,
+            k=k,
+            block_c=block_c,
+            split_len=split_len,
+            precision=_backend.dot_precision(q.dtype),
+        ),
         grid=(t, n_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda ti, si: (ti,)),
             pl.BlockSpec((None, h, d), lambda ti, si: (ti, 0, 0)),
             pl.BlockSpec((None, h), lambda ti, si: (ti, 0)),
-            pl.BlockSpec((None, c_p), lambda ti, si: (ti, 0)),
+            pl.BlockSpec((None, c), lambda ti, si: (ti, 0)),
             pl.BlockSpec(keys.shape, lambda ti, si: (0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, m), lambda ti, si: (ti, si, 0)),
-            pl.BlockSpec((None, None, m), lambda ti, si: (ti, si, 0)),
+            pl.BlockSpec((None, m), lambda ti, si: (ti, si)),
+            pl.BlockSpec((None, m), lambda ti, si: (ti, si)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((t, n_splits, m), jnp.float32),
-            jax.ShapeDtypeStruct((t, n_splits, m), jnp.int32),
+            jax.ShapeDtypeStruct((t, n_splits * m), jnp.float32),
+            jax.ShapeDtypeStruct((t, n_splits * m), jnp.int32),
         ],
-        compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret),
+        compiler_params=params(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
-        name="indexer_topk",
+        name="indexer_score_select",
     )(n_valid, q, w, key_rows, keys)
-    return select_topk(scores.reshape(t, n_splits * m), ids.reshape(t, n_splits * m), k)
+
+    n = n_splits * m
+    block = min(next_pow2(bs.rank_block), next_pow2(n))
+    inner = min(RANK_INNER, block)
+    return pl.pallas_call(
+        functools.partial(_rank_kernel, n=n, k=k, block=block, inner=inner),
+        grid=(t, cdiv(n, block)),
+        in_specs=[
+            pl.BlockSpec((None, n), lambda ti, bi: (ti, 0)),
+            pl.BlockSpec((None, n), lambda ti, bi: (ti, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, k), lambda ti, bi: (ti, 0)),
+        out_shape=jax.ShapeDtypeStruct((t, k), jnp.int32),
+        compiler_params=params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="indexer_rank",
+    )(cand_s, cand_j)

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 
 from pallas_kernels._util import cdiv
 
-# About two waves of programs on an H200 (132 SMs); decode needs splits to get there.
-TARGET_PROGRAMS = 264
-# A split writes a [block_h, d] f32 partial: keep it small next to the rows it reads.
-MIN_BLOCKS_PER_SPLIT = 4
-
+# One wave of programs on an H200 (132 SMs; the default tile runs one 8-warp program per SM).
+TARGET_PROGRAMS = 132
+# Splits write f32 partials ([block_h, d] per program, about a third of a token's rows at Flash decode
+# dims) that XLA then re-reads: split only while fewer than half the SMs would be busy without.
+SPLIT_BELOW_PROGRAMS = TARGET_PROGRAMS // 2
+MIN_BLOCKS_PER_SPLIT = 2
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockSizes:
@@ -27,7 +28,7 @@ class BlockSizes:
     block_k: int = 32
     num_splits: int | None = None
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     @classmethod
     def get_default(cls, dtype=None) -> BlockSizes:
@@ -39,8 +40,10 @@ class BlockSizes:
 
 
 def choose_num_splits(num_splits: int | None, *, t: int, head_blocks: int, total_blocks: int) -> int:
-    """Splits per token: explicit value, else enough programs to fill the GPU (1 when t is large)."""
+    """Splits per token: explicit value, else 1 unless (token, head block) programs leave most SMs idle."""
     if num_splits is None:
-        num_splits = cdiv(TARGET_PROGRAMS, max(1, t * head_blocks))
-        num_splits = min(num_splits, cdiv(total_blocks, MIN_BLOCKS_PER_SPLIT))
+        programs = max(1, t * head_blocks)
+        if programs >= SPLIT_BELOW_PROGRAMS:
+            return 1
+        num_splits = min(cdiv(TARGET_PROGRAMS, programs), cdiv(total_blocks, MIN_BLOCKS_PER_SPLIT))
     return max(1, min(num_splits, total_blocks))

@@ -5,8 +5,9 @@ then walks its share of the token's row lists — blocks of list A, then blocks 
 `block_k` rows per step by index and updating an online softmax (m, den, acc in f32). MQA makes the
 [block_h, d] x [d, block_k] matmul the natural shape: one gathered K block serves every head.
 
-Only "live" blocks are visited: the wrapper passes, per token, the number of blocks up to the last
-valid slot of each list, so padding (-1 tails, e.g. HCA lists shorter than nb) costs nothing.
+Only "live" blocks are visited: each program finds, in its token's index rows, the last valid slot of
+each list, so padding (-1 tails, e.g. HCA lists shorter than nb) costs nothing. Pools and index rows
+are passed whole and read in place (no padding, no copies, no XLA ops around the call).
 With one split the kernel adds the sink and writes the output; with several it writes partials
 (acc, m, den) merged by `reference.merge_partials` / `finalize_partials` (the spec's merge rule).
 """
@@ -27,62 +28,69 @@ from pallas_kernels.sparse_attention.reference import finalize_partials, merge_p
 from pallas_kernels.sparse_attention.validate import validate_sparse_attention_static
 
 
+def _live_blocks(idx_ref, n: int, block_k: int):
+    """Blocks of a row list up to its last valid slot (interior -1 slots are masked per block)."""
+    slot = lax.broadcasted_iota(jnp.int32, (next_pow2(n),), 0)
+    ids = _backend.load_1d(idx_ref, slot, slot < n, -1)
+    live = jnp.max(jnp.where(ids >= 0, slot + 1, 0))
+    return (live + block_k - 1) // block_k
+
+
 def _sparse_attention_kernel(
-    counts_ref,  # [2] i32: live blocks of list A, of list B (this token)
     q_ref,  # [block_h, d]
     sink_ref,  # [block_h] f32
-    idx_a_ref,  # [na_p] i32, -1 = unused
-    idx_b_ref,  # [nb_p] i32, -1 = unused
-    kv_a_ref,  # [ra, d] whole pool, gathered by index
-    kv_b_ref,  # [rb, d] whole pool, gathered by index
-    *out_refs,  # one split: out [block_h, d]; else acc [block_h, d] f32, m [block_h] f32, den [block_h] f32
+    *refs,  # idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole pool, [kv_b [rb, d]], outputs
+    na: int,
+    nb: int,
     scale: float,
     block_k: int,
     blocks_per_split: int,
-    a_blocks: int,
     precision,
 ):
+    if nb:
+        idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref, *out_refs = refs
+    else:
+        idx_a_ref, kv_a_ref, *out_refs = refs
     q = q_ref[...]
     block_h, d = q.shape
     first = pl.program_id(2) * blocks_per_split  # this split's blocks: [first, first + blocks_per_split)
     last = first + blocks_per_split
+    a_blocks = cdiv(na, block_k)
 
-    def step(kv_ref, idx_ref, blk, carry):
+    def step(kv_ref, idx_ref, n, blk, carry):
         acc, m, den = carry
-        ids = idx_ref[pl.ds(blk * block_k, block_k)]  # [block_k]
+        slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        ids = _backend.load_1d(idx_ref, slot, slot < n, -1)  # [block_k]
         valid = ids >= 0
         rows = _backend.gather_rows(kv_ref, ids, valid)  # [block_k, d]; 0 for unused slots (never read)
-        s = (
-            lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-            * scale
-        )  # [block_h, block_k]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
+        s = lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [block_h, block_k]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid row yet: avoid -inf - -inf
         alpha = jnp.exp(m - shift)
         p = jnp.exp(s - shift[:, None])
         pv = lax.dot_general(
-            p.astype(rows.dtype),
-            rows,
-            (((1,), (0,)), ((), ())),
-            precision=precision,
-            preferred_element_type=jnp.float32,
+            p.astype(rows.dtype), rows, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=f32
         )  # [block_h, d]
         return alpha[:, None] * acc + pv, m_new, alpha * den + jnp.sum(p, axis=1)
 
+    f32 = jnp.float32
     carry = (
         jnp.zeros((block_h, d), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
     # Global block ids: [0, a_blocks) are list A, [a_blocks, ...) list B.
-    carry = lax.fori_loop(first, jnp.minimum(last, counts_ref[0]), functools.partial(step, kv_a_ref, idx_a_ref), carry)
-    carry = lax.fori_loop(
-        jnp.maximum(first - a_blocks, 0),
-        jnp.minimum(last - a_blocks, counts_ref[1]),
-        functools.partial(step, kv_b_ref, idx_b_ref),
-        carry,
-    )
+    live_a = _live_blocks(idx_a_ref, na, block_k)
+    carry = lax.fori_loop(first, jnp.minimum(last, live_a), functools.partial(step, kv_a_ref, idx_a_ref, na), carry)
+    if nb:
+        live_b = _live_blocks(idx_b_ref, nb, block_k)
+        carry = lax.fori_loop(
+            jnp.maximum(first - a_blocks, 0),
+            jnp.minimum(last - a_blocks, live_b),
+            functools.partial(step, kv_b_ref, idx_b_ref, nb),
+            carry,
+        )
     acc, m, den = carry
 
     if len(out_refs) == 1:
@@ -95,18 +103,6 @@ def _sparse_attention_kernel(
         acc_ref[...] = acc
         m_ref[...] = m
         den_ref[...] = den
-
-
-def _prepare_list(kv, idx, block_k):
-    """Pad a row list to whole blocks with -1; give an empty pool one dummy row (never read)."""
-    n = idx.shape[1]
-    n_p = max(round_up(n, block_k), block_k)
-    idx = jnp.pad(idx, ((0, 0), (0, n_p - n)), constant_values=-1)
-    if kv.shape[0] == 0:
-        kv = jnp.zeros((1, kv.shape[1]), kv.dtype)
-    # Blocks up to the last valid slot; interior -1 slots are masked inside the kernel.
-    live = jnp.max(jnp.where(idx >= 0, jnp.arange(1, n_p + 1, dtype=jnp.int32), 0), axis=1)
-    return kv, idx, (live + block_k - 1) // block_k
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
@@ -130,30 +126,45 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
     block_h = max(min(bs.block_h, next_pow2(h)), min_dim)
     block_k = max(bs.block_k, min_dim)
     h_p = round_up(h, block_h)
-    q_p = jnp.pad(q, ((0, 0), (0, h_p - h), (0, 0)))  # padded heads: zero queries, sliced off below
-    sink_p = jnp.pad(sink, (0, h_p - h))
-    kv_a, idx_a, live_a = _prepare_list(kv_a, idx_a, block_k)
-    kv_b, idx_b, live_b = _prepare_list(kv_b, idx_b, block_k)
-    counts = jnp.stack([live_a, live_b], axis=1)  # [t, 2]
-    a_blocks, b_blocks = idx_a.shape[1] // block_k, idx_b.shape[1] // block_k
+    out_sink = sink
+    if h_p != h:  # padded heads: zero queries, sliced off below (never at Flash dims)
+        q = jnp.pad(q, ((0, 0), (0, h_p - h), (0, 0)))
+        sink = jnp.pad(sink, (0, h_p - h))
+    na, nb = idx_a.shape[1], idx_b.shape[1]
+    if na == 0:  # an empty list A: one -1 slot (tiny; never at Flash dims)
+        idx_a, na = jnp.full((t, 1), -1, jnp.int32), 1
+    # An empty pool can only be referenced by -1 slots: one dummy row keeps the gather well-formed.
+    kv_a = kv_a if kv_a.shape[0] else jnp.zeros((1, d), kv_a.dtype)
+    kv_b = kv_b if kv_b.shape[0] else jnp.zeros((1, d), kv_b.dtype)
+    total_blocks = cdiv(na, block_k) + cdiv(nb, block_k)
 
     head_blocks = h_p // block_h
-    n_splits = choose_num_splits(bs.num_splits, t=t, head_blocks=head_blocks, total_blocks=a_blocks + b_blocks)
-    blocks_per_split = cdiv(a_blocks + b_blocks, n_splits)
-    n_splits = cdiv(a_blocks + b_blocks, blocks_per_split)
+    n_splits = choose_num_splits(bs.num_splits, t=t, head_blocks=head_blocks, total_blocks=total_blocks)
+    blocks_per_split = cdiv(total_blocks, n_splits)
+    n_splits = cdiv(total_blocks, blocks_per_split)
 
     # Grid (head block, token, split): head blocks of one token run side by side, so a gathered
     # K block is fetched from HBM once and re-read from L2 by the other head blocks.
+    # Index rows and pools are passed whole: the kernel reads only live slots and gathered rows.
     grid = (head_blocks, t, n_splits)
+
+    def row(n):
+        return pl.BlockSpec((None, n), lambda hb, ti, si: (ti, 0))
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda hb, ti, si: (0, 0))
+
     in_specs = [
-        pl.BlockSpec((None, 2), lambda hb, ti, si: (ti, 0)),
         pl.BlockSpec((None, block_h, d), lambda hb, ti, si: (ti, hb, 0)),
         pl.BlockSpec((block_h,), lambda hb, ti, si: (hb,)),
-        pl.BlockSpec((None, idx_a.shape[1]), lambda hb, ti, si: (ti, 0)),
-        pl.BlockSpec((None, idx_b.shape[1]), lambda hb, ti, si: (ti, 0)),
-        pl.BlockSpec(kv_a.shape, lambda hb, ti, si: (0, 0)),
-        pl.BlockSpec(kv_b.shape, lambda hb, ti, si: (0, 0)),
     ]
+    if nb:
+        in_specs += [row(na), row(nb), whole(kv_a), whole(kv_b)]
+        operands = (q, sink, idx_a, idx_b, kv_a, kv_b)
+    else:
+        in_specs += [row(na), whole(kv_a)]
+        operands = (q, sink, idx_a, kv_a)
+
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, h_p, d), q.dtype)
         out_specs = pl.BlockSpec((None, block_h, d), lambda hb, ti, si: (ti, hb, 0))
@@ -170,10 +181,11 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
         )
     kernel = functools.partial(
         _sparse_attention_kernel,
+        na=na,
+        nb=nb,
         scale=float(scale),
         block_k=block_k,
         blocks_per_split=blocks_per_split,
-        a_blocks=a_blocks,
         precision=_backend.dot_precision(q.dtype),
     )
     result = pl.pallas_call(
@@ -185,9 +197,9 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
         compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret),
         interpret=interpret,
         name="sparse_attention",
-    )(counts, q_p, sink_p, idx_a, idx_b, kv_a, kv_b)
+    )(*operands)
 
-    if n_splits == 1:
-        return result[:, :h]
-    acc, m, den = merge_partials(*result, axis=0)
-    return finalize_partials(acc[:, :h], m[:, :h], den[:, :h], sink, q.dtype)
+    if n_splits > 1:  # few tokens: partials of each split, merged by the spec's rule (small: t * h * d)
+        acc, m, den = merge_partials(*result, axis=0)
+        return finalize_partials(acc[:, :h], m[:, :h], den[:, :h], out_sink, q.dtype)
+    return result[:, :h] if h_p != h else result

@@ -22,7 +22,6 @@ from pallas_kernels import (
     validate_indexer_topk_dynamic,
     validate_indexer_topk_static,
 )
-from pallas_kernels.indexer_topk import running_topk as rt
 from pallas_kernels.indexer_topk import select_topk
 
 reference = jax.jit(indexer_topk_reference, static_argnames=("k",))
@@ -108,7 +107,28 @@ CPU_CASES = [
         c=130,
         k=12,
         n_valid=(130, 129, 3, 64, 100),
-        block_sizes=BlockSizes(block_c=8, stage=8, num_splits=4),
+        block_sizes=BlockSizes(block_c=8, num_splits=4),
+    ),
+    Case(  # several splits each longer than k: the radix select + tie rule inside a split
+        "multi_split_select",
+        t=4,
+        h=8,
+        d=32,
+        c=200,
+        k=10,
+        n_valid=(200, 150, 33, 0),
+        block_sizes=BlockSizes(block_c=8, max_split=64, rank_block=16),
+    ),
+    Case(
+        "ties_many_splits",
+        t=3,
+        h=4,
+        d=16,
+        c=300,
+        k=24,
+        n_valid=(300, 97, 250),
+        integer_valued=True,
+        block_sizes=BlockSizes(block_c=16, max_split=64, rank_block=32),
     ),
     Case("k_above_c", t=3, h=4, d=32, c=10, k=16, n_valid=(10, 4, 0)),
 ]
@@ -162,7 +182,7 @@ class TestIndexerTopkInterpret(IndexerTopkTestBase):
             k=16,
             n_valid=(64, 40, 17, 9),
             integer_valued=True,
-            block_sizes=BlockSizes(block_c=8, stage=8, num_splits=2),
+            block_sizes=BlockSizes(block_c=8, num_splits=2, rank_block=8),
         )
         q, w, keys, key_rows, n_valid = make_inputs(case)
         args = (q.at[3].set(0.0), w.at[3].set(-1.0), keys, key_rows, n_valid)  # token 3: every score is -0.0
@@ -193,28 +213,6 @@ class TestIndexerTopkDevice(IndexerTopkTestBase):
     @pytest.mark.parametrize("case", DEVICE_CASES, ids=str)
     def test_matches_reference(self, case):
         self.check(case)
-
-
-def test_running_topk_matches_sort():
-    """The in-kernel selection alone (plain jnp): stream ties-heavy blocks through stage + merge."""
-    rng = np.random.default_rng(3)
-    m, stage, block = 8, 8, 4
-    scores = rng.integers(0, 5, 64).astype(np.float32)
-    scores[rng.random(64) < 0.2] = -0.0
-    merge, append = jax.jit(rt.merge), jax.jit(rt.stage_append)
-    buf = rt.init_buffer(m)
-    st_s, st_j = rt.init_stage(stage)
-    n = jnp.int32(0)
-    for start in range(0, 64, block):
-        s, j = jnp.asarray(scores[start : start + block]), jnp.arange(start, start + block, dtype=jnp.int32)
-        if int(n) + block > stage:
-            buf = merge(*buf, st_s, st_j)
-            (st_s, st_j), n = rt.init_stage(stage), jnp.int32(0)
-        st_s, st_j, n = append(st_s, st_j, n, s, j, s > jnp.min(buf[0]))
-    _, buf_j, buf_r = merge(*buf, st_s, st_j)
-    expect = sorted(range(64), key=lambda j: (-scores[j], j))[:m]
-    assert [int(buf_j[i]) for i in np.argsort(np.asarray(buf_r))] == expect
-    assert sorted(np.asarray(buf_r).tolist()) == list(range(m)), "ranks are a permutation"
 
 
 def test_select_topk_folds_negative_zero():

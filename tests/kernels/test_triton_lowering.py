@@ -55,7 +55,7 @@ CASES = {
     "sparse_bf16_h16_w4": _sparse(jnp.bfloat16, SparseAttentionBlockSizes(block_h=16, num_warps=4, num_splits=1)),
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),
     "indexer_bf16": _indexer(jnp.bfloat16, None),
-    "indexer_f32_c16": _indexer(jnp.float32, IndexerTopkBlockSizes(block_c=16, stage=16)),
+    "indexer_f32_c32": _indexer(jnp.float32, IndexerTopkBlockSizes(block_c=32, max_split=4096)),
 }
 
 
