@@ -52,16 +52,18 @@ from pallas_kernels import (
 
 NOMINAL_BW = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
 ROTATE = 4  # input sets cycled through by the timed calls
-SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills at these)
-    "sparse": [  # the bf16 default is block_h=32, block_k=32, num_warps=8, num_stages=3
-        SparseAttentionBlockSizes(block_h=32, block_k=32, num_warps=16),
-        SparseAttentionBlockSizes(block_h=32, block_k=64, num_stages=2),
-        SparseAttentionBlockSizes(block_h=16, block_k=32, num_warps=4),
+SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills unless noted)
+    "sparse": [  # the bf16 default: block_h=32, block_k=32, num_warps=8, num_stages=1, prefetch=2
+        SparseAttentionBlockSizes(prefetch=1),  # 80 bytes of spills
+        SparseAttentionBlockSizes(block_h=16, prefetch=1),
+        SparseAttentionBlockSizes(block_k=64, num_stages=2, prefetch=0),  # Triton's pipeliner only
+        SparseAttentionBlockSizes(block_h=16, num_warps=4, num_stages=3, prefetch=0),
     ],
-    "indexer": [  # the default is block_c=128, max_split=16384, num_warps=8, num_stages=3
-        IndexerTopkBlockSizes(num_warps=16),
+    "indexer": [  # the bf16 default: block_c=128, max_split=16384, num_warps=16, num_stages=1, prefetch=1
+        IndexerTopkBlockSizes(num_warps=8),
         IndexerTopkBlockSizes(max_split=8192),
-        IndexerTopkBlockSizes(block_c=64, num_warps=16),
+        IndexerTopkBlockSizes(max_split=8192, num_warps=8),
+        IndexerTopkBlockSizes(num_warps=8, num_stages=3, prefetch=0),  # Triton's pipeliner only
     ],
 }
 
@@ -171,7 +173,7 @@ def batched_time(fn, arg_sets, iters):
 
 
 def time_op(fn, arg_sets, a):
-    """{device_us, breakdown | device_error, batched_us, wall_us, pipelined_us}; 'us' = the best available."""
+    """{device_us, breakdown | device_error + batched_us, wall_us, pipelined_us}; 'us' = the best available."""
     for args in arg_sets:  # compile + warm up
         jax.block_until_ready(fn(*args))
     r = {}
@@ -180,9 +182,10 @@ def time_op(fn, arg_sets, a):
             r["device_us"], r["breakdown"] = device_time(fn, arg_sets, a.iters * len(arg_sets))
         except Exception as e:  # noqa: BLE001
             r["device_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    r["batched_us"] = batched_time(fn, arg_sets, a.iters)
+    if "device_us" not in r:  # the fallback compiles a second program: only when needed
+        r["batched_us"] = batched_time(fn, arg_sets, a.iters)
     r["wall_us"], r["pipelined_us"] = wall_times(fn, arg_sets[0], 1, a.iters)
-    r["us"] = r.get("device_us", r["batched_us"])
+    r["us"] = r["device_us"] if "device_us" in r else r["batched_us"]
     return r
 
 
@@ -203,6 +206,21 @@ def sparse_inputs(key, dims: Dims, batch, ctx, hca, n_sets):
     dt = jnp.dtype(dims.dtype)
     n_c = ctx // 128 if hca else ctx // 4  # compressed entries visible to the newest token
     nb = n_c if hca else min(dims.topk, n_c)
+    sets = _sparse_sets(key, dims, batch, n_c, nb, hca, n_sets)
+    itemsize = dt.itemsize
+    n_bytes = (
+        batch * (dims.window + nb) * (dims.d * itemsize + 4)  # gathered rows + their indices
+        + 2 * batch * dims.h * dims.d * itemsize
+        + dims.h * 4
+    )  # q, out, sink
+    shape = {"t": batch, "h": dims.h, "d": dims.d, "na": dims.window, "nb": nb}
+    return sets, n_bytes, shape
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _sparse_sets(key, dims, batch, n_c, nb, hca, n_sets):
+    """One compiled program per shape (eager op-by-op generation would compile dozens of small ones)."""
+    dt = jnp.dtype(dims.dtype)
     copies_b = n_sets if hca else 1  # CSA: random subsets of one large pool already differ per set
     keys = jax.random.split(key, 3 + 3 * n_sets)
     kv_a = jax.random.normal(keys[0], (n_sets * batch * dims.window, dims.d), dt)
@@ -220,33 +238,14 @@ def sparse_inputs(key, dims: Dims, batch, ctx, hca, n_sets):
             ent = jax.vmap(lambda k: jax.random.permutation(k, n_c)[:nb])(jax.random.split(kp, batch))
         idx_b = jnp.arange(batch)[:, None] * n_c + ent
         sets.append((q, kv_a, idx_a.astype(jnp.int32), kv_b, idx_b.astype(jnp.int32), sink))
-    itemsize = dt.itemsize
-    n_bytes = (
-        batch * (dims.window + nb) * (dims.d * itemsize + 4)  # gathered rows + their indices
-        + 2 * batch * dims.h * dims.d * itemsize
-        + dims.h * 4
-    )  # q, out, sink
-    shape = {"t": batch, "h": dims.h, "d": dims.d, "na": dims.window, "nb": nb}
-    return sets, n_bytes, shape
+    return sets
 
 
 def indexer_inputs(key, dims: Dims, batch, ctx, n_sets):
     """One key pool; each input set has its own queries and its own random page order over the pool."""
     dt = jnp.dtype(dims.dtype)
     c = ctx // 4
-    keys = jax.random.split(key, 1 + 3 * n_sets)
-    pool = jax.random.normal(keys[0], (batch * c, dims.di), dt)
-    page = min(64, c)
-    n_valid = jnp.full((batch,), c, jnp.int32)
-    sets = []
-    for i in range(n_sets):
-        k1, k2, k3 = keys[1 + 3 * i : 4 + 3 * i]
-        q = jax.random.normal(k1, (batch, dims.hi, dims.di), dt)
-        w = jax.random.normal(k2, (batch, dims.hi), jnp.float32) * dims.hi**-0.5
-        # Paged entry->row map: pages of 64 entries in a random order over the pool.
-        perm = jax.random.permutation(k3, batch * c // page).reshape(batch, c // page)
-        key_rows = (perm[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(batch, c).astype(jnp.int32)
-        sets.append((q, w, pool, key_rows, n_valid))
+    sets = _indexer_sets(key, dims, batch, c, n_sets)
     n_bytes = (
         batch * c * (dims.di * dt.itemsize + 4)  # key rows + the entry->row map
         + batch * dims.hi * (dims.di * dt.itemsize + 4)
@@ -256,12 +255,34 @@ def indexer_inputs(key, dims: Dims, batch, ctx, n_sets):
     return sets, n_bytes, shape
 
 
-def check_sparse(out, ref):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _indexer_sets(key, dims, batch, c, n_sets):
+    dt = jnp.dtype(dims.dtype)
+    keys = jax.random.split(key, 1 + 3 * n_sets)
+    pool = jax.random.normal(keys[0], (batch * c, dims.di), dt)
+    page = min(64, c)
+    n_valid = jnp.full((batch,), c, jnp.int32)
+    sets = []
+    for i in range(n_sets):
+        k1, k2, k3 = keys[1 + 3 * i], keys[2 + 3 * i], keys[3 + 3 * i]
+        q = jax.random.normal(k1, (batch, dims.hi, dims.di), dt)
+        w = jax.random.normal(k2, (batch, dims.hi), jnp.float32) * dims.hi**-0.5
+        # Paged entry->row map: pages of 64 entries in a random order over the pool.
+        perm = jax.random.permutation(k3, batch * c // page).reshape(batch, c // page)
+        key_rows = (perm[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(batch, c).astype(jnp.int32)
+        sets.append((q, w, pool, key_rows, n_valid))
+    return sets
+
+
+@jax.jit
+def _sparse_errors(out, ref):
     out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
-    return {
-        "max_abs_err": float(jnp.max(jnp.abs(out - ref))),
-        "rel_l2_err": float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)),
-    }
+    return jnp.max(jnp.abs(out - ref)), jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)
+
+
+def check_sparse(out, ref):
+    max_abs, rel = _sparse_errors(out, ref)
+    return {"max_abs_err": float(max_abs), "rel_l2_err": float(rel)}
 
 
 def check_indexer(out, ref):
@@ -270,7 +291,9 @@ def check_indexer(out, ref):
     return {"exact_match": float(np.mean(out == ref)), "set_overlap": float(overlap)}
 
 
-# ---------------------------------------------------------------------------------------------- runs
+# References: jitted once per static argument (a fresh jax.jit per config would recompile).
+_SPARSE_REF = jax.jit(sparse_attention_reference, static_argnames=("scale",))
+_INDEXER_REF = jax.jit(indexer_topk_reference, static_argnames=("k",))
 
 
 def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=True):
@@ -280,16 +303,15 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
         n_sets = 1 if a.interpret else ROTATE
         if op == "indexer":
             sets, n_bytes, shape = indexer_inputs(key, dims, batch, ctx, n_sets)
-            kern = jax.jit(functools.partial(indexer_topk, k=dims.topk, block_sizes=block_sizes, interpret=a.interpret))
-            ref = jax.jit(functools.partial(indexer_topk_reference, k=dims.topk))
+            # The ops are jitted already (static tiles): no extra jit, so each program compiles once.
+            kern = functools.partial(indexer_topk, k=dims.topk, block_sizes=block_sizes, interpret=a.interpret)
+            ref = functools.partial(_INDEXER_REF, k=dims.topk)
             check = check_indexer
         else:
             sets, n_bytes, shape = sparse_inputs(key, dims, batch, ctx, op == "sparse_hca", n_sets)
             scale = dims.d**-0.5
-            kern = jax.jit(
-                functools.partial(sparse_attention, scale=scale, block_sizes=block_sizes, interpret=a.interpret)
-            )
-            ref = jax.jit(functools.partial(sparse_attention_reference, scale=scale))
+            kern = functools.partial(sparse_attention, scale=scale, block_sizes=block_sizes, interpret=a.interpret)
+            ref = functools.partial(_SPARSE_REF, scale=scale)
             check = check_sparse
         rec.update(
             shape=shape,
@@ -301,16 +323,17 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
         rec["kernel_us"] = tk.pop("us")
         rec["kernel_timing"] = tk
         rec["kernel_bw_frac"] = rec["roofline_measured_us"] / rec["kernel_us"]
-        if with_ref:
-            try:
+        try:
+            if with_ref:  # else only the check
                 tr = time_op(ref, sets, a)
                 rec["ref_us"] = tr.pop("us")
                 rec["ref_timing"] = tr
                 rec["speedup_vs_ref"] = rec["ref_us"] / rec["kernel_us"]
+            if not a.no_check:
                 rec["check"] = check(kern(*sets[-1]), ref(*sets[-1]))
-            # The reference may not fit at long context: record it, keep the kernel result.
-            except Exception as e:  # noqa: BLE001
-                rec["ref_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        # The reference may not fit at long context: record it, keep the kernel result.
+        except Exception as e:  # noqa: BLE001
+            rec["ref_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     # A failing config is recorded, not fatal.
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -393,7 +416,9 @@ def main(argv=None):
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode + tiny dims (CPU smoke test)")
     p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile candidates")
     p.add_argument("--variants", default=None, help="extra tiles, e.g. 'sparse:block_k=64;indexer:num_warps=16'")
-    p.add_argument("--no-ref", action="store_true", help="skip the XLA reference for the sweep variants")
+    p.add_argument("--no-ref", action="store_true", help="do not time the XLA reference (still checked)")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with the XLA reference")
+    p.add_argument("--sweep-at", default=None, help="BATCH:CTX: run the sweep/variants only at this config")
     p.add_argument("--ops", default="sparse_csa,sparse_hca,indexer")
     p.add_argument("--batches", default=None, help="comma list (default 1,8,64; quick 1,64)")
     p.add_argument("--contexts", default=None, help="comma list (default 8k..512k; quick 8k,128k)")
@@ -433,24 +458,32 @@ def main(argv=None):
     print(f"[bench] {meta['device']} jax {meta['jax']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s {bw_timing}", flush=True)
 
     extra = parse_variants(a.variants)
-    out = pathlib.Path(a.out)
-    records = []
-    for op in a.ops.split(","):
-        kind = "indexer" if op == "indexer" else "sparse"
+    sweep_at = tuple(int(x) for x in a.sweep_at.split(":")) if a.sweep_at else None
+    ops = a.ops.split(",")
+    jobs = []  # defaults first (the table), then the tile variants
+    for op in ops:
         for batch in batches:
             for ctx in contexts:
-                variants = [None] + (SWEEP[kind] if a.sweep else []) + extra[kind]
-                for bs in variants:
-                    rec = run_config(op, batch, ctx, dims, a, bandwidth, bs, with_ref=not (a.no_ref and bs is not None))
-                    records.append(rec)
-                    write_outputs(out, meta, records)  # after every config: a killed run keeps its results
-                    status = rec.get("error") or (
-                        f"kernel {rec['kernel_us']:.1f} us ({100 * rec['kernel_bw_frac']:.0f}% BW), "
-                        f"ref {fmt(rec.get('ref_us'))} us, roofline {rec['roofline_measured_us']:.1f} us "
-                        f"{rec.get('check', '')} {rec['kernel_timing'].get('breakdown', '')} "
-                        f"{rec['kernel_timing'].get('device_error', '')}"
-                    )
-                    print(f"[bench] {op} b={batch} ctx={ctx} {rec['block_sizes']}: {status}", flush=True)
+                jobs.append((op, batch, ctx, None))
+    for op in ops:
+        kind = "indexer" if op == "indexer" else "sparse"
+        for batch, ctx in [sweep_at] if sweep_at else [(b, c) for b in batches for c in contexts]:
+            for bs in (SWEEP[kind] if a.sweep else []) + extra[kind]:
+                jobs.append((op, batch, ctx, bs))
+    out = pathlib.Path(a.out)
+    records = []
+    for op, batch, ctx, bs in jobs:
+        rec = run_config(op, batch, ctx, dims, a, bandwidth, bs, with_ref=not a.no_ref and bs is None)
+        records.append(rec)
+        records.sort(key=lambda r: (ops.index(r["op"]), r["batch"], r["ctx"], r["block_sizes"] != "default"))
+        write_outputs(out, meta, records)  # after every config: a killed run keeps its results
+        status = rec.get("error") or (
+            f"kernel {rec['kernel_us']:.1f} us ({100 * rec['kernel_bw_frac']:.0f}% BW), "
+            f"ref {fmt(rec.get('ref_us'))} us, roofline {rec['roofline_measured_us']:.1f} us "
+            f"{rec.get('check', '')} {rec['kernel_timing'].get('breakdown', '')} "
+            f"{rec['kernel_timing'].get('device_error', '')}"
+        )
+        print(f"[bench] {op} b={batch} ctx={ctx} {rec['block_sizes']}: {status}", flush=True)
 
     n_err = sum("error" in r for r in records)
     print(f"[bench] wrote {out}.json/.md: {len(records)} configs, {n_err} failed", flush=True)

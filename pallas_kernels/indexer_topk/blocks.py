@@ -23,14 +23,17 @@ class BlockSizes:
     num_splits: programs per query along its entries (None = heuristic); each selects its exact top m.
     num_warps, num_stages: Triton launch parameters of the scoring kernel.
     rank_block: candidates per program of the ranking kernel (which orders the [splits * m] candidates).
+    prefetch: 1 = gather block r + 1 while block r is scored (loop-carried registers); 0 = gather and use
+      in one step, leaving overlap to Triton's pipeliner (which waits for each gather before the math).
     """
 
     block_c: int = 128
     max_split: int = 16384
     num_splits: int | None = None
-    num_warps: int = 8
-    num_stages: int = 3
+    num_warps: int = 16
+    num_stages: int = 1
     rank_block: int = 128
+    prefetch: int = 1
 
     @classmethod
     def get_default(cls, dtype=None) -> BlockSizes:
@@ -38,7 +41,7 @@ class BlockSizes:
         254 registers, no spills, 84 KB shared). f32 (IEEE dots, the correctness path): 16-entry blocks,
         2048 entries per program, 2 stages (63 registers; larger f32 tiles spill)."""
         if dtype is not None and jnp.dtype(dtype).itemsize == 4:
-            return cls(block_c=16, max_split=2048, num_stages=2)
+            return cls(block_c=16, max_split=2048, num_warps=8)
         return cls()
 
 

@@ -65,6 +65,7 @@ def _score_select_kernel(
     k: int,
     block_c: int,
     split_len: int,
+    prefetch: int,
     precision,
 ):
     q = q_ref[...]
@@ -76,18 +77,33 @@ def _score_select_kernel(
     n_vis = jnp.maximum(end - begin, 0)
     row_id = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
-    def body(r, scores):
+    def ids_of(r):
         j = begin + r * block_c + lax.broadcasted_iota(jnp.int32, (block_c,), 0)
-        visible = j < end
-        ids = _backend.load_1d(key_rows_ref, j, visible, 0)
-        k_blk = _backend.gather_rows(keys_ref, ids, visible)  # [block_c, d]; rows of invisible entries never read
+        return _backend.load_1d(key_rows_ref, j, j < end, -1)  # -1: invisible entry
+
+    def fetch(ids):
+        return _backend.gather_rows(keys_ref, ids, ids >= 0)  # [block_c, d]; invisible rows never read
+
+    def score(r, scores, k_blk):
         logits = lax.dot_general(
             q, k_blk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # [h, block_c]
         s = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0) * scale  # [block_c]
         return jnp.where(row_id == r, s[None, :], scores)
 
-    scores = lax.fori_loop(0, (n_vis + block_c - 1) // block_c, body, jnp.zeros((rows, block_c), jnp.float32))
+    n_blocks = (n_vis + block_c - 1) // block_c
+    scores = jnp.zeros((rows, block_c), jnp.float32)
+    if prefetch:
+        # The gather of block r + 1 is in flight (loop-carried registers) while block r is scored, and
+        # the entry->row map one block further ahead; loads past the split are masked off.
+        def body(r, c):
+            scores, k_blk, ids_next = c
+            k_next = fetch(ids_next)
+            return score(r, scores, k_blk), k_next, ids_of(r + 2)
+
+        scores = lax.fori_loop(0, n_blocks, body, (scores, fetch(ids_of(0)), ids_of(1)))[0]
+    else:
+        scores = lax.fori_loop(0, n_blocks, lambda r, sc: score(r, sc, fetch(ids_of(r))), scores)
     scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 and +0.0 are one score (the documented order)
     j2 = begin + row_id * block_c + lax.broadcasted_iota(jnp.int32, (1, block_c), 1)  # [rows, block_c]
     visible = j2 < end
@@ -174,6 +190,7 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
             k=k,
             block_c=block_c,
             split_len=split_len,
+            prefetch=bs.prefetch,
             precision=_backend.dot_precision(q.dtype),
         ),
         grid=(t, n_splits),

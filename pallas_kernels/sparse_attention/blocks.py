@@ -22,13 +22,17 @@ class BlockSizes:
     num_splits: programs per token along the row lists (None = heuristic); > 1 returns partials
       that are merged with `reference.merge_partials`.
     num_warps, num_stages: Triton launch parameters.
+    prefetch: row blocks gathered ahead of the one being computed, held in registers across loop steps
+      (0 = gather and use in one step and leave overlap to Triton's pipeliner, which for these index-
+      dependent gathers issues the next copy only after the current math and then waits for it).
     """
 
     block_h: int = 32
     block_k: int = 32
     num_splits: int | None = None
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 1
+    prefetch: int = 2
 
     @classmethod
     def get_default(cls, dtype=None) -> BlockSizes:

@@ -45,24 +45,24 @@ def _sparse_attention_kernel(
     scale: float,
     block_k: int,
     blocks_per_split: int,
+    prefetch: int,
     precision,
 ):
     if nb:
         idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref, *out_refs = refs
     else:
         idx_a_ref, kv_a_ref, *out_refs = refs
-    q = q_ref[...]
-    block_h, d = q.shape
+    block_h, d = q_ref.shape
     first = pl.program_id(2) * blocks_per_split  # this split's blocks: [first, first + blocks_per_split)
     last = first + blocks_per_split
     a_blocks = cdiv(na, block_k)
 
-    def step(kv_ref, idx_ref, n, blk, carry):
+    def update(carry, rows, valid):
+        """One online-softmax step over a gathered [block_k, d] tile (rows of invalid slots are 0)."""
         acc, m, den = carry
-        slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        ids = _backend.load_1d(idx_ref, slot, slot < n, -1)  # [block_k]
-        valid = ids >= 0
-        rows = _backend.gather_rows(kv_ref, ids, valid)  # [block_k, d]; 0 for unused slots (never read)
+        # q is re-read (from L1) every step rather than held: as a loop-invariant matmul operand Triton
+        # would keep it in registers ([block_h, d] replicated across warps), which spills.
+        q = q_ref[...]
         s = lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [block_h, block_k]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -74,6 +74,32 @@ def _sparse_attention_kernel(
         )  # [block_h, d]
         return alpha[:, None] * acc + pv, m_new, alpha * den + jnp.sum(p, axis=1)
 
+    def walk(kv_ref, idx_ref, n, lo, hi, carry):
+        """Blocks [lo, hi) of one list. With prefetch P, the gathers of blocks blk+1..blk+P are in flight
+        (loop-carried registers) while block blk is computed, and the index slots one block further
+        ahead; loads past `hi` are masked off (no memory traffic)."""
+
+        def ids_of(blk):
+            slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            return _backend.load_1d(idx_ref, slot, (slot < n) & (blk < hi), -1)  # [block_k]
+
+        def fetch(ids):
+            valid = ids >= 0
+            return _backend.gather_rows(kv_ref, ids, valid), valid  # unused slots: 0, never read
+
+        if not prefetch:  # gather and use in the same step (Triton's own pipeliner, if any)
+            return lax.fori_loop(lo, hi, lambda blk, c: update(c, *fetch(ids_of(blk))), carry)
+
+        tiles = tuple(fetch(ids_of(lo + i)) for i in range(prefetch))
+
+        def body(blk, c):
+            carry, tiles, ids_next = c
+            tiles = (*tiles, fetch(ids_next))  # issue block blk + prefetch
+            ids_next = ids_of(blk + prefetch + 1)
+            return update(carry, *tiles[0]), tiles[1:], ids_next
+
+        return lax.fori_loop(lo, hi, body, (carry, tiles, ids_of(lo + prefetch)))[0]
+
     f32 = jnp.float32
     carry = (
         jnp.zeros((block_h, d), jnp.float32),
@@ -82,14 +108,11 @@ def _sparse_attention_kernel(
     )
     # Global block ids: [0, a_blocks) are list A, [a_blocks, ...) list B.
     live_a = _live_blocks(idx_a_ref, na, block_k)
-    carry = lax.fori_loop(first, jnp.minimum(last, live_a), functools.partial(step, kv_a_ref, idx_a_ref, na), carry)
+    carry = walk(kv_a_ref, idx_a_ref, na, first, jnp.minimum(last, live_a), carry)
     if nb:
         live_b = _live_blocks(idx_b_ref, nb, block_k)
-        carry = lax.fori_loop(
-            jnp.maximum(first - a_blocks, 0),
-            jnp.minimum(last - a_blocks, live_b),
-            functools.partial(step, kv_b_ref, idx_b_ref, nb),
-            carry,
+        carry = walk(
+            kv_b_ref, idx_b_ref, nb, jnp.maximum(first - a_blocks, 0), jnp.minimum(last - a_blocks, live_b), carry
         )
     acc, m, den = carry
 
@@ -186,6 +209,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
         scale=float(scale),
         block_k=block_k,
         blocks_per_split=blocks_per_split,
+        prefetch=bs.prefetch,
         precision=_backend.dot_precision(q.dtype),
     )
     result = pl.pallas_call(

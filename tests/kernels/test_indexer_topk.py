@@ -130,6 +130,16 @@ CPU_CASES = [
         integer_valued=True,
         block_sizes=BlockSizes(block_c=16, max_split=64, rank_block=32),
     ),
+    Case(
+        "no_prefetch",
+        t=3,
+        h=8,
+        d=32,
+        c=150,
+        k=10,
+        n_valid=(150, 70, 9),
+        block_sizes=BlockSizes(block_c=16, max_split=64, prefetch=0),
+    ),
     Case("k_above_c", t=3, h=4, d=32, c=10, k=16, n_valid=(10, 4, 0)),
 ]
 

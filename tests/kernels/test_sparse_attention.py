@@ -128,6 +128,26 @@ CPU_CASES = [
         dtype="bfloat16",
         block_sizes=BlockSizes(block_k=8, num_splits=4),
     ),
+    Case(  # no prefetch: gather and use in one loop step
+        "mid_no_prefetch",
+        t=5,
+        h=8,
+        d=64,
+        na=20,
+        nb=40,
+        dense_b=True,
+        empty_rows=(1,),
+        block_sizes=BlockSizes(block_h=4, block_k=8, prefetch=0, num_splits=2),
+    ),
+    Case(  # deeper prefetch than some splits have blocks
+        "mid_prefetch3",
+        t=4,
+        h=8,
+        d=64,
+        na=12,
+        nb=30,
+        block_sizes=BlockSizes(block_k=4, prefetch=3, num_splits=3),
+    ),
 ]
 
 DEVICE_CASES = [
