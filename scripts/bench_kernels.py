@@ -53,17 +53,15 @@ from pallas_kernels import (
 NOMINAL_BW = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
 ROTATE = 4  # input sets cycled through by the timed calls
 SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills unless noted)
-    "sparse": [  # the bf16 default: block_h=32, block_k=32, num_warps=8, num_stages=1, prefetch=2
-        SparseAttentionBlockSizes(prefetch=1),  # 80 bytes of spills
-        SparseAttentionBlockSizes(block_h=16, prefetch=1),
-        SparseAttentionBlockSizes(block_k=64, num_stages=2, prefetch=0),  # Triton's pipeliner only
-        SparseAttentionBlockSizes(block_h=16, num_warps=4, num_stages=3, prefetch=0),
+    "sparse": [  # the bf16 default: block_h=32, block_k=64, num_warps=8, num_stages=2, prefetch=0
+        SparseAttentionBlockSizes(block_k=32, num_stages=3),
+        SparseAttentionBlockSizes(block_h=16, block_k=32, num_warps=4, num_stages=3),
+        SparseAttentionBlockSizes(block_k=32, num_stages=1, prefetch=2),  # register prefetch
     ],
-    "indexer": [  # the bf16 default: block_c=128, max_split=16384, num_warps=16, num_stages=1, prefetch=1
-        IndexerTopkBlockSizes(num_warps=8),
+    "indexer": [  # the bf16 default: block_c=128, max_split=16384, num_warps=8, num_stages=3, prefetch=0
         IndexerTopkBlockSizes(max_split=8192),
-        IndexerTopkBlockSizes(max_split=8192, num_warps=8),
-        IndexerTopkBlockSizes(num_warps=8, num_stages=3, prefetch=0),  # Triton's pipeliner only
+        IndexerTopkBlockSizes(num_warps=16, num_stages=1, prefetch=1),  # register prefetch
+        IndexerTopkBlockSizes(max_split=8192, num_warps=16, num_stages=1, prefetch=1),
     ],
 }
 

@@ -79,10 +79,11 @@ def _score_select_kernel(
 
     def ids_of(r):
         j = begin + r * block_c + lax.broadcasted_iota(jnp.int32, (block_c,), 0)
-        return _backend.load_1d(key_rows_ref, j, j < end, -1)  # -1: invisible entry
+        visible = j < end
+        return _backend.load_1d(key_rows_ref, j, visible, 0), visible
 
-    def fetch(ids):
-        return _backend.gather_rows(keys_ref, ids, ids >= 0)  # [block_c, d]; invisible rows never read
+    def fetch(ids, visible):
+        return _backend.gather_rows(keys_ref, ids, visible)  # [block_c, d]; invisible rows never read
 
     def score(r, scores, k_blk):
         logits = lax.dot_general(
@@ -98,12 +99,12 @@ def _score_select_kernel(
         # the entry->row map one block further ahead; loads past the split are masked off.
         def body(r, c):
             scores, k_blk, ids_next = c
-            k_next = fetch(ids_next)
+            k_next = fetch(*ids_next)
             return score(r, scores, k_blk), k_next, ids_of(r + 2)
 
-        scores = lax.fori_loop(0, n_blocks, body, (scores, fetch(ids_of(0)), ids_of(1)))[0]
+        scores = lax.fori_loop(0, n_blocks, body, (scores, fetch(*ids_of(0)), ids_of(1)))[0]
     else:
-        scores = lax.fori_loop(0, n_blocks, lambda r, sc: score(r, sc, fetch(ids_of(r))), scores)
+        scores = lax.fori_loop(0, n_blocks, lambda r, sc: score(r, sc, fetch(*ids_of(r))), scores)
     scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 and +0.0 are one score (the documented order)
     j2 = begin + row_id * block_c + lax.broadcasted_iota(jnp.int32, (1, block_c), 1)  # [rows, block_c]
     visible = j2 < end

@@ -53,6 +53,7 @@ def _sparse_attention_kernel(
     else:
         idx_a_ref, kv_a_ref, *out_refs = refs
     block_h, d = q_ref.shape
+    q_outer = None if prefetch else q_ref[...]
     first = pl.program_id(2) * blocks_per_split  # this split's blocks: [first, first + blocks_per_split)
     last = first + blocks_per_split
     a_blocks = cdiv(na, block_k)
@@ -60,9 +61,10 @@ def _sparse_attention_kernel(
     def update(carry, rows, valid):
         """One online-softmax step over a gathered [block_k, d] tile (rows of invalid slots are 0)."""
         acc, m, den = carry
-        # q is re-read (from L1) every step rather than held: as a loop-invariant matmul operand Triton
-        # would keep it in registers ([block_h, d] replicated across warps), which spills.
-        q = q_ref[...]
+        # With register prefetch q is re-read (from L1) every step rather than held: as a loop-invariant
+        # matmul operand Triton would keep it in registers ([block_h, d] replicated across warps), which
+        # spills. Without, Triton's pipeliner keeps it in shared memory.
+        q = q_ref[...] if prefetch else q_outer
         s = lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [block_h, block_k]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -81,7 +83,8 @@ def _sparse_attention_kernel(
 
         def ids_of(blk):
             slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-            return _backend.load_1d(idx_ref, slot, (slot < n) & (blk < hi), -1)  # [block_k]
+            ok = (slot < n) & (blk < hi) if prefetch else slot < n  # (no prefetch: the loop bound is hi)
+            return _backend.load_1d(idx_ref, slot, ok, -1)  # [block_k]
 
         def fetch(ids):
             valid = ids >= 0
