@@ -75,16 +75,24 @@ def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: S
     """Prefill every prompt in chunks of `chunk` tokens; returns (last-token logits [rows, v], pool).
 
     Only chunks in which some prompt ends project to the vocabulary."""
-    last_logits = [None] * len(prompts)
+    last_logits = None
     for c in prompt_chunks(prompts, chunk):
         book.check_extend(slots, c.tokens, c.n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
         out, pool = steps.prefill(model.params, pool, batch, cfg=model.config, spec=spec,
                                   need_logits=bool(c.finishing))
         book.commit(slots, c.n)
-        for r in c.finishing:
-            last_logits[r] = out.logits[r]
-    return jnp.stack(last_logits), pool
+        if c.finishing:
+            last_logits = keep_rows(last_logits, out.logits, c.finishing)
+    return last_logits, pool
+
+
+def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> jax.Array:
+    """`new` on `rows`, `kept` elsewhere (one device op, whatever the number of rows)."""
+    mask = np.zeros(new.shape[0], bool)
+    mask[list(rows)] = True
+    mask = jnp.asarray(mask).reshape((-1,) + (1,) * (new.ndim - 1))
+    return new if kept is None else jnp.where(mask, new, kept)
 
 
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,

@@ -26,7 +26,7 @@ import numpy as np
 
 from ds4jax import steps
 from ds4jax.acceptance import accept_greedy, accept_sampled
-from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, pool_dtype, prompt_chunks
+from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
 from ds4jax.model_handle import Model
 from ds4jax.pool_spec import PoolSpec
 from ds4jax.pools import PoolBook, PoolError, zeros
@@ -230,8 +230,7 @@ def _prefill_both(model: Model, tpool, dpool, tbook, dbook, tspec, dspec, prompt
     rows = len(prompts)
     slots = list(range(rows))
     t0 = np.zeros(rows, np.int32)
-    draft_logits = [None] * rows
-    draft_stream = [None] * rows
+    draft_logits = draft_stream = None
     for c in prompt_chunks(prompts, chunk):
         tbook.check_extend(slots, c.tokens, c.n)
         batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
@@ -252,7 +251,8 @@ def _prefill_both(model: Model, tpool, dpool, tbook, dbook, tspec, dspec, prompt
         dout, dpool = steps.draft_extend(prm, dpool, steps.StepBatch(batch.slots, jnp.asarray(nxt), batch.n_tokens),
                                          out.streams, cfg=cfg, spec=dspec)
         dbook.commit(slots, c.n)
-        for r in c.finishing:
-            draft_logits[r] = dout.logits[r]
-            draft_stream[r] = dout.streams[r, c.n[r] - 1]
-    return jnp.asarray(t0), jnp.stack(draft_logits), jnp.stack(draft_stream), tpool, dpool
+        if c.finishing:
+            last = jnp.maximum(jnp.asarray(c.n, jnp.int32) - 1, 0)
+            draft_logits = keep_rows(draft_logits, dout.logits, c.finishing)
+            draft_stream = keep_rows(draft_stream, _rows(dout.streams, last), c.finishing)
+    return jnp.asarray(t0), draft_logits, draft_stream, tpool, dpool
