@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 
 import jax.numpy as jnp
 import pytest
@@ -182,13 +183,13 @@ def test_checkpoint_without_tokenizer_needs_a_byte_vocabulary(hf_checkpoint, cap
     assert code == 2 and "too small for the byte-level fallback" in err
 
 
-def test_prompt_outside_the_vocabulary_exits_2(tmp_path, capsys):
-    checkpoint.save(default_model(jnp.float32), tmp_path)
+def test_prompt_outside_the_vocabulary_exits_2(hf_checkpoint, tmp_path, capsys):
+    shutil.copytree(hf_checkpoint, tmp_path, dirs_exist_ok=True)
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"<unk>": 0, "big": 999}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     code, _, err = run(capsys, "generate", "--prompt", "big", "--checkpoint", str(tmp_path), "--dtype", "float32")
-    assert code == 2 and "outside the model's vocabulary" in err
+    assert code == 2 and "id 999, outside the model's vocabulary (256)" in err
 
 
 # ---- tokenizers ----------------------------------------------------------------------------------------------
