@@ -144,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.checkpoint_dir, "config.json")):
+        print(f"error: {args.checkpoint_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
     try:
         report = run_compare(args.checkpoint_dir, args.seq_len, args.batch, args.tol, args.seed)
     except ImportError as e:

@@ -12,6 +12,7 @@ def test_speculative_option_is_wired(monkeypatch, capsys):
         return speculative.SpecResult(tokens=[[104, 105]], accepted_per_round=[[1]], rounds=[1], mean_accepted=[1.0],
                                        mean_tokens_per_round=[2.0], seconds=0.5, tokens_per_second=4.0)
 
+    monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")  # keep JAX's on-disk cache off for this worker
     monkeypatch.setattr(speculative, "speculative_generate", fake)
     code = cli.main(["generate", "--prompt", "Hi", "--max-new-tokens", "2", "--speculative", "3",
                      "--prefill-chunk", "4"])
@@ -22,5 +23,6 @@ def test_speculative_option_is_wired(monkeypatch, capsys):
     assert out.out.strip() != ""
 
 
-def test_speculative_option_rejects_bad_k(capsys):
+def test_speculative_option_rejects_bad_k(monkeypatch):
+    monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")
     assert cli.main(["generate", "--prompt", "Hi", "--speculative", "0"]) == 2
