@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
 import os
 from typing import Any, Mapping
 
@@ -395,6 +394,3 @@ def load_config(path: str | os.PathLike) -> Config:
     with open(path) as f:
         return from_hf_config(json.load(f))
 
-
-def yarn_is_active(cfg: Config) -> bool:
-    return cfg.yarn is not None and not math.isclose(cfg.yarn.factor, 1.0)
