@@ -56,7 +56,7 @@ class SpecResult:
     accepted_per_round: list[list[int]]  # per request
     rounds: list[int]
     mean_accepted: list[float]  # mean accepted drafts per round
-    mean_tokens_per_round: list[float]  # accepted + 1
+    mean_tokens_per_round: list[float]  # tokens emitted per round (accepted + 1 unless a stop cut the round)
     seconds: float
     tokens_per_second: float
 
@@ -217,7 +217,9 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
         accepted_per_round=per_round,
         rounds=[len(a) for a in per_round],
         mean_accepted=[float(np.mean(a)) if a else 0.0 for a in per_round],
-        mean_tokens_per_round=[float(np.mean(a)) + 1 if a else 0.0 for a in per_round],
+        # tokens actually emitted per round (the first token comes from prefill; stop ids and the budget can cut
+        # a round's accepted tokens short, so this is not mean(accepted) + 1)
+        mean_tokens_per_round=[(len(t) - 1) / len(a) if a else 0.0 for t, a in zip(tokens, per_round)],
         seconds=seconds,
         tokens_per_second=total / seconds if seconds > 0 else float("inf"),
     )

@@ -117,6 +117,8 @@ def check_stop_and_budget(model, res, reference, k):
                                prefill_chunk=CHUNK[k])
     assert got.tokens == plain(model, MAX_NEW, stop_ids=(absent, stop))
     assert got.tokens[row] == reference[row][: index + 1]  # cut inside a round, the stop token included
+    # stats count tokens actually emitted, not the drafts a stop cut off
+    assert got.mean_tokens_per_round[row] == pytest.approx((len(got.tokens[row]) - 1) / got.rounds[row])
 
     budgets = [m for m in range(MAX_NEW // 2 + 1, MAX_NEW)
                if any(_mid_round(res, r, m - 1) for r in range(len(PROMPTS)))]
