@@ -24,11 +24,8 @@ import jax.numpy as jnp
 
 from ds4jax.config import AttentionType, Config, MlpType
 from ds4jax.kernels import Impl, resolve
-from ds4jax.layers.mhc import hc_post, hc_pre
-from ds4jax.layers.moe import moe
-from ds4jax.layers.norms import rms_norm
 from ds4jax.layers.pooled import (CompressorState, LayerPools, attention_pooled, geometry)
-from ds4jax.model import embed, logits_from_streams, mtp_inputs
+from ds4jax.model import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.pool_spec import PoolSpec
 from ds4jax.pools import KVPool, PoolError, check_pool
 from ds4jax.roles import Role
@@ -131,15 +128,18 @@ def _store_layer(pool: KVPool, new: LayerPools, slots, layer: int, index: int | 
 
 def _pooled_block(x, token_ids, p, pool, slots, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
                   spec: PoolSpec, impl: Impl):
+    """`model.block` with the pooled attention; returns (streams, pool with this layer updated, selection)."""
     layer_pools, index = _layer_pools(pool, slots, layer, cfg)
-    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
-    y, new, selection = attention_pooled(
-        rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps), layer_pools, g, p["attn"], cfg, kind,
-        page_size=spec.page_size, max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window, impl=impl)
-    x = hc_post(y, x, post, comb)
-    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
-    y, _ = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
-    return hc_post(y, x, post, comb), _store_layer(pool, new, slots, layer, index, cfg), selection
+
+    def attention(h):
+        y, new, selection = attention_pooled(
+            h, layer_pools, g, p["attn"], cfg, kind, page_size=spec.page_size,
+            max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window, impl=impl)
+        return y, (new, selection)
+
+    x, aux = block(x, token_ids, p, cfg, mlp, attention)
+    new, selection = aux.attention
+    return x, _store_layer(pool, new, slots, layer, index, cfg), selection
 
 
 def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits):

@@ -1,7 +1,6 @@
 """The three routed-expert strategies (ragged_dot, per-row gather, padded tiles) compute the same MoE."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ds4jax.config import AttentionType, Config
 from ds4jax.layers import compressor, indexer
