@@ -5,15 +5,15 @@ h query heads, d head dim, r rotary dim, l q-LoRA rank, e embed, f expert ffw, x
 streams, v vocab, g output groups, o output LoRA rank, c compressed entries, n top-k.
 """
 
-from ds4jax.api import forward_logits
-from ds4jax.checkpoint import CheckpointError, load, save
-from ds4jax.config import AttentionType, Config, ConfigError, MlpType, flash, flash_slice, from_hf_config, pro, tiny
-from ds4jax.generate import SamplingParams, generate, greedy_generate
-from ds4jax.model_handle import Model
-from ds4jax.pool_spec import PoolSpec, configure
-from ds4jax.pools import KVPool, PoolBook, PoolError
-from ds4jax.roles import Role
-from ds4jax.speculative import SpecResult, speculative_generate
+from ds4jax.model.api import forward_logits
+from ds4jax.io.checkpoint import CheckpointError, load, save
+from ds4jax.model.config import AttentionType, Config, ConfigError, MlpType, flash, flash_slice, from_hf_config, pro, tiny
+from ds4jax.generation.generate import SamplingParams, generate, greedy_generate
+from ds4jax.model.handle import Model
+from ds4jax.runtime.pool_spec import PoolSpec, configure
+from ds4jax.runtime.pools import KVPool, PoolBook, PoolError
+from ds4jax.runtime.roles import Role
+from ds4jax.generation.speculative import SpecResult, speculative_generate
 
 __all__ = [
     "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",

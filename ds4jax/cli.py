@@ -101,9 +101,9 @@ def _load(args):
     """(model, tokenizer) for `generate`."""
     import jax.numpy as jnp
 
-    from ds4jax import checkpoint
-    from ds4jax.default_model import default_model, default_tokenizer
-    from ds4jax.tokenizer import load_tokenizer
+    from ds4jax.io import checkpoint
+    from ds4jax.io.default_model import default_model, default_tokenizer
+    from ds4jax.io.tokenizer import load_tokenizer
 
     if args.checkpoint is None:
         return default_model(jnp.dtype(args.dtype or "float32")), default_tokenizer()
@@ -113,7 +113,7 @@ def _load(args):
 
 
 def _generate(args) -> int:
-    from ds4jax.generate import SamplingParams, generate
+    from ds4jax.generation.generate import SamplingParams, generate
 
     model, tok = _load(args)
     print(f"[{tok.note}]", file=sys.stderr)
@@ -130,7 +130,7 @@ def _generate(args) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed, stop_ids=stop)
     if args.speculative:
-        from ds4jax.speculative import speculative_generate
+        from ds4jax.generation.speculative import speculative_generate
 
         if not model.has_mtp:
             raise UserError("--speculative needs the MTP block, and this checkpoint has no mtp.* tensors")
@@ -181,8 +181,8 @@ def _compare(args) -> int:
 
 
 def _info(args) -> int:
-    from ds4jax import config as _config
-    from ds4jax.default_model import default_config
+    from ds4jax.model import config as _config
+    from ds4jax.io.default_model import default_config
 
     if args.checkpoint is not None:
         cfg, name = _config.load_config(_require_checkpoint(args.checkpoint)), args.checkpoint
@@ -197,7 +197,7 @@ def describe(cfg, name: str) -> str:
     import jax
     import jax.numpy as jnp
 
-    from ds4jax import params as _params
+    from ds4jax.model import params as _params
 
     tree = _params.abstract(cfg, jnp.bfloat16)
     size = lambda t: sum(math.prod(x.shape) for x in jax.tree.leaves(t))
@@ -237,9 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed usage and the message; return its status instead of exiting
         return int(e.code or 0)
-    from ds4jax.checkpoint import CheckpointError
-    from ds4jax.config import ConfigError
-    from ds4jax.tokenizer import TokenizerError
+    from ds4jax.io.checkpoint import CheckpointError
+    from ds4jax.model.config import ConfigError
+    from ds4jax.io.tokenizer import TokenizerError
 
     if args.command in ("generate", "compare"):
         enable_compilation_cache()

@@ -105,7 +105,8 @@ def ds4jax_forward(checkpoint_dir: str, token_ids: np.ndarray) -> tuple[np.ndarr
     import jax
     import jax.numpy as jnp
 
-    from ds4jax import checkpoint, model
+    from ds4jax.io import checkpoint
+    from ds4jax.model import forward as model
 
     loaded = checkpoint.load(checkpoint_dir, dtype=jnp.float32)
     fwd = jax.jit(model.forward, static_argnums=0, static_argnames="return_hidden")
@@ -117,7 +118,7 @@ def ds4jax_forward(checkpoint_dir: str, token_ids: np.ndarray) -> tuple[np.ndarr
 def run_compare(checkpoint_dir: str | os.PathLike, seq_len: int = 64, batch: int = 2, tol: float = 1e-5,
                 seed: int = 0, print_fn: Callable[[str], Any] | None = print) -> CompareReport:
     """Compare logits and per-layer streams of ds4jax and HF on `batch` x `seq_len` random tokens; print a table."""
-    from ds4jax.config import load_config
+    from ds4jax.model.config import load_config
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     _import_reference()  # fail early, before the (slower) ds4jax load

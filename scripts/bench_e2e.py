@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax import steps
-from ds4jax.model_handle import Model
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.pools import PoolBook, zeros
-from ds4jax.roles import Role
+from ds4jax.model import params as P
+from ds4jax.runtime import steps
+from ds4jax.model.handle import Model
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, zeros
+from ds4jax.runtime.roles import Role
 
 # HF transformers 5.17, same GPU, same config (hf_gpu_baseline.md): seconds per prefill, ms per decode step
 HF = {"prefill_b1_s2048": 0.089, "prefill_b1_s8192": 0.590, "prefill_b8_s2048": 0.527,

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax.generate import SamplingParams, generate
-from ds4jax.model_handle import Model
-from ds4jax.speculative import speculative_generate
+from ds4jax.model import params as P
+from ds4jax.generation.generate import SamplingParams, generate
+from ds4jax.model.handle import Model
+from ds4jax.generation.speculative import speculative_generate
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ds4jax.config import Config
+from ds4jax.model.config import Config
 
 
 def hf_config_kwargs(cfg: Config) -> dict[str, Any]:

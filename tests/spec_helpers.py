@@ -14,15 +14,16 @@ import numpy as np
 from scipy import stats
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax import model as network
-from ds4jax import speculative, steps
-from ds4jax.config import AttentionType, Config, MlpType
-from ds4jax.generate import default_page_size, pool_dtype
-from ds4jax.model_handle import Model
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.pools import PoolBook, zeros
-from ds4jax.roles import Role
+from ds4jax.model import params as P
+from ds4jax.model import forward as network
+from ds4jax.generation import speculative
+from ds4jax.runtime import steps
+from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.generation.generate import default_page_size, pool_dtype
+from ds4jax.model.handle import Model
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, zeros
+from ds4jax.runtime.roles import Role
 
 
 def tiny3(**overrides) -> Config:

@@ -20,12 +20,13 @@ import numpy as np
 
 import ds4jax
 import hf_reference as hr
-from ds4jax import model as model_lib
-from ds4jax import pools, steps
-from ds4jax.config import AttentionType as A
-from ds4jax.config import Config, MlpType, tiny
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.roles import Role
+from ds4jax.model import forward as model_lib
+from ds4jax.runtime import pools
+from ds4jax.runtime import steps
+from ds4jax.model.config import AttentionType as A
+from ds4jax.model.config import Config, MlpType, tiny
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.roles import Role
 
 # Two CSA layers and one HCA layer (window 8, CSA ratio 4, HCA ratio 8): a pool-layer index mix-up between
 # the layer number and the per-kind index fails loudly (static index out of range), and ~70-token prompts

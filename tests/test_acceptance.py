@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.acceptance import accept_greedy, accept_sampled
+from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from spec_helpers import chi_square_pvalue
 
 

@@ -18,10 +18,10 @@ pytest.importorskip("transformers")
 import hf_reference as hr  # noqa: E402
 from safetensors.torch import save_file as torch_save_file  # noqa: E402
 
-from ds4jax import checkpoint  # noqa: E402
-from ds4jax.checkpoint import CheckpointError, dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: E402
-from ds4jax.config import AttentionType, Config, MlpType, tiny  # noqa: E402
-from ds4jax.params import abstract  # noqa: E402
+from ds4jax.io import checkpoint  # noqa: E402
+from ds4jax.io.checkpoint import CheckpointError, dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: E402
+from ds4jax.model.config import AttentionType, Config, MlpType, tiny  # noqa: E402
+from ds4jax.model.params import abstract  # noqa: E402
 
 
 def variant() -> Config:

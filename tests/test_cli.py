@@ -14,10 +14,11 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from ds4jax import checkpoint, greedy_generate
+from ds4jax import greedy_generate
+from ds4jax.io import checkpoint
 from ds4jax.cli import main, printable
-from ds4jax.default_model import default_config, default_model, default_tokenizer
-from ds4jax.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+from ds4jax.io.default_model import default_config, default_model, default_tokenizer
+from ds4jax.io.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 PROMPT = "Hello"  # BOS + 5 bytes
 
@@ -63,7 +64,7 @@ def test_generate_passes_every_option(capsys, monkeypatch):
         return [[ByteTokenizer.OFFSET + ord("o"), ByteTokenizer.OFFSET + ord("k"), ByteTokenizer.EOS]]
 
     # the package attribute `ds4jax.generate` is the function; patch the module the CLI imports from
-    monkeypatch.setattr(importlib.import_module("ds4jax.generate"), "generate", fake_generate)
+    monkeypatch.setattr(importlib.import_module("ds4jax.generation.generate"), "generate", fake_generate)
     code, out, _ = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "7", "--temperature", "0.5",
                        "--top-p", "0.8", "--seed", "3", "--prefill-chunk", "2", "--dtype", "bfloat16")
     assert (code, out) == (0, "ok\n")  # EOS ends the text and is not printed
@@ -111,7 +112,7 @@ def hf_checkpoint(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import hf_reference as hr
-    from ds4jax.config import tiny
+    from ds4jax.model.config import tiny
 
     directory = tmp_path_factory.mktemp("cli_hf")
     hr.save_hf_checkpoint(tiny(), directory, seed=4)

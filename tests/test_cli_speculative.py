@@ -1,6 +1,6 @@
 """`ds4jax generate --speculative K` routes to speculative decoding (the loop itself is tested elsewhere)."""
 
-import ds4jax.speculative as speculative
+import ds4jax.generation.speculative as speculative
 from ds4jax import cli
 
 

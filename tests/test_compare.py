@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import jax.numpy as jnp
@@ -14,21 +13,9 @@ pytest.importorskip("transformers")
 
 import hf_reference as hr  # noqa: E402
 
-from ds4jax import checkpoint  # noqa: E402
+from ds4jax.io import checkpoint  # noqa: E402
 from ds4jax.compare import CompareReport, error_row, run_compare  # noqa: E402
-from ds4jax.config import AttentionType, MlpType, tiny  # noqa: E402
-
-
-def _require_forward() -> None:
-    """Skip (not fail) only while the model forward has not been written yet."""
-    try:
-        model = importlib.import_module("ds4jax.model")
-    except ModuleNotFoundError as e:
-        if e.name != "ds4jax.model":
-            raise
-        pytest.skip("ds4jax.model does not exist yet")
-    if not hasattr(model, "forward"):
-        pytest.skip("ds4jax.model.forward does not exist yet")
+from ds4jax.model.config import AttentionType, MlpType, tiny  # noqa: E402
 
 
 def variant():
@@ -44,7 +31,6 @@ def _check(report: CompareReport, num_layers: int) -> None:
 
 
 def test_compare_tiny(tmp_path):
-    _require_forward()
     cfg = tiny()
     model = hr.save_hf_checkpoint(cfg, tmp_path, seed=0)
     logits, _ = hr.run_hf(model, np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64)))
@@ -55,7 +41,6 @@ def test_compare_tiny(tmp_path):
 @pytest.mark.slow
 def test_compare_variant_on_saved_checkpoint(tmp_path):
     """Second architecture, through ds4jax's own `save` (upstream names, sharded) and an MTP block HF ignores."""
-    _require_forward()
     cfg = variant()
     hr.save_hf_checkpoint(cfg, tmp_path / "hf", seed=5)
     hr.add_random_mtp(tmp_path / "hf", cfg)

@@ -6,8 +6,8 @@ import jax
 import pytest
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax.config import AttentionType, ConfigError, MlpType, from_hf_config
+from ds4jax.model import params as P
+from ds4jax.model.config import AttentionType, ConfigError, MlpType, from_hf_config
 
 
 def test_presets_are_hashable_and_valid():
@@ -82,7 +82,7 @@ def test_forward_is_differentiable():
     ids = jax.random.randint(jax.random.key(1), (1, 24), 0, cfg.vocab_size)
 
     def loss(p):
-        logits = ds4jax.model.forward(cfg, p, ids[:, :-1])
+        logits = ds4jax.model.forward.forward(cfg, p, ids[:, :-1])
         return -jax.numpy.mean(jax.nn.log_softmax(logits)[0, jax.numpy.arange(23), ids[0, 1:]])
 
     grads = jax.grad(loss, allow_int=True)(params)  # tid2eid is an integer table

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import ds4jax  # noqa: E402
-from ds4jax.config import AttentionType as A  # noqa: E402
-from ds4jax.config import MlpType, tiny  # noqa: E402
+from ds4jax.model.config import AttentionType as A  # noqa: E402
+from ds4jax.model.config import MlpType, tiny  # noqa: E402
 from steps_helpers import CFG, make_model  # noqa: E402
 
 VARIANT = tiny(num_layers=3, attention_types=(A.HCA, A.SLIDING, A.CSA), mlp_types=(MlpType.HASH,) + (MlpType.TOPK,) * 2,

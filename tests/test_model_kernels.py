@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax import pools, steps
-from ds4jax.config import AttentionType, MlpType
-from ds4jax.kernels import Impl, default_impl, resolve
-from ds4jax.pool_spec import PoolSpec
+from ds4jax.model import params as P
+from ds4jax.runtime import pools
+from ds4jax.runtime import steps
+from ds4jax.model.config import AttentionType, MlpType
+from ds4jax.runtime.kernels import Impl, default_impl, resolve
+from ds4jax.runtime.pool_spec import PoolSpec
 
 
 def _run(cfg, params, spec, ids, lengths, chunk, impl):

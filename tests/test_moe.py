@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import ds4jax
-from ds4jax import params as P
-from ds4jax.config import MlpType
-from ds4jax.layers import moe
+from ds4jax.model import params as P
+from ds4jax.model.config import MlpType
+from ds4jax.model.layers import moe
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,11 @@ pytest.importorskip("transformers")
 
 import hf_reference as hr  # noqa: E402
 
-from ds4jax import checkpoint, model  # noqa: E402
+from ds4jax.io import checkpoint  # noqa: E402
+from ds4jax.model import forward as model  # noqa: E402
 from ds4jax.compare import error_row  # noqa: E402
-from ds4jax.config import AttentionType, Config, MlpType, YarnScaling, tiny  # noqa: E402
-from ds4jax.layers import attention, compressor, indexer, mhc, moe, rope  # noqa: E402
+from ds4jax.model.config import AttentionType, Config, MlpType, YarnScaling, tiny  # noqa: E402
+from ds4jax.model.layers import attention, compressor, indexer, mhc, moe, rope  # noqa: E402
 
 A = AttentionType
 TOL_FP32, TOL_BF16 = 1e-5, 2e-2

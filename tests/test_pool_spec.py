@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ds4jax import config
-from ds4jax.pool_spec import (
+from ds4jax.model import config
+from ds4jax.runtime.pool_spec import (
     PoolSpec, PoolSpecError, bytes_per_request, bytes_per_slot, bytes_per_token, configure, page_bytes,
     shapes, total_bytes, write_pad,
 )
-from ds4jax.roles import Role
+from ds4jax.runtime.roles import Role
 
 BF16, F32, I32 = 2, 4, 4
 MIB = 1 << 20

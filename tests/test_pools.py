@@ -12,10 +12,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ds4jax import pools
-from ds4jax.pool_spec import PoolSpec, shapes
-from ds4jax.pools import PoolBook, PoolError
-from ds4jax.roles import Role
+from ds4jax.runtime import pools
+from ds4jax.runtime.pool_spec import PoolSpec, shapes
+from ds4jax.runtime.pools import PoolBook, PoolError
+from ds4jax.runtime.roles import Role
 from steps_helpers import CFG, DRAFT_SPEC, SPEC
 
 V = CFG.vocab_size

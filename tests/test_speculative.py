@@ -18,10 +18,10 @@ import jax.numpy as jnp
 
 import ds4jax
 from ds4jax import SamplingParams, greedy_generate
-from ds4jax.pool_spec import PoolSpecError
-from ds4jax.pools import PoolError
-from ds4jax.sampling import filter_logits
-from ds4jax.speculative import MAX_STOP_IDS, speculative_generate, speculative_loop
+from ds4jax.runtime.pool_spec import PoolSpecError
+from ds4jax.runtime.pools import PoolError
+from ds4jax.generation.sampling import filter_logits
+from ds4jax.generation.speculative import MAX_STOP_IDS, speculative_generate, speculative_loop
 from spec_helpers import (CompileCounter, agreeable_model, capture_loop, chi_square_pvalue, compare_draft_rings,
                           compare_target_pools, plain_reference, plain_spec, reference_accepts, round_spans, tiny3)
 

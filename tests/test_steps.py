@@ -25,10 +25,11 @@ pytest.importorskip("transformers")
 
 from jax.extend.core import jaxprs_in_params  # noqa: E402
 
-from ds4jax import pools, steps  # noqa: E402
-from ds4jax.kernels import resolve  # noqa: E402
-from ds4jax.pools import KVPool, PoolError  # noqa: E402
-from ds4jax.roles import Role  # noqa: E402
+from ds4jax.runtime import pools  # noqa: E402
+from ds4jax.runtime import steps  # noqa: E402
+from ds4jax.runtime.kernels import resolve  # noqa: E402
+from ds4jax.runtime.pools import KVPool, PoolError  # noqa: E402
+from ds4jax.runtime.roles import Role  # noqa: E402
 from steps_helpers import (CFG, DRAFT_SPEC, K, SPEC, TOTAL, Runner, assert_poison_only_where_unwritten,  # noqa: E402
                            assert_same_pool, chunk_plan, mtp_reference, per_row_logits, reference,
                            rel_err_per_position, run_plan, snapshot)

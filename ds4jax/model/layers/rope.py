@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.config import Config
+from ds4jax.model.config import Config
 
 
 def inv_frequencies(cfg: Config, *, compressed: bool) -> np.ndarray:

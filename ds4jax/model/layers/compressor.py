@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.layers.linear import linear
-from ds4jax.layers.norms import rms_norm
-from ds4jax.layers.rope import apply_rope
+from ds4jax.model.layers.linear import linear
+from ds4jax.model.layers.norms import rms_norm
+from ds4jax.model.layers.rope import apply_rope
 
 
 def project(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:

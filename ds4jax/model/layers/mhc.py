@@ -6,7 +6,7 @@ X has shape [..., m, e]. All mixing weights are float32; the sub-layer input is 
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import Config
+from ds4jax.model.config import Config
 
 
 def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax import steps
-from ds4jax.model_handle import Model
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.pools import PoolBook, PoolError, zeros
-from ds4jax.roles import Role
-from ds4jax.sampling import sample
+from ds4jax.runtime import steps
+from ds4jax.model.handle import Model
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, PoolError, zeros
+from ds4jax.runtime.roles import Role
+from ds4jax.generation.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     speculative=k > 0 drafts k tokens per round with the model's MTP block (`ds4jax.speculative`); greedy output
     is identical to plain decoding, sampled output follows the same distribution."""
     if speculative:
-        from ds4jax.speculative import speculative_generate  # imports this module
+        from ds4jax.generation.speculative import speculative_generate  # imports this module
 
         return speculative_generate(model, prompt_ids, params, k=speculative, prefill_chunk=prefill_chunk).tokens
     cfg = model.config

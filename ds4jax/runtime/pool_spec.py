@@ -67,8 +67,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ds4jax.config import AttentionType, Config
-from ds4jax.roles import Role
+from ds4jax.model.config import AttentionType, Config
+from ds4jax.runtime.roles import Role
 
 _INT32_LIMIT = 2**31  # paged row indices are int32 in the kernels
 

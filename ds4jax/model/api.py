@@ -5,8 +5,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ds4jax import model as _model
-from ds4jax.model_handle import Model
+from ds4jax.model import forward as _model
+from ds4jax.model.handle import Model
 
 
 @functools.partial(jax.jit, static_argnums=0)

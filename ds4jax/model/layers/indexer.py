@@ -7,9 +7,9 @@ Selection: top-min(index_topk, entries) by score, ties to the lower entry index;
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import Config
-from ds4jax.layers.linear import linear, linear_f32
-from ds4jax.layers.rope import apply_rope
+from ds4jax.model.config import Config
+from ds4jax.model.layers.linear import linear, linear_f32
+from ds4jax.model.layers.rope import apply_rope
 
 
 def queries(q_latent: jax.Array, x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq):

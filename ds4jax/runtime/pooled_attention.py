@@ -23,11 +23,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import AttentionType, Config
-from ds4jax.layers import compressor, indexer
-from ds4jax import kernels
-from ds4jax.kernels import Impl
-from ds4jax.layers.attention import layer_inv_freq, output_projection, project_qkv
+from ds4jax.model.config import AttentionType, Config
+from ds4jax.model.layers import compressor, indexer
+from ds4jax.runtime import kernels
+from ds4jax.runtime.kernels import Impl
+from ds4jax.model.layers.attention import layer_inv_freq, output_projection, project_qkv
 
 
 class ChunkGeometry(NamedTuple):

@@ -13,10 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ds4jax import params as _params
-from ds4jax.config import Config, tiny
-from ds4jax.model_handle import Model
-from ds4jax.tokenizer import ByteTokenizer
+from ds4jax.model import params as _params
+from ds4jax.model.config import Config, tiny
+from ds4jax.model.handle import Model
+from ds4jax.io.tokenizer import ByteTokenizer
 
 SEED = 0
 

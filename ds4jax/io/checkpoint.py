@@ -38,9 +38,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ds4jax.config import Config, ConfigError, load_config
-from ds4jax.model_handle import Model
-from ds4jax.params import abstract
+from ds4jax.model.config import Config, ConfigError, load_config
+from ds4jax.model.handle import Model
+from ds4jax.model.params import abstract
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"

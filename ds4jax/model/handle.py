@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ds4jax.config import Config
+from ds4jax.model.config import Config
 
 
 @dataclasses.dataclass(frozen=True)

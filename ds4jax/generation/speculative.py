@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax import steps
-from ds4jax.acceptance import accept_greedy, accept_sampled
-from ds4jax.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
-from ds4jax.model_handle import Model
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.pools import PoolBook, PoolError, zeros
-from ds4jax.roles import Role
-from ds4jax.sampling import filter_logits, sample
+from ds4jax.runtime import steps
+from ds4jax.generation.acceptance import accept_greedy, accept_sampled
+from ds4jax.generation.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
+from ds4jax.model.handle import Model
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, PoolError, zeros
+from ds4jax.runtime.roles import Role
+from ds4jax.generation.sampling import filter_logits, sample
 
 MAX_STOP_IDS = 8
 

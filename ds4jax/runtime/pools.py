@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.pool_spec import PoolSpec, shapes
+from ds4jax.runtime.pool_spec import PoolSpec, shapes
 
 
 class PoolError(ValueError):

@@ -1,6 +1,6 @@
 """Frozen, hashable DeepSeek-V4 architecture config, presets and the HF ``config.json`` converter.
 
-`Config` holds architecture only (spec §1). Capacities of KV pools live in `ds4jax.pool_spec.PoolSpec`;
+`Config` holds architecture only (spec §1). Capacities of KV pools live in `ds4jax.runtime.pool_spec.PoolSpec`;
 kernel choices live in the step spec. A `Config` is a static argument of every jitted function.
 """
 

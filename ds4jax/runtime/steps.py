@@ -22,13 +22,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import AttentionType, Config, MlpType
-from ds4jax.kernels import Impl, resolve
-from ds4jax.layers.pooled import (CompressorState, LayerPools, attention_pooled, geometry)
-from ds4jax.model import block, embed, logits_from_streams, mtp_inputs
-from ds4jax.pool_spec import PoolSpec
-from ds4jax.pools import KVPool, PoolError, check_pool
-from ds4jax.roles import Role
+from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.runtime.kernels import Impl, resolve
+from ds4jax.runtime.pooled_attention import (CompressorState, LayerPools, attention_pooled, geometry)
+from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import KVPool, PoolError, check_pool
+from ds4jax.runtime.roles import Role
 
 
 class Logits(enum.Enum):

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import Config, MlpType
-from ds4jax.layers.linear import linear, linear_f32
+from ds4jax.model.config import Config, MlpType
+from ds4jax.model.layers.linear import linear, linear_f32
 
 
 class Routing(NamedTuple):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import initializers
 
-from ds4jax.config import AttentionType, Config, MlpType
+from ds4jax.model.config import AttentionType, Config, MlpType
 
 Initializer = Callable[..., jax.Array]
 

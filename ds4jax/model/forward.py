@@ -9,12 +9,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.config import AttentionType, Config, MlpType
-from ds4jax.layers.attention import attention_sequence
-from ds4jax.layers.linear import linear
-from ds4jax.layers.mhc import hc_head, hc_post, hc_pre
-from ds4jax.layers.moe import Routing, moe
-from ds4jax.layers.norms import rms_norm
+from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.model.layers.attention import attention_sequence
+from ds4jax.model.layers.linear import linear
+from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre
+from ds4jax.model.layers.moe import Routing, moe
+from ds4jax.model.layers.norms import rms_norm
 
 # attention sub-layer: normalised input [b, t, e] -> (output [b, t, e], extra)
 AttentionFn = Callable[[jax.Array], tuple[jax.Array, Any]]

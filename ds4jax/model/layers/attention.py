@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.config import AttentionType, Config
-from ds4jax.layers import compressor, indexer
-from ds4jax.layers.linear import linear
-from ds4jax.layers.norms import rms_norm, unweighted_rms_norm
-from ds4jax.layers.rope import apply_rope, inv_frequencies
+from ds4jax.model.config import AttentionType, Config
+from ds4jax.model.layers import compressor, indexer
+from ds4jax.model.layers.linear import linear
+from ds4jax.model.layers.norms import rms_norm, unweighted_rms_norm
+from ds4jax.model.layers.rope import apply_rope, inv_frequencies
 
 
 def layer_inv_freq(cfg: Config, kind: AttentionType) -> np.ndarray:
