@@ -14,9 +14,12 @@ from ds4jax.runtime.pool_spec import PoolSpec, configure
 from ds4jax.runtime.pools import KVPool, PoolBook, PoolError
 from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
+from ds4jax.generation.engine import Engine, EngineStats
+from ds4jax.generation.requests import Budget, ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 
 __all__ = [
     "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
+    "Engine", "EngineStats", "Budget", "ErrorCode", "FinishReason", "GenerateResult", "Request", "TokenEvent",
 ]

@@ -16,27 +16,36 @@ class Acceptance(NamedTuple):
     next_token: jax.Array  # [b] int32 the target's token after the accepted prefix (correction or bonus)
 
 
-def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> Acceptance:
-    """drafts [b, k], target_logits [b, k+1, v]: accept the longest prefix equal to the target's argmax."""
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array, limit: jax.Array | None = None) -> Acceptance:
+    """drafts [b, k], target_logits [b, k+1, v]: accept the longest prefix equal to the target's argmax.
+
+    limit [b] (optional): accept at most limit[b] drafts (a request speculating with fewer than k)."""
     choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, k+1]
     match = drafts == choice[:, :-1]
+    if limit is not None:
+        match = match & (jnp.arange(drafts.shape[1])[None, :] < limit[:, None])
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
     return Acceptance(accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0])
 
 
-def accept_sampled(drafts: jax.Array, draft_logp: jax.Array, target_logp: jax.Array, key: jax.Array) -> Acceptance:
+def accept_sampled(drafts: jax.Array, draft_logp: jax.Array, target_logp: jax.Array, key: jax.Array,
+                   limit: jax.Array | None = None) -> Acceptance:
     """Rejection sampling.
 
     drafts [b, k]; draft_logp [b, k, v] log q_j (the filtered distributions the drafts were drawn from);
-    target_logp [b, k+1, v] log p_j (filtered with the same temperature / top-p); key [b] typed keys."""
+    target_logp [b, k+1, v] log p_j (filtered with the same temperature / top-p); key [b] typed keys.
+    limit [b] (optional): drafts j >= limit[b] are not proposals at all (q := 0 there, so the token after
+    limit[b] accepted drafts is drawn from p itself, the bonus rule)."""
     b, k = drafts.shape
     p = jnp.exp(target_logp)
     q = jnp.exp(draft_logp)
+    proposed = jnp.ones((b, k), bool) if limit is None else jnp.arange(k)[None, :] < limit[:, None]
+    q = jnp.where(proposed[..., None], q, 0.0)
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     keys = jax.vmap(lambda kk: jax.random.split(kk, 2))(key)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(keys[:, 0])
-    ok = u * q_d < p_d  # accept with probability min(1, p/q); q_d > 0 since d was drawn from q
+    ok = (u * q_d < p_d) & proposed  # accept with probability min(1, p/q); q_d > 0 since d was drawn from q
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
     # residual at the first rejection; the bonus distribution p_k when everything was accepted
     q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_k := 0 so the "residual" is p_k itself

@@ -1,25 +1,47 @@
-"""Token sampling: greedy, temperature and nucleus (top-p), with per-request keys."""
+"""Token sampling: greedy, temperature, top-k and nucleus (top-p), with per-request keys."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Scaled, nucleus-filtered log-probabilities [..., v] (float32). temperature > 0, top_p in (0, 1]."""
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array | None = None
+                  ) -> jax.Array:
+    """Scaled, top-k and nucleus-filtered log-probabilities [..., v] (float32).
+
+    temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]."""
     scaled = logits.astype(jnp.float32) / temperature[..., None]
     order = jnp.argsort(-scaled, axis=-1)
-    sorted_logp = jax.nn.log_softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+    sorted_logp = jax.nn.log_softmax(sorted_scaled, axis=-1)
     before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)  # mass strictly above each token
     keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0)  # always keeps the most likely token
+    if top_k is not None:
+        rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+        top_k = jnp.broadcast_to(top_k, scaled.shape[:-1])
+        keep_sorted = keep_sorted & ((top_k[..., None] <= 0) | (rank < top_k[..., None]))
     keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if scaled.ndim == 1 else \
         jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """logits [b, v], keys [b] (typed PRNG keys), temperature/top_p [b]; temperature 0 means greedy."""
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+           top_k: jax.Array | None = None) -> jax.Array:
+    """logits [b, v], keys [b] (typed PRNG keys), temperature/top_p/top_k [b]; temperature 0 means greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    logp = filter_logits(logits, safe_t, top_p)
+    logp = filter_logits(logits, safe_t, top_p, top_k)
     drawn = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """Raw threefry key data [2] uint32 of `seed` (what jax.random.key(seed) holds), built on the host."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+def token_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
+    """Typed keys [b] for token `index[b]` of each request: draws depend on the request's seed and the index only."""
+    base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(base, index)

@@ -1,0 +1,532 @@
+"""`Engine`: continuous batching over explicit pools with bounded compiles, streaming and cancellation.
+
+The engine owns the pools (target, and the MTP draft's when speculating), their host books and a per-slot
+device state. Requests wait in a FIFO queue and join free slots between calls; every iteration runs
+
+1. admission: validate (errors become results, never exceptions), reserve every page the request can need;
+2. one prefill chunk over the rows still prefilling (their first token is sampled on device);
+3. one multi-step call over the decoding rows: `decode_loop` (up to M tokens) for plain rows and
+   `speculative_loop` (up to M rounds) for speculative ones; each returns early when a row finishes;
+4. delivery: tokens go to `on_token` / the stream in order; finished or cancelled requests free and reset
+   their slot.
+
+Shapes come only from the buckets (`row_buckets` x `chunk_buckets` for prefill, `row_buckets` for decode), so
+after `warmup()` no workload compiles anything (tests/test_engine.py counts). Decode never pays for prefill
+width: the two are separate programs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.generation import loops, spec_rounds
+from ds4jax.generation.loops import MAX_STOP_IDS, Rows, SlotState
+from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
+from ds4jax.generation.sampling import seed_key_data
+from ds4jax.model.handle import Model
+from ds4jax.runtime import pools
+from ds4jax.runtime.kernels import Impl, resolve
+from ds4jax.runtime.pool_spec import PoolSpec, configure
+from ds4jax.runtime.pools import PoolBook, PoolError
+from ds4jax.runtime.roles import Role
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+
+
+def _count_compiles(event, duration, **kwargs):
+    if event == _COMPILE_EVENT:
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far (every jitted program, ours or not)."""
+    return _compiles[0]
+
+
+def default_page_size(cfg) -> int:
+    """The peers' 256-token page, or the smallest multiple of both compression ratios above it."""
+    step = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    return -(-256 // step) * step
+
+
+def pool_dtype(model: Model) -> str:
+    return jnp.dtype(model.params["embed"].dtype).name
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _powers_up_to(top: int, low: int = 1) -> tuple[int, ...]:
+    out, b = [], min(low, top)
+    while b < top:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (top,)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prefill_steps: int = 0  # prefill chunk calls
+    decode_calls: int = 0  # multi-step plain decode calls
+    decode_steps: int = 0  # decode steps inside them
+    spec_calls: int = 0  # multi-round speculative calls
+    spec_rounds: int = 0
+    tokens: int = 0  # tokens delivered
+    prompt_tokens: int = 0  # prompt tokens prefilled
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    compiles: int = 0  # XLA compilations that happened inside engine calls (warmup included)
+    compiles_after_warmup: int = 0
+
+
+@dataclasses.dataclass
+class _Live:
+    index: int
+    request: Request
+    ids: list[int]
+    result: GenerateResult
+    k: int  # accepted-draft cap (0 = plain decoding)
+    key_data: np.ndarray
+    stop: np.ndarray
+    submitted: float
+    slot: int = -1
+    pos: int = 0  # prompt tokens prefilled
+    cur: int = 0
+    admitted: float = 0.0
+    first_token: float = 0.0
+    done: bool = False
+
+
+class Engine:
+    """Serve `Request`s on one model. See the module docstring; `generate`, `stream`, `warmup`, `stats`.
+
+    model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
+    tokens per round with the MTP block; requests may opt out (`Request.speculative=0`) or cap k.
+    Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
+    steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip.
+    kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
+
+    def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
+                 draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
+                 prefill_chunk: int = 256, chunk_buckets: Sequence[int] | None = None,
+                 row_buckets: Sequence[int] | None = None, steps_per_call: int = 8, kernels: Impl | str | None = None,
+                 tokenizer=None, max_queue: int | None = None):
+        cfg = model.config
+        k = int(speculative) or (2 if draft else 0)
+        if k < 0:
+            raise PoolError(f"speculative must be >= 0, got {speculative}")
+        if k and not model.has_mtp:
+            raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
+        self.model, self.cfg, self.k, self.tokenizer = model, cfg, k, tokenizer
+        self.kernels = resolve(kernels)
+        self.max_queue = max_queue
+        self.steps_per_call = int(steps_per_call)
+        page = page_size or default_page_size(cfg)
+        common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
+                      draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
+        self.tspec: PoolSpec = configure(cfg, role=Role.TARGET, **common)
+        self.dspec: PoolSpec | None = configure(cfg, role=Role.DRAFT, **common) if k else None
+        slots = self.tspec.max_slots
+        self.row_buckets = tuple(sorted(set(row_buckets or _powers_up_to(slots))))
+        self.chunk_buckets = tuple(sorted(set(chunk_buckets or _powers_up_to(prefill_chunk, 16))))
+        if self.row_buckets[-1] > slots or self.row_buckets[0] < 1:
+            raise PoolError(f"row buckets {self.row_buckets} must lie in [1, max_slots={slots}]")
+        if self.row_buckets[-1] < slots:
+            self.row_buckets += (slots,)
+        self.stats = EngineStats()
+        self._warm = False
+        self._reset_state()
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    def _reset_state(self) -> None:
+        cfg, s = self.cfg, self.tspec.max_slots
+        self.tbook = PoolBook(self.tspec, cfg.vocab_size)
+        self.tpool = self.tbook.sync(pools.zeros(self.tspec))
+        self.dbook = PoolBook(self.dspec, cfg.vocab_size) if self.dspec else None
+        self.dpool = self.dbook.sync(pools.zeros(self.dspec)) if self.dspec else None
+        self.slot_state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), jnp.float32))
+        self._slots: dict[int, _Live] = {}  # slot -> live request
+        self._to_reset: set[int] = set()
+
+    # ---- public API ------------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[Request]) -> list[GenerateResult]:
+        """Run every request to completion; results in the same order. Never raises for a bad request."""
+        results: list[GenerateResult] | None = None
+        gen = self._run(list(requests))
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                results = stop.value
+                break
+        return results
+
+    def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+        """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards."""
+        gen = self._run(list(requests))
+        while True:
+            try:
+                yield from next(gen)
+            except StopIteration as stop:
+                self.last_results = stop.value
+                return
+
+    def warmup(self) -> int:
+        """Compile every bucket's programs once (on padding rows, which write nothing). Returns compilations."""
+        if self._slots:
+            raise PoolError("warmup() needs an idle engine")
+        before = compile_count()
+        for rows in self.row_buckets:
+            for chunk in self.chunk_buckets:
+                self._prefill_call(self._padding_rows(rows, []), np.zeros((rows, chunk), np.int32),
+                                   np.zeros(rows, np.int32), np.zeros((rows, chunk), np.int32), np.zeros(rows, bool))
+            self._decode_call(self._padding_rows(rows, []))
+            if self.k:
+                self._spec_call(self._padding_rows(rows, []))
+        self._to_reset.add(0)
+        self._apply_resets()
+        jax.block_until_ready(self.tpool)
+        self._warm = True
+        n = compile_count() - before
+        self.stats.compiles += n
+        return n
+
+    # ---- validation ------------------------------------------------------------------------------------------
+    def _validate(self, index: int, req: Request, now: float) -> _Live | GenerateResult:
+        def fail(code: ErrorCode, message: str) -> GenerateResult:
+            return GenerateResult(finish_reason=FinishReason.ERROR.value, error=code,
+                                  message=f"request {index}: {message}")
+
+        if not isinstance(req, Request):
+            return fail(ErrorCode.INVALID_REQUEST, f"expected a ds4jax.Request, got {type(req).__name__}")
+        v = self.cfg.vocab_size
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return fail(ErrorCode.INVALID_REQUEST, "a text prompt needs an engine built with a tokenizer")
+            ids = self.tokenizer.encode(prompt, add_bos=getattr(self.tokenizer, "bos_id", None) is not None)
+        else:
+            try:
+                ids = [int(t) for t in np.asarray(prompt).reshape(-1).tolist()] if len(prompt) else []
+            except (TypeError, ValueError):
+                return fail(ErrorCode.INVALID_REQUEST, "prompt must be token ids or text")
+        if not ids:
+            return fail(ErrorCode.INVALID_REQUEST, "the prompt is empty (it needs at least one token)")
+        bad = [i for i, t in enumerate(ids) if not 0 <= t < v]
+        if bad:
+            return fail(ErrorCode.INVALID_REQUEST, f"prompt token {ids[bad[0]]} at index {bad[0]} is outside the "
+                                                   f"vocabulary [0, {v})")
+        if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens < 1:
+            return fail(ErrorCode.INVALID_REQUEST, f"max_new_tokens must be an int >= 1, got {req.max_new_tokens!r}")
+        if not (math.isfinite(req.temperature) and req.temperature >= 0):
+            return fail(ErrorCode.INVALID_REQUEST, f"temperature must be finite and >= 0, got {req.temperature}")
+        if not 0 < req.top_p <= 1:
+            return fail(ErrorCode.INVALID_REQUEST, f"top_p must be in (0, 1], got {req.top_p}")
+        if req.top_k < 0:
+            return fail(ErrorCode.INVALID_REQUEST, f"top_k must be >= 0 (0 = off), got {req.top_k}")
+        stops = tuple(req.stop_ids)
+        if len(stops) > MAX_STOP_IDS:
+            return fail(ErrorCode.INVALID_REQUEST, f"at most {MAX_STOP_IDS} stop ids are supported, got {len(stops)}")
+        if any(not 0 <= int(s) < v for s in stops):
+            return fail(ErrorCode.INVALID_REQUEST, f"stop ids {stops} must lie in the vocabulary [0, {v})")
+        if req.stop_strings and self.tokenizer is None:
+            return fail(ErrorCode.INVALID_REQUEST, "stop_strings need an engine built with a tokenizer")
+        if req.on_token is not None and not callable(req.on_token):
+            return fail(ErrorCode.INVALID_REQUEST, "on_token must be callable")
+        k = self.k if req.speculative is None else req.speculative
+        if not isinstance(k, (int, np.integer)) or k < 0 or k > self.k:
+            return fail(ErrorCode.INVALID_REQUEST, f"speculative={req.speculative!r}: this engine drafts up to "
+                                                   f"{self.k} tokens per round (0 = plain decoding)")
+        need = len(ids) + req.max_new_tokens + (self.k + 1 if self.k else 0)
+        if need > self.tspec.max_context:
+            return fail(ErrorCode.PROMPT_TOO_LONG, f"{len(ids)} prompt tokens + {req.max_new_tokens} new tokens"
+                        + (f" + {self.k + 1} speculative positions" if self.k else "")
+                        + f" exceed max_context {self.tspec.max_context}")
+        if self.tbook.pages_needed(need) > self.tspec.num_pages:
+            return fail(ErrorCode.CAPACITY_EXCEEDED, f"needs {self.tbook.pages_needed(need)} pages; the pool has "
+                                                     f"{self.tspec.num_pages}")
+        stop = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop[: len(stops)] = stops
+        result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
+        return _Live(index, req, ids, result, int(k), seed_key_data(req.seed), stop, now)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def _run(self, requests: list) -> Iterator[list[TokenEvent]]:
+        results: list[GenerateResult | None] = [None] * len(requests)
+        queue: collections.deque[_Live] = collections.deque()
+        now = time.perf_counter()
+        for i, req in enumerate(requests):
+            got = self._validate(i, req, now)
+            if isinstance(got, GenerateResult):
+                results[i] = got
+                self.stats.failed += 1
+            elif self.max_queue is not None and len(queue) >= self.max_queue:
+                results[i] = GenerateResult(error=ErrorCode.CAPACITY_EXCEEDED,
+                                            message=f"request {i}: the queue is full ({self.max_queue} waiting)")
+                self.stats.failed += 1
+            else:
+                queue.append(got)
+                results[i] = got.result
+        before = compile_count()
+        try:
+            while queue or self._slots:
+                events: list[TokenEvent] = []
+                self._admit(queue)
+                if any(lv.pos < len(lv.ids) for lv in self._slots.values()):
+                    self._guarded(self._prefill_once, events)
+                decoding = [lv for lv in self._slots.values() if lv.pos == len(lv.ids) and not lv.done]
+                if decoding:
+                    self._guarded(lambda ev: self._decode_once(decoding, ev), events)
+                self._release_finished()
+                if events:
+                    yield events
+        finally:
+            n = compile_count() - before
+            self.stats.compiles += n
+            if self._warm:
+                self.stats.compiles_after_warmup += n
+        return results
+
+    def _guarded(self, fn, events) -> None:
+        """Run one engine call; an exception fails the requests it touched (INTERNAL), never the caller."""
+        try:
+            fn(events)
+        except Exception as exc:  # noqa: BLE001 - an engine bug must not take other callers down
+            lost = self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
+            victims = list(self._slots.values()) if lost else [lv for lv in self._slots.values() if not lv.done]
+            for lv in victims:
+                self._finish(lv, FinishReason.ERROR, ErrorCode.INTERNAL, f"engine step failed: {exc!r}")
+            if lost:  # donated pools are gone: start over with fresh ones
+                self._slots.clear()
+                self._reset_state()
+
+    def _admit(self, queue) -> None:
+        self._apply_resets()
+        admitted = False
+        while queue and len(self._slots) < self.tspec.max_slots:
+            lv = queue[0]
+            need = len(lv.ids) + lv.request.max_new_tokens + (self.k + 1 if self.k else 0)
+            if self.tbook.pages_needed(need) > len(self.tbook.free_pages):
+                break  # wait for pages (FIFO: the head waits, nothing overtakes it)
+            queue.popleft()
+            slot = self.tbook.admit()
+            self.tbook.reserve(slot, need)
+            if self.dbook is not None:
+                self.dbook.admit(slot)
+                self.dbook.reserve(slot, need)
+            lv.slot, lv.admitted = slot, time.perf_counter()
+            lv.result.timings.queue_s = lv.admitted - lv.submitted
+            self._slots[slot] = lv
+            admitted = True
+        if admitted:
+            self.tpool = self.tbook.sync(self.tpool)
+            if self.dbook is not None:
+                self.dpool = self.dbook.sync(self.dpool)
+
+    def _apply_resets(self) -> None:
+        if not self._to_reset:
+            return
+        slots = sorted(self._to_reset)
+        self.tpool = self.tbook.sync(pools.reset_slots(self.tpool, slots))
+        if self.dpool is not None:
+            self.dpool = self.dbook.sync(pools.reset_slots(self.dpool, slots))
+        self._to_reset.clear()
+
+    def _bucket_rows(self, n: int) -> int:
+        return next(b for b in self.row_buckets if b >= n)
+
+    def _padding_rows(self, rows: int, live: list[_Live]) -> Rows:
+        """Rows for `live` padded to `rows` with distinct unused slots (free slots first)."""
+        used = {lv.slot for lv in live}
+        spare = [s for s in range(self.tspec.max_slots) if s not in used and s not in self._slots]
+        spare += [s for s in range(self.tspec.max_slots) if s not in used and s in self._slots]
+        slots = [lv.slot for lv in live] + spare[: rows - len(live)]
+        b = rows
+        arr = dict(slots=np.asarray(slots, np.int32), active=np.zeros(b, bool), cur=np.zeros(b, np.int32),
+                   n_out=np.zeros(b, np.int32), max_new=np.ones(b, np.int32),
+                   stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32), temperature=np.zeros(b, np.float32),
+                   top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int32), key_data=np.zeros((b, 2), np.uint32),
+                   k_cap=np.zeros(b, np.int32))
+        for r, lv in enumerate(live):
+            q = lv.request
+            arr["active"][r] = True
+            arr["cur"][r] = lv.cur
+            arr["n_out"][r] = len(lv.result.tokens)
+            arr["max_new"][r] = q.max_new_tokens
+            arr["stop_ids"][r] = lv.stop
+            arr["temperature"][r] = q.temperature
+            arr["top_p"][r] = q.top_p
+            arr["top_k"][r] = q.top_k
+            arr["key_data"][r] = lv.key_data
+            arr["k_cap"][r] = lv.k
+        return Rows(**arr)
+
+    # ---- prefill ---------------------------------------------------------------------------------------------
+    def _chunk_plan(self, lv: _Live) -> int:
+        """Tokens of `lv`'s prompt the next chunk takes."""
+        return min(len(lv.ids) - lv.pos, self.chunk_buckets[-1])
+
+    def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
+        first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
+            self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
+            finishing, cfg=self.cfg, tspec=self.tspec, dspec=self.dspec, kernels=self.kernels)
+        return first
+
+    def _prefill_once(self, events: list[TokenEvent]) -> None:
+        live = [lv for lv in self._slots.values() if lv.pos < len(lv.ids)][: self.row_buckets[-1]]
+        n = [self._chunk_plan(lv) for lv in live]
+        width = next(c for c in self.chunk_buckets if c >= max(n))
+        rows = self._padding_rows(self._bucket_rows(len(live)), live)
+        b = rows.slots.shape[0]
+        tok = np.zeros((b, width), np.int32)
+        nxt = np.zeros((b, width), np.int32)
+        n_tokens = np.zeros(b, np.int32)
+        finishing = np.zeros(b, bool)
+        for r, (lv, c) in enumerate(zip(live, n)):
+            tok[r, :c] = lv.ids[lv.pos: lv.pos + c]
+            follow = lv.ids[lv.pos + 1: lv.pos + c + 1]
+            nxt[r, : len(follow)] = follow
+            n_tokens[r] = c
+            finishing[r] = lv.pos + c == len(lv.ids)
+        self.tbook.check_extend(rows.slots[: len(live)], tok[: len(live)], n_tokens[: len(live)])
+        first = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
+        self.stats.prefill_steps += 1
+        self.stats.prompt_tokens += int(n_tokens.sum())
+        slots = rows.slots[: len(live)]
+        self.tbook.commit(slots, n_tokens[: len(live)])
+        if self.dbook is not None:
+            self.dbook.commit(slots, n_tokens[: len(live)])
+        if finishing.any():
+            first = np.asarray(first)
+        now = time.perf_counter()
+        for r, (lv, c) in enumerate(zip(live, n)):
+            lv.pos += c
+            if finishing[r]:
+                lv.first_token = now
+                lv.result.timings.prefill_s = now - lv.admitted
+                self._deliver(lv, [int(first[r])], events)
+                if not lv.done:
+                    self._check_finished(lv)
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def _decode_call(self, rows: Rows):
+        out, self.tpool = loops.decode_loop(self.model.params, self.tpool, rows, cfg=self.cfg, spec=self.tspec,
+                                            kernels=self.kernels, max_steps=self.steps_per_call)
+        return out
+
+    def _spec_call(self, rows: Rows):
+        out, self.tpool, self.dpool, self.slot_state = spec_rounds.speculative_loop(
+            self.model.params, self.tpool, self.dpool, self.slot_state, rows, cfg=self.cfg, tspec=self.tspec,
+            dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
+        return out
+
+    def _decode_once(self, decoding: list[_Live], events: list[TokenEvent]) -> None:
+        plain = [lv for lv in decoding if lv.k == 0]
+        spec = [lv for lv in decoding if lv.k > 0]
+        for group, speculative in ((plain, False), (spec, True)):
+            for start in range(0, len(group), self.row_buckets[-1]):
+                part = group[start: start + self.row_buckets[-1]]
+                rows = self._padding_rows(self._bucket_rows(len(part)), part)
+                if speculative:
+                    out = self._spec_call(rows)
+                    tokens, rounds, accepted = jax.device_get((out.tokens, out.rounds, out.accepted))
+                    self.stats.spec_calls += 1
+                    self.stats.spec_rounds += int(rounds)
+                else:
+                    out = self._decode_call(rows)
+                    tokens, steps_run = jax.device_get((out.tokens, out.steps))
+                    accepted = None
+                    self.stats.decode_calls += 1
+                    self.stats.decode_steps += int(steps_run)
+                lengths = np.asarray(self.tpool.lengths)
+                for r, lv in enumerate(part):
+                    self.tbook.lengths[lv.slot] = lengths[lv.slot]
+                    if self.dbook is not None:
+                        self.dbook.lengths[lv.slot] = lengths[lv.slot] if speculative else self.dbook.lengths[lv.slot]
+                    if accepted is not None:
+                        lv.result.accepted_per_round.extend(int(a) for a in accepted[r] if a >= 0)
+                    new = [int(t) for t in tokens[r] if t >= 0]
+                    self._deliver(lv, new, events)
+                    if not lv.done:
+                        self._check_finished(lv)
+
+    # ---- delivery and finishing ------------------------------------------------------------------------------
+    def _deliver(self, lv: _Live, tokens: list[int], events: list[TokenEvent]) -> None:
+        for t in tokens:
+            if lv.done:
+                return
+            res = lv.result
+            ev = TokenEvent(lv.index, t, len(res.tokens))
+            res.tokens.append(t)
+            lv.cur = t
+            self.stats.tokens += 1
+            events.append(ev)
+            if lv.request.on_token is not None:
+                try:
+                    keep = lv.request.on_token(ev)
+                except Exception as exc:  # noqa: BLE001 - the callback's failure cancels its own request only
+                    self._finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"on_token raised {exc!r}")
+                    return
+                if keep is False:
+                    self._finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, "on_token returned False")
+                    return
+            if lv.request.stop_strings:
+                text = self.tokenizer.decode(res.tokens)
+                hit = [text.index(s) for s in lv.request.stop_strings if s and s in text]
+                if hit:
+                    self._finish(lv, FinishReason.STOP)
+                    lv.result.text = text[: min(hit)]
+                    return
+
+    def _check_finished(self, lv: _Live) -> None:
+        toks = lv.result.tokens
+        if toks and toks[-1] in lv.request.stop_ids:
+            self._finish(lv, FinishReason.STOP)
+        elif len(toks) >= lv.request.max_new_tokens:
+            self._finish(lv, FinishReason.LENGTH)
+
+    def _finish(self, lv: _Live, reason: FinishReason, error: ErrorCode | None = None, message: str = "") -> None:
+        lv.done = True
+        res = lv.result
+        now = time.perf_counter()
+        res.finish_reason, res.error, res.message = reason.value, error, message
+        t = res.timings
+        if lv.first_token:
+            t.decode_s = now - lv.first_token
+        elif lv.admitted:
+            t.prefill_s = now - lv.admitted
+        busy = t.prefill_s + t.decode_s
+        t.tokens_per_s = len(res.tokens) / busy if busy > 0 else 0.0
+        if self.tokenizer is not None and res.text is None:
+            res.text = self.tokenizer.decode(res.tokens)
+        if reason is FinishReason.CANCELLED:
+            self.stats.cancelled += 1
+        elif error is not None:
+            self.stats.failed += 1
+        else:
+            self.stats.completed += 1
+
+    def _release_finished(self) -> None:
+        for slot, lv in list(self._slots.items()):
+            if lv.done:
+                del self._slots[slot]
+                self.tbook.release(slot)
+                if self.dbook is not None:
+                    self.dbook.release(slot)
+                self._to_reset.add(slot)

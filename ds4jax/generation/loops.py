@@ -1,0 +1,128 @@
+"""The engine's compiled programs for prefill and plain decoding (speculative rounds: `spec_rounds.py`).
+
+Every program takes the rows of one step as arrays (`Rows`): which slot each row serves and that request's
+sampling state. Padding rows have ``active = False`` and distinct otherwise unused slots; they write nothing.
+Token draws use ``fold_in(key(seed), index)`` so a request's tokens never depend on its batch or slot.
+
+* `prefill_call`: one prompt chunk per row (target step, last-token logits), the first token sampled on device
+  for rows whose prompt ends in the chunk, and, with a draft, the draft extend over the same rows (row i takes
+  the id of token i+1: the next prompt token, or the sampled first token after the prompt's last one).
+* `decode_loop`: up to M decode steps in one `lax.while_loop`; it returns early as soon as any row finishes
+  (a stop id or its budget) so the host can free the slot and admit the next request.
+
+Per-slot device state (`SlotState`) keeps what a request carries between calls: its last logits (prefix
+snapshots) and, when speculating, the draft's last logits and stream.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.generation.sampling import sample, token_keys
+from ds4jax.runtime import steps
+from ds4jax.runtime.roles import Role
+
+MAX_STOP_IDS = 8
+
+
+class Rows(NamedTuple):
+    """Per-row request state of one call (host-built numpy arrays, all [B] unless noted)."""
+    slots: jax.Array  # int32 pool slot
+    active: jax.Array  # bool: a real request (padding rows are False)
+    cur: jax.Array  # int32 last emitted token (the next step's input)
+    n_out: jax.Array  # int32 tokens emitted so far
+    max_new: jax.Array  # int32 token budget
+    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32 (-1 = none)
+    temperature: jax.Array  # float32 (0 = greedy)
+    top_p: jax.Array  # float32
+    top_k: jax.Array  # int32 (0 = off)
+    key_data: jax.Array  # [B, 2] uint32 the request's seed key
+    k_cap: jax.Array  # int32 speculative: most drafts a round may accept for this request
+
+
+class SlotState(NamedTuple):
+    last_logits: jax.Array  # [S, v] float32 logits after the slot's last prefilled token
+    draft_logits: jax.Array  # [S, v] draft prediction for the position after the slot's pending token
+    draft_stream: jax.Array  # [S, m, e] draft streams of its last row
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [B, ...], stop_ids [B, S] -> bool [B, ...]."""
+    extra = tokens.ndim - 1
+    stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * extra + stop_ids.shape[1:])
+    return jnp.any((tokens[..., None] == stops) & (stops >= 0), axis=-1)
+
+
+_PREFILL_STATIC = ("cfg", "tspec", "dspec", "kernels")
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("tpool", "dpool", "slot_state"))
+def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens, next_ids, finishing,
+                 *, cfg, tspec, dspec, kernels):
+    """One prefill chunk. Returns (first tokens [B] (valid where `finishing`), tpool, dpool, slot_state).
+
+    token_ids / next_ids [B, C] (next_ids: the id of token i+1 for the draft; the last one of a finishing row
+    is replaced by the sampled first token); n_tokens [B]; finishing [B] bool."""
+    batch = steps.StepBatch(rows.slots, token_ids, n_tokens)
+    out, tpool = steps._step(params, tpool, batch, None, cfg=cfg, spec=tspec, role=Role.TARGET,
+                             logits=steps.Logits.LAST, kernels=kernels)
+    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
+    first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k)
+    wrote = n_tokens > 0
+    last_logits = slot_state.last_logits.at[rows.slots].set(
+        jnp.where(wrote[:, None], out.logits, slot_state.last_logits[rows.slots]))
+    slot_state = slot_state._replace(last_logits=last_logits)
+    if dspec is not None:
+        col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
+        last = jnp.maximum(n_tokens - 1, 0)
+        ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
+        dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
+                                  spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
+        stream = jnp.take_along_axis(dout.streams, last[:, None, None, None], axis=1)[:, 0]
+        keep = finishing
+        slot_state = slot_state._replace(
+            draft_logits=slot_state.draft_logits.at[rows.slots].set(
+                jnp.where(keep[:, None], dout.logits, slot_state.draft_logits[rows.slots])),
+            draft_stream=slot_state.draft_stream.at[rows.slots].set(
+                jnp.where(keep[:, None, None], stream, slot_state.draft_stream[rows.slots])))
+    return first, tpool, dpool, slot_state
+
+
+class DecodeOut(NamedTuple):
+    tokens: jax.Array  # [B, M] emitted tokens (-1 = none)
+    n_out: jax.Array  # [B] tokens emitted so far (after this call)
+    done: jax.Array  # [B] finished (stop id or budget)
+    steps: jax.Array  # [] steps run
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "kernels", "max_steps"), donate_argnames=("pool",))
+def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int):
+    """Up to `max_steps` decode steps; stops after the step in which any active row finishes."""
+    b = rows.slots.shape[0]
+    buf = jnp.full((b, max_steps), -1, jnp.int32)
+
+    def cond(c):
+        _, _, _, done, _, i, finished = c
+        return (i < max_steps) & ~finished & jnp.any(~done)
+
+    def body(c):
+        pool, cur, n_out, done, buf, i, _ = c
+        live = ~done
+        batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
+        out, pool = steps._step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
+                                logits=steps.Logits.LAST, kernels=kernels)
+        tok = sample(out.logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
+        tok = jnp.where(live, tok, cur)
+        buf = buf.at[:, i].set(jnp.where(live, tok, -1))
+        n_out = n_out + live.astype(jnp.int32)
+        now_done = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
+        return pool, tok, n_out, done | now_done, buf, i + 1, jnp.any(now_done)
+
+    done0 = ~rows.active | (rows.n_out >= rows.max_new)
+    init = (pool, rows.cur, rows.n_out, done0, buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
+    pool, _, n_out, done, buf, i, _ = jax.lax.while_loop(cond, body, init)
+    return DecodeOut(buf, n_out, done, i), pool

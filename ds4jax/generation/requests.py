@@ -1,0 +1,110 @@
+"""What a caller hands the engine (`Request`) and what it gets back (`GenerateResult`, `TokenEvent`, `ErrorCode`).
+
+A result is born failed (``finish_reason="error"``, ``ErrorCode.INTERNAL``, "not completed") and only the engine
+marks it complete, so a result that escapes an unexpected path can never pass for a finished one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable, Sequence
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed. The value is the stable string written to batch outputs."""
+
+    INVALID_REQUEST = "invalid_request"  # malformed: empty prompt, id outside the vocabulary, bad sampling values
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_new_tokens (+ speculative window) exceed max_context
+    CAPACITY_EXCEEDED = "capacity_exceeded"  # the queue is full, or the request needs more pages than exist
+    CANCELLED = "cancelled"  # on_token returned False or raised
+    INTERNAL = "internal"  # an engine step failed; the message says how
+    MODEL_PARKED = "model_parked"  # the model the request needs is parked (`Engine.park`)
+    INVALID_SNAPSHOT = "invalid_snapshot"  # a snapshot from another model, config, dtype or pool spec
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop id or stop string
+    LENGTH = "length"  # max_new_tokens
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One streamed token of one request (``index`` counts the request's generated tokens from 0)."""
+
+    request: int  # position of the request in the list given to `generate` / `stream`
+    token: int
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Thinking budget: once the span opened by `open_ids` (or the start of generation when empty) holds
+    `max_tokens` tokens without its natural close (`close_ids`), the engine emits `close_ids` itself."""
+
+    max_tokens: int
+    close_ids: tuple[int, ...]
+    open_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request. `prompt` is token ids, or text when the engine has a tokenizer.
+
+    Sampling: ``temperature == 0`` is greedy; otherwise temperature, `top_k` (0 = off) and `top_p` filter the
+    distribution and `seed` alone decides the draws (the same request gives the same tokens in any batch).
+    `speculative`: None uses the engine's k, 0 decodes this request plainly, 1..k caps its accepted drafts.
+    `on_token(event)` is called for every token as it is delivered; returning False (or raising) cancels the
+    request only."""
+
+    prompt: Sequence[int] | str
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    speculative: int | None = None
+    on_token: Callable[[TokenEvent], bool | None] | None = None
+    budget: Budget | None = None
+    snapshot: bool = False  # save a prefix snapshot of the prompt after prefill (issue 9)
+    snapshot_at: tuple[int, ...] = ()  # extra prompt positions to snapshot at (prefill chunks split there)
+
+
+@dataclasses.dataclass
+class Timings:
+    queue_s: float = 0.0  # submitted -> admitted into a slot
+    prefill_s: float = 0.0  # admitted -> first token
+    decode_s: float = 0.0  # first token -> finished
+    tokens_per_s: float = 0.0  # generated tokens / (prefill + decode)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str | None = None
+    finish_reason: str = FinishReason.ERROR.value
+    error: ErrorCode | None = ErrorCode.INTERNAL
+    message: str = "not completed"
+    timings: Timings = dataclasses.field(default_factory=Timings)
+    accepted_per_round: list[int] | None = None  # speculative: accepted drafts of each round
+    prefill_tokens: int = 0  # prompt tokens this request prefilled (0 after an exact snapshot hit)
+    budget_forced_close: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def mean_accepted(self) -> float:
+        a = self.accepted_per_round or []
+        return sum(a) / len(a) if a else 0.0
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
+                "error": self.error.value if self.error else None, "message": self.message or None,
+                "timings": dataclasses.asdict(self.timings),
+                **({"accepted_per_round": self.accepted_per_round} if self.accepted_per_round is not None else {})}

@@ -1,0 +1,148 @@
+"""Speculative rounds (MTP draft, EAGLE-style chain) as one compiled program: up to M rounds per host call.
+
+Positions: the target has committed P tokens of a request; `cur` is its pending token at position P. A round:
+draft chain of k tokens (d1 from the slot's saved draft logits, d2..dk from k-1 draft decode steps on the
+draft's own streams) -> the target verifies [cur, d1..dk] at P..P+k in one step -> accept a drafts plus one
+target token (exact match when greedy, rejection sampling otherwise; per row) -> roll both pools back by lengths
+(rejected rows are never read: validity is positional) -> draft extend with the a+1 accepted rows and the
+target's streams. `speculative_loop` runs rounds until M are done or any row finishes, then returns so the host
+can stream tokens, free slots and admit requests.
+
+Every step goes through `steps._step` with the engine's `kernels` choice (target and draft alike).
+Compiles once per (config, pool specs, k, row bucket, M, kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.generation.acceptance import accept_greedy, accept_sampled
+from ds4jax.generation.loops import Rows, SlotState, is_stop
+from ds4jax.generation.sampling import filter_logits, token_keys
+from ds4jax.runtime import steps
+from ds4jax.runtime.roles import Role
+
+
+class SpecOut(NamedTuple):
+    tokens: jax.Array  # [B, M * (k+1)] emitted tokens in order (-1 = none)
+    n_out: jax.Array  # [B] tokens emitted so far (after this call)
+    done: jax.Array  # [B]
+    accepted: jax.Array  # [B, M] accepted drafts per round (-1 = no round for this row)
+    rounds: jax.Array  # [] rounds run
+
+
+class _Carry(NamedTuple):
+    tpool: object
+    dpool: object
+    cur: jax.Array
+    draft_logits: jax.Array
+    draft_stream: jax.Array
+    n_out: jax.Array
+    done: jax.Array
+    buf: jax.Array
+    n_buf: jax.Array
+    accepted: jax.Array
+    r: jax.Array
+    finished: jax.Array
+
+
+def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
+    """streams [b, c, m, e], index [b] -> [b, m, e]."""
+    return jnp.take_along_axis(streams, index[:, None, None, None], axis=1)[:, 0]
+
+
+def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _Carry:
+    b = rows.slots.shape[0]
+    slots = rows.slots
+    active = ~c.done
+    one = active.astype(jnp.int32)
+    greedy = rows.temperature <= 0
+    safe_t = jnp.where(greedy, 1.0, rows.temperature)
+    chain_keys = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, c.n_out))  # [b, k+1]
+
+    def propose(logits, j):
+        logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
+        drawn = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
+        return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), logp
+
+    # ---- draft chain: k proposals, k-1 draft decode steps, then roll the draft back ----------------------------
+    draft_len = c.dpool.lengths
+    d, logq = propose(c.draft_logits, 0)
+    drafts, draft_logps = [d], [logq]
+    dpool, stream = c.dpool, c.draft_stream
+    for j in range(1, k):
+        out, dpool = steps._step(params, dpool, steps.StepBatch(slots, d[:, None], one), stream[:, None], cfg=cfg,
+                                 spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
+        stream = out.streams[:, 0]
+        d, logq = propose(out.logits, j)
+        drafts.append(d)
+        draft_logps.append(logq)
+    dpool = dpool.replace(lengths=draft_len)
+    drafts = jnp.stack(drafts, axis=1)  # [b, k]
+
+    # ---- verify k+1 positions ---------------------------------------------------------------------------------
+    target_len = c.tpool.lengths
+    tokens = jnp.concatenate([c.cur[:, None], drafts], axis=1)
+    verify, tpool = steps._step(params, c.tpool, steps.StepBatch(slots, tokens, one * (k + 1)), None, cfg=cfg,
+                                spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
+    by_match = accept_greedy(drafts, verify.logits, rows.k_cap)
+    t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
+    by_sample = accept_sampled(drafts, jnp.stack(draft_logps, axis=1), t_logp, chain_keys[:, k], rows.k_cap)
+    a = jnp.where(greedy, by_match.accepted, by_sample.accepted)
+    nxt = jnp.where(greedy, by_match.next_token, by_sample.next_token)
+    a = jnp.where(active, a, 0)
+    before = target_len[slots]
+    tpool = tpool.replace(lengths=target_len.at[slots].set(jnp.where(active, before + a + 1, before)))
+
+    # ---- draft extend with the accepted rows ------------------------------------------------------------------
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    shifted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    ext_ids = jnp.where(j < a[:, None], shifted, nxt[:, None])
+    ext, dpool = steps._step(params, dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
+                             cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
+
+    # ---- emit [d1..da, next], truncated at stop ids and the token budget ----------------------------------------
+    emitted = ext_ids  # row j < a: d_{j+1}; row a: the target's token
+    stop_hit = is_stop(emitted, rows.stop_ids) & (j <= a[:, None])
+    first_stop = jnp.where(jnp.any(stop_hit, axis=1), jnp.argmax(stop_hit, axis=1) + 1, a + 1)
+    count = jnp.where(active, jnp.minimum(jnp.minimum(a + 1, first_stop), rows.max_new - c.n_out), 0)
+    write = jnp.where(j < count[:, None], emitted, -1)
+    buf = jax.vmap(lambda o, w, n: jax.lax.dynamic_update_slice(o, w, (n,)))(c.buf, write, c.n_buf)
+    n_out = c.n_out + count
+    now_done = active & ((n_out >= rows.max_new) | jnp.any(stop_hit & (j < count[:, None]), axis=1))
+    accepted = c.accepted.at[:, c.r].set(jnp.where(active, a, -1))
+    draft_logits = jnp.where(active[:, None], ext.logits, c.draft_logits)
+    draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)), c.draft_stream)
+    return _Carry(tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
+                  c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds"),
+                   donate_argnames=("tpool", "dpool", "slot_state"))
+def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *, cfg, tspec, dspec, k, kernels,
+                     max_rounds: int):
+    """Up to `max_rounds` rounds; returns after the round in which any row finishes.
+
+    Returns (SpecOut, tpool, dpool, slot_state)."""
+    b = rows.slots.shape[0]
+    done0 = ~rows.active | (rows.n_out >= rows.max_new)
+    init = _Carry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
+                  rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
+                  jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool))
+
+    def cond(c):
+        return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)
+
+    body = functools.partial(_round, params, rows=rows, cfg=cfg, tspec=tspec, dspec=dspec, k=k, kernels=kernels)
+    c = jax.lax.while_loop(cond, body, init)
+    real = rows.active[:, None]
+    slot_state = slot_state._replace(
+        draft_logits=slot_state.draft_logits.at[rows.slots].set(
+            jnp.where(real, c.draft_logits, slot_state.draft_logits[rows.slots])),
+        draft_stream=slot_state.draft_stream.at[rows.slots].set(
+            jnp.where(real[..., None], c.draft_stream, slot_state.draft_stream[rows.slots])))
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r), c.tpool, c.dpool, slot_state
