@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     which = info.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", metavar="DIR")
     which.add_argument("--preset", choices=("default", "tiny", "flash", "pro"))
+    from ds4jax import batch
+
+    batch.add_parser(sub)
     return parser
 
 
@@ -228,7 +231,8 @@ def describe(cfg, name: str) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": _generate, "compare": _compare, "info": _info}
+COMMANDS = {"generate": _generate, "compare": _compare, "info": _info,
+            "batch": lambda args: __import__("ds4jax.batch").batch.run(args)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

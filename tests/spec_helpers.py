@@ -16,7 +16,7 @@ from scipy import stats
 import ds4jax
 from ds4jax.model import params as P
 from ds4jax.model import forward as network
-from ds4jax.generation import speculative
+from ds4jax.generation import spec_rounds
 from ds4jax.runtime import steps
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.generation.generate import default_page_size, pool_dtype
@@ -75,21 +75,33 @@ def agreeable_model(cfg: Config, *, seed: int = 0, damp: float = 0.3, head_scale
 
 @contextlib.contextmanager
 def capture_loop():
-    """Within the block, every `speculative_loop` call made by `speculative_generate` is recorded as a dict
-    with its static arguments (cfg, tspec, dspec, k, greedy) and the final `LoopState` it returned."""
-    calls: list[dict] = []
-    real = speculative.speculative_loop
+    """Within the block, every `speculative_loop` call the engine makes is recorded as a dict with its static
+    arguments (cfg, tspec, dspec, k, kernels, max_rounds), the slots it served (`active_slots`), and in
+    `calls.final[slot]` a host copy of both pools as returned by the last call that served the slot (the slot is
+    reset when its request finishes, so this is the state a later step of that request would have seen)."""
+    calls = _Calls()
+    real = spec_rounds.speculative_loop
 
-    def wrapper(*args, **kwargs):
-        state = real(*args, **kwargs)
-        calls.append(dict(kwargs, state=state))
-        return state
+    def wrapper(params, tpool, dpool, slot_state, rows, **kwargs):
+        out, tpool, dpool, slot_state = real(params, tpool, dpool, slot_state, rows, **kwargs)
+        slots = [int(s) for s, a in zip(np.asarray(rows.slots), np.asarray(rows.active)) if a]
+        host = (jax.tree.map(np.asarray, tpool), jax.tree.map(np.asarray, dpool))
+        for s in slots:
+            calls.final[s] = host
+        calls.append(dict(kwargs, active_slots=slots))
+        return out, tpool, dpool, slot_state
 
-    speculative.speculative_loop = wrapper
+    spec_rounds.speculative_loop = wrapper
     try:
         yield calls
     finally:
-        speculative.speculative_loop = real
+        spec_rounds.speculative_loop = real
+
+
+class _Calls(list):
+    def __init__(self):
+        super().__init__()
+        self.final: dict[int, tuple] = {}
 
 
 class CompileCounter:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 from typing import Iterator, Sequence
@@ -27,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.generation import loops, spec_rounds
+from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.loops import MAX_STOP_IDS, Rows, SlotState
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.sampling import seed_key_data
+from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import pools
 from ds4jax.runtime.kernels import Impl, resolve
@@ -77,6 +79,17 @@ def _powers_up_to(top: int, low: int = 1) -> tuple[int, ...]:
     return tuple(out) + (top,)
 
 
+@jax.jit
+def _slot_rows(state: SlotState, slot):
+    return state.last_logits[slot], state.last_stream[slot]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _set_slot_rows(state: SlotState, slot, logits, stream) -> SlotState:
+    return state._replace(last_logits=state.last_logits.at[slot].set(logits),
+                          last_stream=state.last_stream.at[slot].set(stream.astype(state.last_stream.dtype)))
+
+
 @dataclasses.dataclass
 class EngineStats:
     prefill_steps: int = 0  # prefill chunk calls
@@ -91,6 +104,8 @@ class EngineStats:
     cancelled: int = 0
     compiles: int = 0  # XLA compilations that happened inside engine calls (warmup included)
     compiles_after_warmup: int = 0
+    snapshots_saved: int = 0
+    snapshot_hits: int = 0  # requests restored from a snapshot (exact or prefix)
 
 
 @dataclasses.dataclass
@@ -109,6 +124,8 @@ class _Live:
     admitted: float = 0.0
     first_token: float = 0.0
     done: bool = False
+    snap_points: tuple[int, ...] = ()  # prompt lengths after which to save a prefix snapshot
+    restored: int = 0  # prefix length restored from a snapshot (0 = none)
 
 
 class Engine:
@@ -123,15 +140,19 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
                  prefill_chunk: int = 256, chunk_buckets: Sequence[int] | None = None,
-                 row_buckets: Sequence[int] | None = None, steps_per_call: int = 8, kernels: Impl | str | None = None,
-                 tokenizer=None, max_queue: int | None = None):
+                 row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
+                 steps_per_call: int = 8, kernels: Impl | str | None = None,
+                 tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20):
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
         if k < 0:
             raise PoolError(f"speculative must be >= 0, got {speculative}")
         if k and not model.has_mtp:
             raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
-        self.model, self.cfg, self.k, self.tokenizer = model, cfg, k, tokenizer
+        # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
+        self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params)), cfg, k, tokenizer
+        self._parked: set[str] = set()
+        self._host: dict[str, dict] = {}
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
         self.steps_per_call = int(steps_per_call)
@@ -147,28 +168,46 @@ class Engine:
             raise PoolError(f"row buckets {self.row_buckets} must lie in [1, max_slots={slots}]")
         if self.row_buckets[-1] < slots:
             self.row_buckets += (slots,)
+        # prefill steps may take fewer rows than decode (a [rows, chunk] prefill step is rows x chunk tokens)
+        self.prefill_row_buckets = tuple(sorted(set(prefill_row_buckets or self.row_buckets)))
+        if self.prefill_row_buckets[-1] > slots or self.prefill_row_buckets[0] < 1:
+            raise PoolError(f"prefill row buckets {self.prefill_row_buckets} must lie in [1, max_slots={slots}]")
         self.stats = EngineStats()
         self._warm = False
+        self._on_result = None
+        self.snapshots = SnapshotStore(snapshot_bytes)
+        self._fingerprint: dict[str, str] | None = None
+        self._ratios = snapshots.entries_per_page(cfg, self.tspec)
         self._reset_state()
 
     # ---- state -----------------------------------------------------------------------------------------------
     def _reset_state(self) -> None:
-        cfg, s = self.cfg, self.tspec.max_slots
-        self.tbook = PoolBook(self.tspec, cfg.vocab_size)
-        self.tpool = self.tbook.sync(pools.zeros(self.tspec))
-        self.dbook = PoolBook(self.dspec, cfg.vocab_size) if self.dspec else None
-        self.dpool = self.dbook.sync(pools.zeros(self.dspec)) if self.dspec else None
-        self.slot_state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), jnp.float32))
+        self._new_target_state()
+        self._new_draft_state()
         self._slots: dict[int, _Live] = {}  # slot -> live request
         self._to_reset: set[int] = set()
 
+    def _new_draft_state(self) -> None:
+        self.dbook = PoolBook(self.dspec, self.cfg.vocab_size) if self.dspec else None
+        self.dpool = self.dbook.sync(pools.zeros(self.dspec)) if self.dspec else None
+
+    def _new_target_state(self) -> None:
+        cfg, s = self.cfg, self.tspec.max_slots
+        self.tbook = PoolBook(self.tspec, cfg.vocab_size)
+        self.tpool = self.tbook.sync(pools.zeros(self.tspec))
+        stream = jnp.dtype(self.tspec.dtype)  # the model's activation dtype
+        self.slot_state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
+                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream))
+
     # ---- public API ------------------------------------------------------------------------------------------
-    def generate(self, requests: Sequence[Request]) -> list[GenerateResult]:
-        """Run every request to completion; results in the same order. Never raises for a bad request."""
+    def generate(self, requests: Sequence[Request], *, on_result=None) -> list[GenerateResult]:
+        """Run every request to completion; results in the same order. Never raises for a bad request.
+
+        on_result(index, result) is called as each request finishes (batch jobs write results as they come)."""
         results: list[GenerateResult] | None = None
-        gen = self._run(list(requests))
+        gen = self._run(list(requests), on_result)
         while True:
             try:
                 next(gen)
@@ -177,9 +216,9 @@ class Engine:
                 break
         return results
 
-    def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+    def stream(self, requests: Sequence[Request], *, on_result=None) -> Iterator[TokenEvent]:
         """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards."""
-        gen = self._run(list(requests))
+        gen = self._run(list(requests), on_result)
         while True:
             try:
                 yield from next(gen)
@@ -189,16 +228,28 @@ class Engine:
 
     def warmup(self) -> int:
         """Compile every bucket's programs once (on padding rows, which write nothing). Returns compilations."""
-        if self._slots:
-            raise PoolError("warmup() needs an idle engine")
+        if self._slots or self._parked:
+            raise PoolError("warmup() needs an idle engine with nothing parked")
         before = compile_count()
-        for rows in self.row_buckets:
+        for rows in self.prefill_row_buckets:
             for chunk in self.chunk_buckets:
                 self._prefill_call(self._padding_rows(rows, []), np.zeros((rows, chunk), np.int32),
                                    np.zeros(rows, np.int32), np.zeros((rows, chunk), np.int32), np.zeros(rows, bool))
+        for rows in self.row_buckets:
             self._decode_call(self._padding_rows(rows, []))
             if self.k:
                 self._spec_call(self._padding_rows(rows, []))
+        for rows in self.prefill_row_buckets:
+            pad = self._padding_rows(rows, [])
+            self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
+        # snapshot programs: extract from and inject into slot 0 (no pages: every paged write is dropped)
+        t = snapshots.extract(self.tpool, np.int32(0), ratios=self._ratios)
+        self.tpool = snapshots.inject(self.tpool, np.int32(0), t, np.int32(0), np.int32(0), ratios=self._ratios)
+        if self.dpool is not None:
+            d = snapshots.extract(self.dpool, np.int32(0), ratios=())
+            self.dpool = snapshots.inject(self.dpool, np.int32(0), d, np.int32(0), np.int32(0), ratios=())
+        logits, stream = jax.device_get(_slot_rows(self.slot_state, np.int32(0)))
+        self.slot_state = _set_slot_rows(self.slot_state, np.int32(0), logits, stream)
         self._to_reset.add(0)
         self._apply_resets()
         jax.block_until_ready(self.tpool)
@@ -253,6 +304,11 @@ class Engine:
         if not isinstance(k, (int, np.integer)) or k < 0 or k > self.k:
             return fail(ErrorCode.INVALID_REQUEST, f"speculative={req.speculative!r}: this engine drafts up to "
                                                    f"{self.k} tokens per round (0 = plain decoding)")
+        if "target" in self._parked:
+            return fail(ErrorCode.MODEL_PARKED, "the target model is parked (Engine.unpark('target'))")
+        if k and "draft" in self._parked:
+            return fail(ErrorCode.MODEL_PARKED, "the draft (MTP) model is parked; unpark('draft') or send "
+                                                "speculative=0")
         need = len(ids) + req.max_new_tokens + (self.k + 1 if self.k else 0)
         if need > self.tspec.max_context:
             return fail(ErrorCode.PROMPT_TOO_LONG, f"{len(ids)} prompt tokens + {req.max_new_tokens} new tokens"
@@ -261,25 +317,38 @@ class Engine:
         if self.tbook.pages_needed(need) > self.tspec.num_pages:
             return fail(ErrorCode.CAPACITY_EXCEEDED, f"needs {self.tbook.pages_needed(need)} pages; the pool has "
                                                      f"{self.tspec.num_pages}")
+        points = set()
+        for p in req.snapshot_at:
+            if not isinstance(p, (int, np.integer)) or not 1 <= p <= len(ids):
+                return fail(ErrorCode.INVALID_REQUEST, f"snapshot_at position {p!r} is outside [1, {len(ids)}]")
+            points.add(int(p))
+        if req.snapshot:
+            points.add(len(ids))
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[: len(stops)] = stops
         result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
-        return _Live(index, req, ids, result, int(k), seed_key_data(req.seed), stop, now)
+        return _Live(index, req, ids, result, int(k), seed_key_data(req.seed), stop, now,
+                     snap_points=tuple(sorted(points)))
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _run(self, requests: list) -> Iterator[list[TokenEvent]]:
+    def _run(self, requests: list, on_result=None) -> Iterator[list[TokenEvent]]:
         results: list[GenerateResult | None] = [None] * len(requests)
         queue: collections.deque[_Live] = collections.deque()
+        self._on_result = on_result
         now = time.perf_counter()
         for i, req in enumerate(requests):
-            got = self._validate(i, req, now)
+            try:
+                got = self._validate(i, req, now)
+            except Exception as exc:  # noqa: BLE001 - e.g. a field of the wrong type: the request's problem
+                got = GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"request {i}: {exc!r}")
+            if not isinstance(got, GenerateResult) and self.max_queue is not None and len(queue) >= self.max_queue:
+                got = GenerateResult(error=ErrorCode.CAPACITY_EXCEEDED,
+                                     message=f"request {i}: the queue is full ({self.max_queue} waiting)")
             if isinstance(got, GenerateResult):
                 results[i] = got
                 self.stats.failed += 1
-            elif self.max_queue is not None and len(queue) >= self.max_queue:
-                results[i] = GenerateResult(error=ErrorCode.CAPACITY_EXCEEDED,
-                                            message=f"request {i}: the queue is full ({self.max_queue} waiting)")
-                self.stats.failed += 1
+                if on_result is not None:
+                    on_result(i, got)
             else:
                 queue.append(got)
                 results[i] = got.result
@@ -287,12 +356,20 @@ class Engine:
         try:
             while queue or self._slots:
                 events: list[TokenEvent] = []
-                self._admit(queue)
-                if any(lv.pos < len(lv.ids) for lv in self._slots.values()):
-                    self._guarded(self._prefill_once, events)
+                restored = self._admit(queue)
+                if restored:
+                    self._guarded(restored, lambda: self._restore_once(restored, events))
+                prefilling = [lv for lv in self._slots.values()
+                              if lv.pos < len(lv.ids)][: self.prefill_row_buckets[-1]]
+                if prefilling:
+                    self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if lv.pos == len(lv.ids) and not lv.done]
-                if decoding:
-                    self._guarded(lambda ev: self._decode_once(decoding, ev), events)
+                plain = [lv for lv in decoding if lv.k == 0]
+                spec = [lv for lv in decoding if lv.k > 0]
+                for group, speculative in ((plain, False), (spec, True)):
+                    for start in range(0, len(group), self.row_buckets[-1]):
+                        part = group[start: start + self.row_buckets[-1]]
+                        self._guarded(part, lambda: self._decode_once(part, speculative, events))
                 self._release_finished()
                 if events:
                     yield events
@@ -303,22 +380,24 @@ class Engine:
                 self.stats.compiles_after_warmup += n
         return results
 
-    def _guarded(self, fn, events) -> None:
-        """Run one engine call; an exception fails the requests it touched (INTERNAL), never the caller."""
+    def _guarded(self, group: list[_Live], fn) -> None:
+        """Run one engine call for `group`; an exception fails those requests (INTERNAL), never the caller and
+        never the other requests, unless the donated pools were lost with it (then every running request)."""
         try:
-            fn(events)
+            fn()
         except Exception as exc:  # noqa: BLE001 - an engine bug must not take other callers down
             lost = self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
-            victims = list(self._slots.values()) if lost else [lv for lv in self._slots.values() if not lv.done]
-            for lv in victims:
-                self._finish(lv, FinishReason.ERROR, ErrorCode.INTERNAL, f"engine step failed: {exc!r}")
+            for lv in (list(self._slots.values()) if lost else group):
+                if not lv.done:
+                    self._finish(lv, FinishReason.ERROR, ErrorCode.INTERNAL, f"engine step failed: {exc!r}")
             if lost:  # donated pools are gone: start over with fresh ones
                 self._slots.clear()
                 self._reset_state()
 
-    def _admit(self, queue) -> None:
+    def _admit(self, queue) -> list[_Live]:
+        """Admit queued requests into free slots; returns those restored from a prefix snapshot."""
         self._apply_resets()
-        admitted = False
+        admitted = []
         while queue and len(self._slots) < self.tspec.max_slots:
             lv = queue[0]
             need = len(lv.ids) + lv.request.max_new_tokens + (self.k + 1 if self.k else 0)
@@ -333,11 +412,20 @@ class Engine:
             lv.slot, lv.admitted = slot, time.perf_counter()
             lv.result.timings.queue_s = lv.admitted - lv.submitted
             self._slots[slot] = lv
-            admitted = True
+            admitted.append(lv)
         if admitted:
             self.tpool = self.tbook.sync(self.tpool)
-            if self.dbook is not None:
+            if self.dpool is not None:
                 self.dpool = self.dbook.sync(self.dpool)
+        restored = []
+        if len(self.snapshots):
+            for lv in admitted:
+                snap = self.snapshots.longest_prefix(lv.ids)
+                if snap is not None:
+                    self._guarded([lv], lambda: self._inject(lv, snap))
+                    if not lv.done:
+                        restored.append(lv)
+        return restored
 
     def _apply_resets(self) -> None:
         if not self._to_reset:
@@ -379,20 +467,20 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _chunk_plan(self, lv: _Live) -> int:
-        """Tokens of `lv`'s prompt the next chunk takes."""
-        return min(len(lv.ids) - lv.pos, self.chunk_buckets[-1])
+        """Tokens of `lv`'s prompt the next chunk takes (a chunk ends exactly at each snapshot position)."""
+        end = next((p for p in lv.snap_points if p > lv.pos), len(lv.ids))
+        return min(end - lv.pos, self.chunk_buckets[-1])
 
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
         first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
             self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
-            finishing, cfg=self.cfg, tspec=self.tspec, dspec=self.dspec, kernels=self.kernels)
+            finishing, cfg=self.cfg, tspec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
         return first
 
-    def _prefill_once(self, events: list[TokenEvent]) -> None:
-        live = [lv for lv in self._slots.values() if lv.pos < len(lv.ids)][: self.row_buckets[-1]]
+    def _prefill_once(self, live: list[_Live], events: list[TokenEvent]) -> None:
         n = [self._chunk_plan(lv) for lv in live]
         width = next(c for c in self.chunk_buckets if c >= max(n))
-        rows = self._padding_rows(self._bucket_rows(len(live)), live)
+        rows = self._padding_rows(next(b for b in self.prefill_row_buckets if b >= len(live)), live)
         b = rows.slots.shape[0]
         tok = np.zeros((b, width), np.int32)
         nxt = np.zeros((b, width), np.int32)
@@ -417,6 +505,8 @@ class Engine:
         now = time.perf_counter()
         for r, (lv, c) in enumerate(zip(live, n)):
             lv.pos += c
+            if lv.pos in lv.snap_points:
+                self._save_snapshot(lv)
             if finishing[r]:
                 lv.first_token = now
                 lv.result.timings.prefill_s = now - lv.admitted
@@ -436,35 +526,188 @@ class Engine:
             dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
         return out
 
-    def _decode_once(self, decoding: list[_Live], events: list[TokenEvent]) -> None:
-        plain = [lv for lv in decoding if lv.k == 0]
-        spec = [lv for lv in decoding if lv.k > 0]
-        for group, speculative in ((plain, False), (spec, True)):
-            for start in range(0, len(group), self.row_buckets[-1]):
-                part = group[start: start + self.row_buckets[-1]]
-                rows = self._padding_rows(self._bucket_rows(len(part)), part)
-                if speculative:
-                    out = self._spec_call(rows)
-                    tokens, rounds, accepted = jax.device_get((out.tokens, out.rounds, out.accepted))
-                    self.stats.spec_calls += 1
-                    self.stats.spec_rounds += int(rounds)
-                else:
-                    out = self._decode_call(rows)
-                    tokens, steps_run = jax.device_get((out.tokens, out.steps))
-                    accepted = None
-                    self.stats.decode_calls += 1
-                    self.stats.decode_steps += int(steps_run)
-                lengths = np.asarray(self.tpool.lengths)
-                for r, lv in enumerate(part):
-                    self.tbook.lengths[lv.slot] = lengths[lv.slot]
-                    if self.dbook is not None:
-                        self.dbook.lengths[lv.slot] = lengths[lv.slot] if speculative else self.dbook.lengths[lv.slot]
-                    if accepted is not None:
-                        lv.result.accepted_per_round.extend(int(a) for a in accepted[r] if a >= 0)
-                    new = [int(t) for t in tokens[r] if t >= 0]
-                    self._deliver(lv, new, events)
+    def _decode_once(self, part: list[_Live], speculative: bool, events: list[TokenEvent]) -> None:
+        rows = self._padding_rows(self._bucket_rows(len(part)), part)
+        if speculative:
+            out = self._spec_call(rows)
+            tokens, rounds, accepted = jax.device_get((out.tokens, out.rounds, out.accepted))
+            self.stats.spec_calls += 1
+            self.stats.spec_rounds += int(rounds)
+        else:
+            out = self._decode_call(rows)
+            tokens, steps_run = jax.device_get((out.tokens, out.steps))
+            accepted = None
+            self.stats.decode_calls += 1
+            self.stats.decode_steps += int(steps_run)
+        lengths = np.asarray(self.tpool.lengths)
+        for r, lv in enumerate(part):
+            self.tbook.lengths[lv.slot] = lengths[lv.slot]
+            if speculative:  # the draft pool advances with the target in every round
+                self.dbook.lengths[lv.slot] = lengths[lv.slot]
+            if accepted is not None:
+                lv.result.accepted_per_round.extend(int(a) for a in accepted[r] if a >= 0)
+            self._deliver(lv, [int(t) for t in tokens[r] if t >= 0], events)
+            if not lv.done:
+                self._check_finished(lv)
+
+    # ---- park / unpark (issue 9) ---------------------------------------------------------------------------------
+    @property
+    def _live_dspec(self) -> PoolSpec | None:
+        return None if "draft" in self._parked else self.dspec
+
+    @staticmethod
+    def _parts(which: str, verb: str) -> list[str]:
+        if which in ("", "all"):
+            return ["target", "draft"]
+        if which in ("target", "draft"):
+            return [which]
+        raise ValueError(f"{verb}({which!r}): expected '' or 'all' (both), 'target' or 'draft'")
+
+    def park(self, which: str = "") -> None:
+        """Release device memory: 'target' (its parameters, pools and per-slot state; the draft cannot run
+        without the target's embedding and head either), 'draft' (the MTP parameters and the draft pool), or
+        both ('' / 'all'). Parameters are kept in host memory; requests needing a parked model return
+        `ErrorCode.MODEL_PARKED`. The engine deletes the device buffers of the model it was built with."""
+        parts = self._parts(which, "park")
+        if self._slots:
+            raise PoolError("park() needs an idle engine")
+        params = self.model.params
+        for part in parts:
+            if part in self._parked or (part == "draft" and not self.k):
+                continue
+            keys = ["mtp"] if part == "draft" else [k for k in params if k != "mtp"]
+            self._host[part] = {k: jax.device_get(params[k]) for k in keys}
+            doomed = [params[k] for k in keys]
+            if part == "target":
+                doomed += [self.tpool, self.slot_state]
+                self.tpool = self.slot_state = None
+            else:
+                doomed.append(self.dpool)
+                self.dpool = None
+            for k in keys:
+                params[k] = None
+            for leaf in jax.tree.leaves(doomed):
+                if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                    leaf.delete()
+            self._parked.add(part)
+
+    def unpark(self, which: str = "") -> None:
+        """Bring parked models back (same parameters bit for bit, fresh pools); unparking only the draft while
+        the target is parked is an error."""
+        parts = self._parts(which, "unpark")
+        if parts == ["draft"] and "target" in self._parked:
+            raise PoolError("unpark('draft'): the target is parked and the draft needs it; unpark('target') or "
+                            "unpark('all') first")
+        for part in ("target", "draft"):
+            if part not in parts or part not in self._parked:
+                continue
+            for k, v in self._host.pop(part).items():
+                self.model.params[k] = jax.device_put(v)
+            if part == "target":
+                self._new_target_state()
+            else:
+                self._new_draft_state()
+            self._parked.discard(part)
+
+    @property
+    def parked(self) -> tuple[str, ...]:
+        return tuple(sorted(self._parked))
+
+    # ---- prefix snapshots (issue 9) ----------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, str]:
+        if self._fingerprint is None:
+            self._fingerprint = snapshots.fingerprint(self.model, self.tspec, self.dspec)
+        return self._fingerprint
+
+    def _save_snapshot(self, lv: _Live) -> Snapshot:
+        """Snapshot `lv`'s slot right after prefilling its first lv.pos prompt tokens."""
+        length = lv.pos
+        t = snapshots.extract(self.tpool, np.int32(lv.slot), ratios=self._ratios)
+        d = snapshots.extract(self.dpool, np.int32(lv.slot), ratios=()) if self.dpool is not None else {}
+        logits, stream = _slot_rows(self.slot_state, np.int32(lv.slot))
+        t, d, logits, stream = jax.device_get((t, d, logits, stream))
+        pages = self.tbook.pages_needed(length)
+        arrays = {f"target/{k}": v for k, v in t.items()}
+        for name, per_page in self._ratios:
+            arrays[f"target/{name}"] = arrays[f"target/{name}"][:, : pages * per_page]
+        arrays.update({f"draft/{k}": v for k, v in d.items()})
+        arrays["last_logits"], arrays["last_stream"] = logits, stream
+        snap = Snapshot(tuple(lv.ids[:length]), self.fingerprint(), arrays, pages)
+        self.snapshots.put(snap)
+        self.stats.snapshots_saved += 1
+        return snap
+
+    def snapshot(self, which) -> Snapshot:
+        """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
+        its first token; `Request(snapshot=True)` / `snapshot_at=` do this inside the engine."""
+        live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
+        if not live:
+            raise PoolError(f"snapshot({which!r}): no running request there")
+        lv = live[0]
+        if lv.pos < len(lv.ids) or len(lv.result.tokens) > 1:
+            raise PoolError("snapshot(): a request can be snapshotted between its prefill and its first decode step")
+        return self._save_snapshot(lv)
+
+    def _inject(self, lv: _Live, snap: Snapshot) -> None:
+        mine = self.fingerprint()
+        bad = [k for k in sorted(set(mine) | set(snap.fingerprint)) if mine.get(k) != snap.fingerprint.get(k)]
+        if bad or (self.dspec is not None) != any(k.startswith("draft/") for k in snap.arrays):
+            self._finish(lv, FinishReason.ERROR, ErrorCode.INVALID_SNAPSHOT,
+                         f"request {lv.index}: the prefix snapshot of {snap.length} tokens was made by another "
+                         f"engine ({', '.join(bad) or 'draft'} differ)")
+            return
+        length = snap.length
+        slot = np.int32(lv.slot)
+        target = {k[len("target/"):]: v for k, v in snap.arrays.items() if k.startswith("target/")}
+        for name, per_page in self._ratios:  # pad the held pages back to the slot's page capacity
+            a = target[name]
+            full = self.tspec.pages_per_slot * per_page
+            target[name] = np.concatenate([a, np.zeros((a.shape[0], full - a.shape[1]) + a.shape[2:], a.dtype)], 1)
+        self.tpool = snapshots.inject(self.tpool, slot, target, np.int32(snap.pages), np.int32(length),
+                                      ratios=self._ratios)
+        self.tbook.lengths[lv.slot] = length
+        if self._live_dspec is not None:
+            draft = {k[len("draft/"):]: v for k, v in snap.arrays.items() if k.startswith("draft/")}
+            self.dpool = snapshots.inject(self.dpool, slot, draft, np.int32(0), np.int32(length - 1), ratios=())
+            self.dbook.lengths[lv.slot] = length - 1
+        self.slot_state = _set_slot_rows(self.slot_state, slot, snap.arrays["last_logits"],
+                                         snap.arrays["last_stream"])
+        lv.pos, lv.restored = length, length
+        lv.result.prefill_tokens = len(lv.ids) - length
+        self.stats.snapshot_hits += 1
+
+    def _restore_once(self, live: list[_Live], events: list[TokenEvent]) -> None:
+        """First tokens of exact hits (sampled from the saved logits) and the draft's pending row."""
+        exact = [lv.restored == len(lv.ids) for lv in live]
+        if self._live_dspec is None and not any(exact):
+            return
+        for start in range(0, len(live), self.prefill_row_buckets[-1]):
+            part = live[start: start + self.prefill_row_buckets[-1]]
+            rows = self._padding_rows(next(b for b in self.prefill_row_buckets if b >= len(part)), part)
+            b = rows.slots.shape[0]
+            sampled, nxt = np.zeros(b, bool), np.zeros(b, np.int32)
+            for r, lv in enumerate(part):
+                sampled[r] = lv.restored == len(lv.ids)
+                nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
+            first = self._restore_call(rows, sampled, nxt)
+            if self._live_dspec is not None:
+                for lv in part:
+                    self.dbook.lengths[lv.slot] = lv.restored
+            first = np.asarray(first)
+            now = time.perf_counter()
+            for r, lv in enumerate(part):
+                if sampled[r]:
+                    lv.first_token = now
+                    lv.result.timings.prefill_s = now - lv.admitted
+                    self._deliver(lv, [int(first[r])], events)
                     if not lv.done:
                         self._check_finished(lv)
+
+    def _restore_call(self, rows: Rows, sampled, next_ids):
+        first, self.dpool, self.slot_state = loops.restore_call(
+            self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
+            dspec=self._live_dspec, kernels=self.kernels)
+        return first
 
     # ---- delivery and finishing ------------------------------------------------------------------------------
     def _deliver(self, lv: _Live, tokens: list[int], events: list[TokenEvent]) -> None:
@@ -515,6 +758,8 @@ class Engine:
         t.tokens_per_s = len(res.tokens) / busy if busy > 0 else 0.0
         if self.tokenizer is not None and res.text is None:
             res.text = self.tokenizer.decode(res.tokens)
+        if self._on_result is not None:
+            self._on_result(lv.index, res)
         if reason is FinishReason.CANCELLED:
             self.stats.cancelled += 1
         elif error is not None:

@@ -46,6 +46,7 @@ class Rows(NamedTuple):
 
 class SlotState(NamedTuple):
     last_logits: jax.Array  # [S, v] float32 logits after the slot's last prefilled token
+    last_stream: jax.Array  # [S, m, e] the target's final streams of that token (the draft's input for it)
     draft_logits: jax.Array  # [S, v] draft prediction for the position after the slot's pending token
     draft_stream: jax.Array  # [S, m, e] draft streams of its last row
 
@@ -73,12 +74,16 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
     first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k)
     wrote = n_tokens > 0
-    last_logits = slot_state.last_logits.at[rows.slots].set(
-        jnp.where(wrote[:, None], out.logits, slot_state.last_logits[rows.slots]))
-    slot_state = slot_state._replace(last_logits=last_logits)
+    last = jnp.maximum(n_tokens - 1, 0)
+    last_stream = jnp.take_along_axis(out.streams, last[:, None, None, None], axis=1)[:, 0]
+    slot_state = slot_state._replace(
+        last_logits=slot_state.last_logits.at[rows.slots].set(
+            jnp.where(wrote[:, None], out.logits, slot_state.last_logits[rows.slots])),
+        last_stream=slot_state.last_stream.at[rows.slots].set(
+            jnp.where(wrote[:, None, None], last_stream.astype(slot_state.last_stream.dtype),
+                      slot_state.last_stream[rows.slots])))
     if dspec is not None:
         col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
-        last = jnp.maximum(n_tokens - 1, 0)
         ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
         dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
                                   spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
@@ -88,8 +93,34 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
             draft_logits=slot_state.draft_logits.at[rows.slots].set(
                 jnp.where(keep[:, None], dout.logits, slot_state.draft_logits[rows.slots])),
             draft_stream=slot_state.draft_stream.at[rows.slots].set(
-                jnp.where(keep[:, None, None], stream, slot_state.draft_stream[rows.slots])))
+                jnp.where(keep[:, None, None], stream.astype(slot_state.draft_stream.dtype),
+                          slot_state.draft_stream[rows.slots])))
     return first, tpool, dpool, slot_state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dspec", "kernels"), donate_argnames=("dpool", "slot_state"))
+def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, dspec, kernels):
+    """After a prefix snapshot was written into a slot (target at length L, draft at L-1): the first token is
+    sampled from the saved logits (rows with `sampled`: the prompt is exactly the prefix), and the draft runs its
+    pending row L-1 (target stream of L-1, id of token L: that first token, or next_ids = the prompt's token L).
+    Returns (first tokens [B], dpool, slot_state)."""
+    logits = slot_state.last_logits[rows.slots]
+    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
+    first = sample(logits, keys, rows.temperature, rows.top_p, rows.top_k)
+    if dspec is not None:
+        ids = jnp.where(sampled, first, next_ids)[:, None]
+        stream = slot_state.last_stream[rows.slots][:, None]
+        dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, rows.active.astype(jnp.int32)),
+                                  stream, cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST,
+                                  kernels=kernels)
+        keep = rows.active & sampled
+        slot_state = slot_state._replace(
+            draft_logits=slot_state.draft_logits.at[rows.slots].set(
+                jnp.where(keep[:, None], dout.logits, slot_state.draft_logits[rows.slots])),
+            draft_stream=slot_state.draft_stream.at[rows.slots].set(
+                jnp.where(keep[:, None, None], dout.streams[:, 0].astype(slot_state.draft_stream.dtype),
+                          slot_state.draft_stream[rows.slots])))
+    return first, dpool, slot_state
 
 
 class DecodeOut(NamedTuple):

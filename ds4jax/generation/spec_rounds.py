@@ -116,7 +116,8 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     now_done = active & ((n_out >= rows.max_new) | jnp.any(stop_hit & (j < count[:, None]), axis=1))
     accepted = c.accepted.at[:, c.r].set(jnp.where(active, a, -1))
     draft_logits = jnp.where(active[:, None], ext.logits, c.draft_logits)
-    draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)), c.draft_stream)
+    draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)).astype(c.draft_stream.dtype),
+                             c.draft_stream)
     return _Carry(tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
                   c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done))
 

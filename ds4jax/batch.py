@@ -1,0 +1,175 @@
+"""``ds4jax batch INPUT.jsonl OUTPUT.jsonl``: resumable batch generation through one `Engine`.
+
+Input: one JSON object per line with ``id`` and ``prompt`` (text, or a list of token ids), optionally
+``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_ids``, ``stop_strings`` and
+``speculative`` (0 = plain decoding for this request). Output: one JSON object per line with ``id``, ``line``,
+``text``, ``tokens``, ``finish_reason``, ``error``, ``message``, ``timings``.
+
+* every result is appended and flushed the moment it finishes, so a crash, a kill or Ctrl-C loses nothing
+  finished; a rerun skips the ids already in the output (a torn last line from a kill is dropped first);
+* an invalid line (bad JSON, no id, a duplicate id, a bad field) becomes an error result naming its line number,
+  never a crash; a request the engine rejects becomes an error result with its `ErrorCode`;
+* a tqdm progress bar counts finished requests and shows generated tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids", "stop_strings", "speculative"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("batch", help="generate for every line of a JSONL file (resumable)",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("input", metavar="INPUT.jsonl")
+    p.add_argument("output", metavar="OUTPUT.jsonl")
+    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default per request")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default per request (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per round (0 = off)")
+    p.add_argument("--max-slots", type=int, default=8, metavar="B", help="requests decoded together")
+    p.add_argument("--max-context", type=int, default=4096, metavar="T")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C")
+    p.add_argument("--steps-per-call", type=int, default=8, metavar="M")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _done_keys(path: str) -> set[str]:
+    """Keys of the results already in `path`; a torn last line (a kill mid-write) is cut off first."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            f.truncate(cut)
+            data = data[:cut]
+    keys = set()
+    for raw in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "key" in obj:
+            keys.add(obj["key"])
+    return keys
+
+
+def _parse(lineno: int, raw: str, defaults: dict, seen: set):
+    """-> (key, id, kwargs for Request) or (key, id, error message)."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return f"line:{lineno}", None, f"line {lineno}: invalid JSON ({e.msg})"
+    if not isinstance(obj, dict) or "id" not in obj:
+        return f"line:{lineno}", None, f"line {lineno}: expected an object with 'id' and 'prompt'"
+    rid = obj["id"]
+    key = f"id:{json.dumps(rid)}"
+    if key in seen:
+        return f"line:{lineno}", rid, f"line {lineno}: duplicate id {rid!r}"
+    seen.add(key)
+    if "prompt" not in obj or not isinstance(obj["prompt"], (str, list)):
+        return key, rid, f"line {lineno}: 'prompt' must be text or a list of token ids"
+    unknown = set(obj) - _FIELDS - {"id", "prompt"}
+    if unknown:
+        return key, rid, f"line {lineno}: unknown fields {sorted(unknown)}"
+    kw = dict(defaults)
+    kw.update({k: obj[k] for k in _FIELDS if k in obj})
+    for name in ("stop_ids", "stop_strings"):
+        if not isinstance(kw.get(name, ()), (list, tuple)):
+            return key, rid, f"line {lineno}: '{name}' must be a list"
+        kw[name] = tuple(kw.get(name, ()))
+    for name in ("max_new_tokens", "top_k", "seed"):
+        if not isinstance(kw.get(name, 0), int) or isinstance(kw.get(name), bool):
+            return key, rid, f"line {lineno}: '{name}' must be an integer"
+    for name in ("temperature", "top_p"):
+        if not isinstance(kw.get(name, 0.0), (int, float)):
+            return key, rid, f"line {lineno}: '{name}' must be a number"
+    return key, rid, dict(kw, prompt=obj["prompt"])
+
+
+def run(args, model=None, tokenizer=None) -> int:
+    from tqdm import tqdm
+
+    from ds4jax.generation.engine import Engine
+    from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
+
+    if model is None:
+        from ds4jax.cli import _load, enable_compilation_cache
+
+        enable_compilation_cache()
+        model, tokenizer = _load(args)
+    if not os.path.exists(args.input):
+        from ds4jax.cli import UserError
+
+        raise UserError(f"input file {args.input!r} does not exist")
+    done = _done_keys(args.output)
+    defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed)
+    if model.config.eos_token_id is not None:
+        defaults["stop_ids"] = (model.config.eos_token_id,)
+    todo, seen = [], set()
+    with open(args.input, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            key, rid, parsed = _parse(lineno, raw, defaults, seen)
+            if key not in done:
+                todo.append((key, rid, lineno, parsed))
+    out = open(args.output, "a", encoding="utf-8")
+
+    def write(key, rid, lineno, result: GenerateResult) -> None:
+        row = {"key": key, "id": rid, "line": lineno, **result.to_json()}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress, file=sys.stderr,
+               desc=f"{len(done)} done before" if done else None)
+    tokens, start = [0], time.perf_counter()
+    try:
+        valid = []
+        for key, rid, lineno, parsed in todo:
+            if isinstance(parsed, str):
+                write(key, rid, lineno, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=parsed))
+                bar.update(1)
+                continue
+            try:
+                valid.append((key, rid, lineno, Request(**parsed)))
+            except TypeError as e:
+                write(key, rid, lineno, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"line {lineno}: {e}"))
+                bar.update(1)
+        if valid:
+            engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context,
+                            speculative=args.speculative, prefill_chunk=args.prefill_chunk,
+                            steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+
+            def finished(i: int, result: GenerateResult) -> None:
+                key, rid, lineno, _ = valid[i]
+                if result.error is not None and result.message:
+                    result.message = f"line {lineno}: {result.message}"
+                write(key, rid, lineno, result)
+                tokens[0] += len(result.tokens)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.1f}")
+
+            engine.generate([q for *_, q in valid], on_result=finished)
+    finally:
+        bar.close()
+        out.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    from ds4jax import cli
+
+    return cli.main(["batch", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,193 @@
+"""Exact prefix snapshots: a request's whole serving state after prefilling a prompt prefix, reusable by any later
+request whose prompt starts with that prefix.
+
+A snapshot of a prefix of length L holds, from the request's slot:
+
+* target pools: every per-slot array (SWA ring, compressor state rings of C4 / indexer / C128) and the rows of
+  the pages covering positions [0, L) of every paged array (C4 entries, indexer keys, C128 entries);
+* the draft pool's per-slot arrays when speculating (its ring; restored at length L-1, see below);
+* the target's logits and final streams at position L-1.
+
+On restore the arrays are written into a fresh slot (pages are the new slot's own), the target length is L and
+the draft length L-1: the draft's row L-1 needs the id of token L, which is the first sampled token when the
+prompt equals the prefix, or the prompt's token L otherwise, so `loops.restore_call` recomputes it. The first
+token is sampled from the saved logits with the request's own seed: results equal the no-snapshot path.
+
+`SnapshotStore` is an LRU store in host memory bounded by a byte budget, keyed by (sha256 of the ids, length)
+and checked against the exact ids, so a hash collision can never restore the wrong state. Each snapshot carries
+the fingerprints of the engine that made it (model weights, config, dtype, pool specs); restoring it elsewhere
+gives `ErrorCode.INVALID_SNAPSHOT`. `save` / `load` use safetensors (ids and fingerprints in the metadata).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.runtime.pools import KVPool
+
+# paged arrays and the compression ratio (cfg attribute) that sets their entries per page
+PAGED = {"c4_kv": "csa_ratio", "indexer_kv": "csa_ratio", "c128_kv": "hca_ratio"}
+
+
+def per_slot_names(pool: KVPool) -> list[str]:
+    """Arrays with a slot axis at position 1 (SWA ring and compressor state rings)."""
+    return [f.name for f in dataclasses.fields(pool) if f.name == "swa_kv" or "state" in f.name]
+
+
+def ids_key(ids: Sequence[int]) -> tuple[str, int]:
+    return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest(), len(ids)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    ids: tuple[int, ...]
+    fingerprint: dict[str, str]
+    arrays: dict[str, np.ndarray]  # "target/<name>", "draft/<name>", "last_logits", "last_stream"
+    pages: int  # pages of the target's paged arrays held
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class SnapshotStore:
+    """LRU snapshots under a byte budget; `evictions` counts snapshots dropped to make room."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = int(budget_bytes)
+        self._items: collections.OrderedDict[tuple[str, int], Snapshot] = collections.OrderedDict()
+        self.evictions = 0
+        self.rejected = 0  # snapshots larger than the whole budget
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(list(self._items.values()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._items.values())
+
+    def put(self, snap: Snapshot) -> bool:
+        key = ids_key(snap.ids)
+        self._items.pop(key, None)
+        if snap.nbytes > self.budget_bytes:
+            self.rejected += 1
+            return False
+        self._items[key] = snap
+        while self.nbytes > self.budget_bytes:
+            self._items.popitem(last=False)
+            self.evictions += 1
+        return True
+
+    def longest_prefix(self, ids: Sequence[int]) -> Snapshot | None:
+        """The stored snapshot of the longest prefix of `ids` (exact ids compared), marked recently used."""
+        for length in sorted({k[1] for k in self._items}, reverse=True):
+            if length > len(ids):
+                continue
+            key = ids_key(ids[:length])
+            snap = self._items.get(key)
+            if snap is not None and snap.ids == tuple(int(t) for t in ids[:length]):
+                self._items.move_to_end(key)
+                return snap
+        return None
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    # ---- disk --------------------------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """All snapshots to one safetensors file (arrays; ids, fingerprints and pages in the metadata)."""
+        from safetensors.numpy import save_file
+
+        tensors, meta = {}, []
+        for i, snap in enumerate(self._items.values()):
+            for name, arr in snap.arrays.items():
+                tensors[f"{i}/{name}"] = np.ascontiguousarray(arr)
+            meta.append({"ids": list(snap.ids), "fingerprint": snap.fingerprint, "pages": snap.pages})
+        save_file(tensors, path, metadata={"ds4jax_snapshots": json.dumps(meta)})
+
+    def load(self, path: str) -> int:
+        """Add every snapshot of a file written by `save` (compatibility is checked when one is used)."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="numpy") as f:
+            meta = json.loads(f.metadata()["ds4jax_snapshots"])
+            arrays = [dict() for _ in meta]
+            for key in f.keys():
+                i, name = key.split("/", 1)
+                arrays[int(i)][name] = f.get_tensor(key)
+        for m, arr in zip(meta, arrays):
+            self.put(Snapshot(tuple(m["ids"]), dict(m["fingerprint"]), arr, int(m["pages"])))
+        return len(meta)
+
+
+# ---- device side ------------------------------------------------------------------------------------------------
+
+def _page_rows(page_table, slot, entries_per_page: int, pages: int):
+    """Pool rows of the slot's first `pages` logical pages (padding pages map to row 0; callers mask)."""
+    table = jax.lax.dynamic_index_in_dim(page_table, slot, keepdims=False)[:pages]
+    rows = jnp.maximum(table, 0)[:, None] * entries_per_page + jnp.arange(entries_per_page)[None, :]
+    return rows.reshape(-1), jnp.repeat(table >= 0, entries_per_page)
+
+
+@functools.partial(jax.jit, static_argnames=("ratios",))
+def extract(pool: KVPool, slot, ratios: tuple):
+    """Per-slot arrays [:, slot] and every paged array's rows of the slot's pages (all pages_per_slot of them)."""
+    out = {name: getattr(pool, name)[:, slot] for name in per_slot_names(pool)}
+    pages = pool.page_table.shape[1]
+    for name, per_page in ratios:
+        rows, _ = _page_rows(pool.page_table, slot, per_page, pages)
+        out[name] = getattr(pool, name)[:, rows]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("ratios",), donate_argnames=("pool",))
+def inject(pool: KVPool, slot, arrays: dict, n_pages, length, ratios: tuple) -> KVPool:
+    """Write a snapshot's arrays into `slot` (whose pages are already in the page table); set its length."""
+    changes = {name: getattr(pool, name).at[:, slot].set(arrays[name].astype(getattr(pool, name).dtype))
+               for name in per_slot_names(pool)}
+    pages = pool.page_table.shape[1]
+    for name, per_page in ratios:
+        target = getattr(pool, name)
+        rows, has_page = _page_rows(pool.page_table, slot, per_page, pages)
+        keep = has_page & (jnp.arange(rows.shape[0]) < n_pages * per_page)
+        rows = jnp.where(keep, rows, target.shape[1])  # out of range: dropped
+        changes[name] = target.at[:, rows].set(arrays[name].astype(target.dtype), mode="drop")
+    changes["lengths"] = pool.lengths.at[slot].set(length)
+    return pool.replace(**changes)
+
+
+def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
+    """Paged arrays of `spec` that hold anything, with their entries per page (static argument of extract)."""
+    out = []
+    for name, ratio in PAGED.items():
+        per_page = spec.page_size // getattr(cfg, ratio)
+        layers = spec.num_csa_layers if ratio == "csa_ratio" else spec.num_hca_layers
+        if layers and spec.pages_per_slot:
+            out.append((name, per_page))
+    return tuple(out)
+
+
+def fingerprint(model, tspec, dspec) -> dict[str, str]:
+    """What must match for a snapshot to be valid: model weights, config, dtype, pool specs."""
+    h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(model.params)[:: max(1, len(jax.tree.leaves(model.params)) // 16)]:
+        digest.update(np.asarray(jax.device_get(leaf.reshape(-1)[:64])).astype(np.float32).tobytes())
+    return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
+            "dtype": str(jnp.dtype(model.params["embed"].dtype)), "pool": h(repr((tspec, dspec)))}

@@ -1,0 +1,213 @@
+"""Prefix snapshots, restores and request reset (issue 9) on CPU, fp32, the tiny 3-layer config.
+
+One warmed-up speculative engine (requests may opt out of speculation) serves every check of `test_snapshots`;
+nothing compiles after warmup, restores included. Incompatible engines only validate (no step runs there).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ds4jax
+from ds4jax import Engine, ErrorCode, Request
+from ds4jax.runtime.pools import PoolError
+from ds4jax.generation import engine as engine_lib
+from ds4jax.generation.snapshots import Snapshot, SnapshotStore
+from spec_helpers import agreeable_model, tiny3
+
+_rng = np.random.default_rng(5)
+PROMPT = _rng.integers(3, 256, 19).tolist()  # three chunks of 8; a snapshot at 11 splits the second one
+OTHER = PROMPT[:11] + _rng.integers(3, 256, 6).tolist()  # shares an 11-token prefix with PROMPT
+NEW = 10
+ENGINE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, chunk_buckets=(8,), row_buckets=(2,),
+              steps_per_call=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return agreeable_model(tiny3(), seed=0, damp=0.3, stream_gain=2.0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # the engine gets its own device copy of the weights: parking it deletes the buffers it was built with
+    own = ds4jax.Model(model.config, jax.tree.map(jnp.copy, model.params))
+    eng = Engine(own, **ENGINE)
+    eng.warmup()
+    return eng
+
+
+def req(prompt, **kw):
+    return Request(prompt=prompt, max_new_tokens=NEW, **kw)
+
+
+SAMPLED = dict(temperature=0.9, top_k=30, seed=7)
+KINDS = {"greedy": {}, "greedy plain": dict(speculative=0), "sampled": SAMPLED,
+         "sampled plain": dict(SAMPLED, speculative=0)}
+
+
+def check_exact_restore(engine, fresh):
+    """Prompt == a snapshot's prefix: zero prefill steps, first token from the saved logits, same tokens."""
+    for name, kw in KINDS.items():
+        engine.snapshots.clear()
+        saved = engine.generate([req(PROMPT, snapshot=True, **kw)])[0]
+        assert saved.tokens == fresh[name] and len(engine.snapshots) == 1
+        steps = engine.stats.prefill_steps
+        got = engine.generate([req(PROMPT, **kw)])[0]
+        assert engine.stats.prefill_steps == steps, name  # zero prefill steps
+        assert (got.tokens, got.prefill_tokens) == (fresh[name], 0), name
+
+
+def check_suffix_and_split(engine, fresh):
+    """A snapshot at position 11 (inside a chunk of 8, not a multiple of 4 or 8) splits the chunk exactly;
+    a longer prompt sharing the prefix prefills only its suffix; a shorter prompt prefills fresh."""
+    engine.snapshots.clear()
+    split = engine.generate([req(PROMPT, snapshot_at=(11,))])[0]
+    assert split.tokens == fresh["greedy"] and len(engine.snapshots) == 1
+    assert next(iter(engine.snapshots)).length == 11
+    hits = engine.stats.snapshot_hits
+    for name, kw in (("other", {}), ("other sampled", SAMPLED)):
+        got = engine.generate([req(OTHER, **kw)])[0]
+        assert (got.tokens, got.prefill_tokens) == (fresh[name], len(OTHER) - 11), name
+    assert engine.stats.snapshot_hits == hits + 2
+    short = engine.generate([req(PROMPT[:7])])[0]
+    assert short.prefill_tokens == 7 and engine.stats.snapshot_hits == hits + 2
+    assert short.tokens == fresh["short"]
+
+
+def check_restored_path_cancel_and_errors(engine, fresh, monkeypatch):
+    """Cancellation and errors on a restored request behave as on a fresh one, and three requests in a row on
+    the same slot (cancelled, errored, restored) each give what they give alone: the slot is fully reset."""
+    engine.snapshots.clear()
+    engine.generate([req(PROMPT, snapshot=True)])
+    # restored + cancelled after 3 tokens
+    got = engine.generate([req(PROMPT, on_token=lambda ev: ev.index < 2)])[0]
+    assert (got.finish_reason, got.error, got.tokens) == ("cancelled", ErrorCode.CANCELLED, fresh["greedy"][:3])
+    # restored + an engine failure in the restore step: INTERNAL for that request only
+    real = engine._restore_call
+    monkeypatch.setattr(engine, "_restore_call", lambda *a: (_ for _ in ()).throw(RuntimeError("restore broke")))
+    bad, good = engine.generate([req(PROMPT), req(OTHER, speculative=0)])
+    monkeypatch.setattr(engine, "_restore_call", real)
+    assert bad.error is ErrorCode.INTERNAL and "restore broke" in bad.message
+    assert good.ok and good.tokens == fresh["other"]
+    # restored + invalid fields: the same codes as fresh requests
+    assert engine.generate([req(PROMPT, top_p=2.0)])[0].error is ErrorCode.INVALID_REQUEST
+    # three in a row on slot 0: fresh cancelled, fresh errored mid-decode, restored; then a fresh one
+    calls = {"n": 0}
+    real_decode = engine._spec_call
+
+    def failing(rows):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("decode broke")
+        return real_decode(rows)
+
+    engine.snapshots.clear()
+    a = engine.generate([req(OTHER, on_token=lambda ev: ev.index < 4)])[0]
+    assert a.tokens == fresh["other"][:5] and a.error is ErrorCode.CANCELLED
+    monkeypatch.setattr(engine, "_spec_call", failing)
+    b = engine.generate([req(PROMPT, snapshot=True)])[0]
+    monkeypatch.setattr(engine, "_spec_call", real_decode)
+    assert b.error is ErrorCode.INTERNAL and b.tokens == fresh["greedy"][: len(b.tokens)]
+    c = engine.generate([req(PROMPT)])[0]  # restored from the snapshot the errored request saved
+    assert (c.tokens, c.prefill_tokens) == (fresh["greedy"], 0)
+    d = engine.generate([req(OTHER)])[0]
+    assert (d.tokens, d.prefill_tokens) == (fresh["other"], len(OTHER))  # the 19-token snapshot does not apply
+
+
+def check_lru(engine):
+    engine.snapshots.clear()
+    engine.generate([req(PROMPT, snapshot_at=(5, 11, 19))])
+    store = engine.snapshots
+    sizes = {s.length: s.nbytes for s in store}
+    assert sorted(sizes) == [5, 11, 19] and store.evictions == 0
+    small = SnapshotStore(sizes[11] + sizes[19] + sizes[5] // 2)
+    for s in sorted(store, key=lambda s: s.length):
+        small.put(s)
+    assert small.evictions == 1 and [s.length for s in small] == [11, 19]  # the oldest (5) went
+    assert small.longest_prefix(PROMPT).length == 19
+    small.put(next(s for s in store if s.length == 5))  # 11 is now the least recently used
+    assert small.evictions == 2 and sorted(s.length for s in small) == [5, 19]
+    tiny = SnapshotStore(sizes[5] - 1)
+    assert not tiny.put(next(iter(store))) and tiny.rejected == 1 and len(tiny) == 0
+    assert store.longest_prefix(PROMPT[:10]).length == 5 and store.longest_prefix([1, 2]) is None
+
+
+def check_disk_and_invalid(engine, model, fresh, tmp_path):
+    """Save / load through safetensors; a snapshot from another model, config, dtype or pool spec gives
+    INVALID_SNAPSHOT naming what differs (these engines fail at admission: no step of theirs runs)."""
+    engine.snapshots.clear()
+    engine.generate([req(PROMPT, snapshot=True)])
+    path = str(tmp_path / "snaps.safetensors")
+    engine.snapshots.save(path)
+    engine.snapshots.clear()
+    assert engine.snapshots.load(path) == 1
+    got = engine.generate([req(PROMPT)])[0]
+    assert (got.tokens, got.prefill_tokens) == (fresh["greedy"], 0)
+
+    others = {
+        "model": agreeable_model(tiny3(), seed=1, damp=0.3, stream_gain=2.0),
+        "config": ds4jax.Model(model.config.replace(rope_theta=model.config.rope_theta * 2), model.params),
+        "dtype": ds4jax.Model(model.config, jax.tree.map(
+            lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, model.params)),
+        "pool": model,
+    }
+    for what, other in others.items():
+        kw = dict(ENGINE, max_context=128) if what == "pool" else ENGINE
+        eng = Engine(other, **kw)
+        eng.snapshots.load(path)
+        r = eng.generate([req(PROMPT)])[0]
+        assert r.error is ErrorCode.INVALID_SNAPSHOT and what in r.message, (what, r.message)
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def check_park(engine, fresh):
+    """Parking releases the device buffers (jax.live_arrays), each selector does what it says, a request that
+    needs a parked model gets MODEL_PARKED, and outputs after unparking are identical."""
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    params = engine.model.params
+    mtp, target = _bytes(params["mtp"]), _bytes({k: v for k, v in params.items() if k != "mtp"})
+    dpool, tpool = _bytes(engine.dpool), _bytes(engine.tpool)
+    for bad in ("bogus", "both", None):
+        with pytest.raises((ValueError, TypeError)):
+            engine.park(bad)
+    start = live()
+    engine.park("draft")
+    assert engine.parked == ("draft",) and start - live() >= mtp + dpool
+    spec, plain = engine.generate([req(PROMPT), req(PROMPT, speculative=0)])
+    assert spec.error is ErrorCode.MODEL_PARKED and plain.tokens == fresh["greedy"]
+    engine.park("target")
+    assert engine.parked == ("draft", "target") and start - live() >= mtp + dpool + target + tpool
+    assert engine.generate([req(PROMPT, speculative=0)])[0].error is ErrorCode.MODEL_PARKED
+    with pytest.raises(PoolError, match="target is parked"):
+        engine.unpark("draft")
+    engine.unpark("all")
+    assert engine.parked == () and engine.generate([req(PROMPT)])[0].tokens == fresh["greedy"]
+    engine.park("")
+    assert engine.parked == ("draft", "target")
+    engine.unpark("target")
+    engine.unpark("draft")
+    assert engine.generate([req(PROMPT, **SAMPLED)])[0].tokens == fresh["sampled"]
+
+
+def test_snapshots(model, engine, monkeypatch, tmp_path):
+    before = engine_lib.compile_count()
+    engine.snapshots.clear()
+    fresh = {name: engine.generate([req(PROMPT, **kw)])[0].tokens for name, kw in KINDS.items()}
+    fresh["other"] = engine.generate([req(OTHER)])[0].tokens
+    fresh["other sampled"] = engine.generate([req(OTHER, **SAMPLED)])[0].tokens
+    fresh["short"] = engine.generate([req(PROMPT[:7])])[0].tokens
+    assert fresh["greedy"] == fresh["greedy plain"] and fresh["sampled"] != fresh["greedy"]
+    check_exact_restore(engine, fresh)
+    check_suffix_and_split(engine, fresh)
+    check_restored_path_cancel_and_errors(engine, fresh, monkeypatch)
+    check_lru(engine)
+    assert engine_lib.compile_count() == before  # restores, snapshots and failures compiled nothing
+    check_disk_and_invalid(engine, model, fresh, tmp_path)
+    check_park(engine, fresh)
