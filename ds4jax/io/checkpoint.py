@@ -42,13 +42,10 @@ from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.errors import CheckpointError  # noqa: F401 (re-exported: importable from here too)
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the tensor (or shard / config) and its file."""
 
 
 # ---- dequantization (spec §5.2) ----------------------------------------------------------------------------------

@@ -69,12 +69,9 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.runtime.roles import Role
+from ds4jax.errors import PoolSpecError  # noqa: F401 (re-exported: importable from here too)
 
 _INT32_LIMIT = 2**31  # paged row indices are int32 in the kernels
-
-
-class PoolSpecError(ValueError):
-    """An invalid pool specification or an impossible sizing request; the message names the field."""
 
 
 def _fail(field: str, why: str) -> None:

@@ -33,10 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.runtime.pool_spec import PoolSpec, shapes
-
-
-class PoolError(ValueError):
-    """A request would overflow its pool, or a step input is invalid. Nothing has been written."""
+from ds4jax.errors import PoolError  # noqa: F401 (re-exported: importable from here too)
 
 
 _ARRAYS = (
