@@ -109,9 +109,9 @@ def run(args, model=None, tokenizer=None) -> int:
         enable_compilation_cache()
         model, tokenizer = _load(args)
     if not os.path.exists(args.input):
-        from ds4jax.cli import UserError
+        from ds4jax.errors import UsageError
 
-        raise UserError(f"input file {args.input!r} does not exist")
+        raise UsageError(f"input file {args.input!r} does not exist")
     done = _done_keys(args.output)
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.runtime.pool_layout import POOL_ARRAYS
 from ds4jax.runtime.pools import KVPool
 
 # paged arrays and the compression ratio (cfg attribute) that sets their entries per page
@@ -39,8 +40,8 @@ PAGED = {"c4_kv": "csa_ratio", "indexer_kv": "csa_ratio", "c128_kv": "hca_ratio"
 
 
 def per_slot_names(pool: KVPool) -> list[str]:
-    """Arrays with a slot axis at position 1 (SWA ring and compressor state rings)."""
-    return [f.name for f in dataclasses.fields(pool) if f.name == "swa_kv" or "state" in f.name]
+    """Arrays with a slot axis after the layer axis (SWA ring and compressor state rings)."""
+    return [a.name for a in POOL_ARRAYS if a.per_slot]
 
 
 def ids_key(ids: Sequence[int]) -> tuple[str, int]:
@@ -174,6 +175,9 @@ def inject(pool: KVPool, slot, arrays: dict, n_pages, length, ratios: tuple) -> 
 
 def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
     """Paged arrays of `spec` that hold anything, with their entries per page (static argument of extract)."""
+    paged = {a.name for a in POOL_ARRAYS if a.paged}
+    if paged != set(PAGED):
+        raise RuntimeError(f"snapshots know the paged arrays {sorted(PAGED)}, the pool layout has {sorted(paged)}")
     out = []
     for name, ratio in PAGED.items():
         per_page = spec.page_size // getattr(cfg, ratio)
