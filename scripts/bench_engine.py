@@ -96,8 +96,8 @@ def main(argv=None) -> int:
 
     engine = Engine(model, max_slots=args.requests, max_context=args.max_len + args.new + args.k + 1,
                     speculative=args.k, prefill_chunk=args.prefill_chunk, chunk_buckets=(args.prefill_chunk,),
-                    row_buckets=(args.requests,), prefill_row_buckets=(args.prefill_rows,),
-                    steps_per_call=args.steps_per_call)
+                    row_buckets=(args.requests,), prefill_row_buckets=(min(args.prefill_rows, args.requests),),
+                    steps_per_call=args.steps_per_call, snapshot_bytes=0)
     results["kernels"] = engine.kernels.value
     results["pool_bytes"] = {"target": total_bytes(engine.tspec), "draft": total_bytes(engine.dspec)}
     t = time.perf_counter()

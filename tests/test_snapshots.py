@@ -41,7 +41,8 @@ def engine(model):
 
 
 def req(prompt, **kw):
-    return Request(prompt=prompt, max_new_tokens=NEW, **kw)
+    kw.setdefault("max_new_tokens", NEW)
+    return Request(prompt=prompt, **kw)
 
 
 SAMPLED = dict(temperature=0.9, top_k=30, seed=7)
@@ -99,9 +100,9 @@ def check_restored_path_cancel_and_errors(engine, fresh, monkeypatch):
     calls = {"n": 0}
     real_decode = engine._spec_call
 
-    def failing(rows):
+    def failing(rows):  # the first speculative call fails: after the prefill and the first token
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == 1:
             raise RuntimeError("decode broke")
         return real_decode(rows)
 
@@ -111,7 +112,7 @@ def check_restored_path_cancel_and_errors(engine, fresh, monkeypatch):
     monkeypatch.setattr(engine, "_spec_call", failing)
     b = engine.generate([req(PROMPT, snapshot=True)])[0]
     monkeypatch.setattr(engine, "_spec_call", real_decode)
-    assert b.error is ErrorCode.INTERNAL and b.tokens == fresh["greedy"][: len(b.tokens)]
+    assert b.error is ErrorCode.INTERNAL and b.tokens == fresh["greedy"][:1] and "decode broke" in b.message
     c = engine.generate([req(PROMPT)])[0]  # restored from the snapshot the errored request saved
     assert (c.tokens, c.prefill_tokens) == (fresh["greedy"], 0)
     d = engine.generate([req(OTHER)])[0]
@@ -163,6 +164,38 @@ def check_disk_and_invalid(engine, model, fresh, tmp_path):
         assert r.error is ErrorCode.INVALID_SNAPSHOT and what in r.message, (what, r.message)
 
 
+def check_budget(engine, fresh):
+    """Thinking budget: at exactly N tokens without the natural close the engine emits the close ids once and
+    generation continues as if the close ids had been generated (plain and speculative, fresh and restored);
+    a natural close before N is left alone; an open_ids span counts from its opening."""
+    ref = fresh["greedy"]
+    vocab = engine.cfg.vocab_size
+    close = tuple(t for t in range(3, vocab) if t not in ref)[:2]
+    n = 4
+    continued = engine.generate([req(PROMPT + ref[:n] + list(close), max_new_tokens=NEW - n - 2)])[0].tokens
+    want = ref[:n] + list(close) + continued
+    engine.snapshots.clear()
+    for restored in (False, True):
+        for kw in ({}, dict(speculative=0)):
+            if restored and not len(engine.snapshots):
+                engine.generate([req(PROMPT, snapshot=True)])
+            events = []
+            r = engine.generate([req(PROMPT, budget=ds4jax.Budget(max_tokens=n, close_ids=close),
+                                     on_token=lambda ev: events.append(ev.token), **kw)])[0]
+            assert r.prefill_tokens == (0 if restored else len(PROMPT))
+            assert (r.tokens, r.budget_forced_close) == (want, True), (restored, kw)
+            assert events == want and r.tokens.count(close[0]) == 1  # streamed exactly, closed once
+    j = next(i for i in range(1, n) if ref[i] not in ref[:i])  # a token that first appears before N
+    natural = engine.generate([req(PROMPT, budget=ds4jax.Budget(max_tokens=n, close_ids=(ref[j],)))])[0]
+    assert (natural.tokens, natural.budget_forced_close) == (ref, False)
+    o = next(i for i in range(NEW - n - 2) if ref[i] not in ref[:i])  # span opens after token o
+    opened = engine.generate([req(PROMPT, budget=ds4jax.Budget(max_tokens=n, close_ids=close,
+                                                                 open_ids=(ref[o],)))])[0]
+    assert opened.budget_forced_close and opened.tokens[: o + 1 + n + 2] == ref[: o + 1 + n] + list(close)
+    bad = engine.generate([req(PROMPT, budget=ds4jax.Budget(max_tokens=0, close_ids=close))])[0]
+    assert bad.error is ErrorCode.INVALID_REQUEST and "budget" in bad.message
+
+
 def _bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
@@ -208,6 +241,7 @@ def test_snapshots(model, engine, monkeypatch, tmp_path):
     check_suffix_and_split(engine, fresh)
     check_restored_path_cancel_and_errors(engine, fresh, monkeypatch)
     check_lru(engine)
+    check_budget(engine, fresh)
     assert engine_lib.compile_count() == before  # restores, snapshots and failures compiled nothing
     check_disk_and_invalid(engine, model, fresh, tmp_path)
     check_park(engine, fresh)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.generation import loops, snapshots, spec_rounds
-from ds4jax.generation.loops import MAX_STOP_IDS, Rows, SlotState
+from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
@@ -126,6 +126,12 @@ class _Live:
     done: bool = False
     snap_points: tuple[int, ...] = ()  # prompt lengths after which to save a prefix snapshot
     restored: int = 0  # prefix length restored from a snapshot (0 = none)
+    # thinking budget: whether the span is open, its tokens so far, finished (closed or forced), forced ids
+    in_span: bool = False
+    span_count: int = 0
+    budget_done: bool = False
+    forced: list = dataclasses.field(default_factory=list)
+    recent: list = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -239,17 +245,19 @@ class Engine:
             self._decode_call(self._padding_rows(rows, []))
             if self.k:
                 self._spec_call(self._padding_rows(rows, []))
-        for rows in self.prefill_row_buckets:
-            pad = self._padding_rows(rows, [])
-            self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
-        # snapshot programs: extract from and inject into slot 0 (no pages: every paged write is dropped)
-        t = snapshots.extract(self.tpool, np.int32(0), ratios=self._ratios)
-        self.tpool = snapshots.inject(self.tpool, np.int32(0), t, np.int32(0), np.int32(0), ratios=self._ratios)
-        if self.dpool is not None:
-            d = snapshots.extract(self.dpool, np.int32(0), ratios=())
-            self.dpool = snapshots.inject(self.dpool, np.int32(0), d, np.int32(0), np.int32(0), ratios=())
-        logits, stream = jax.device_get(_slot_rows(self.slot_state, np.int32(0)))
-        self.slot_state = _set_slot_rows(self.slot_state, np.int32(0), logits, stream)
+        if self.snapshots.budget_bytes > 0:  # restore and snapshot programs (snapshot_bytes=0: none)
+            self.fingerprint()
+            for rows in self.prefill_row_buckets:
+                pad = self._padding_rows(rows, [])
+                self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
+            # snapshot programs: extract from and inject into slot 0 (no pages: every paged write is dropped)
+            t = snapshots.extract(self.tpool, np.int32(0), ratios=self._ratios)
+            self.tpool = snapshots.inject(self.tpool, np.int32(0), t, np.int32(0), np.int32(0), ratios=self._ratios)
+            if self.dpool is not None:
+                d = snapshots.extract(self.dpool, np.int32(0), ratios=())
+                self.dpool = snapshots.inject(self.dpool, np.int32(0), d, np.int32(0), np.int32(0), ratios=())
+            logits, stream = jax.device_get(_slot_rows(self.slot_state, np.int32(0)))
+            self.slot_state = _set_slot_rows(self.slot_state, np.int32(0), logits, stream)
         self._to_reset.add(0)
         self._apply_resets()
         jax.block_until_ready(self.tpool)
@@ -317,6 +325,16 @@ class Engine:
         if self.tbook.pages_needed(need) > self.tspec.num_pages:
             return fail(ErrorCode.CAPACITY_EXCEEDED, f"needs {self.tbook.pages_needed(need)} pages; the pool has "
                                                      f"{self.tspec.num_pages}")
+        budget = req.budget
+        if budget is not None:
+            seqs = (("close_ids", tuple(budget.close_ids), 1), ("open_ids", tuple(budget.open_ids), 0))
+            if not isinstance(budget.max_tokens, (int, np.integer)) or budget.max_tokens < 1:
+                return fail(ErrorCode.INVALID_REQUEST, f"budget.max_tokens must be an int >= 1, got "
+                                                       f"{budget.max_tokens!r}")
+            for name, seq, least in seqs:
+                if not least <= len(seq) <= MAX_FORCED or any(not 0 <= int(t) < v for t in seq):
+                    return fail(ErrorCode.INVALID_REQUEST, f"budget.{name} must hold {least}..{MAX_FORCED} ids "
+                                                           f"in the vocabulary [0, {v}), got {seq}")
         points = set()
         for p in req.snapshot_at:
             if not isinstance(p, (int, np.integer)) or not 1 <= p <= len(ids):
@@ -328,7 +346,7 @@ class Engine:
         stop[: len(stops)] = stops
         result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
         return _Live(index, req, ids, result, int(k), seed_key_data(req.seed), stop, now,
-                     snap_points=tuple(sorted(points)))
+                     snap_points=tuple(sorted(points)), in_span=budget is not None and not budget.open_ids)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _run(self, requests: list, on_result=None) -> Iterator[list[TokenEvent]]:
@@ -450,7 +468,8 @@ class Engine:
                    n_out=np.zeros(b, np.int32), max_new=np.ones(b, np.int32),
                    stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32), temperature=np.zeros(b, np.float32),
                    top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int32), key_data=np.zeros((b, 2), np.uint32),
-                   k_cap=np.zeros(b, np.int32))
+                   k_cap=np.zeros(b, np.int32), limit=np.full(b, NO_LIMIT, np.int32),
+                   forced=np.zeros((b, MAX_FORCED), np.int32), n_forced=np.zeros(b, np.int32))
         for r, lv in enumerate(live):
             q = lv.request
             arr["active"][r] = True
@@ -463,6 +482,12 @@ class Engine:
             arr["top_k"][r] = q.top_k
             arr["key_data"][r] = lv.key_data
             arr["k_cap"][r] = lv.k
+            arr["forced"][r, : len(lv.forced)] = lv.forced
+            arr["n_forced"][r] = len(lv.forced)
+            budget = q.budget
+            if budget is not None and not lv.budget_done and not lv.forced:
+                # stop exactly at the budget's end; outside the span, N + 1 tokens cannot overshoot it
+                arr["limit"][r] = budget.max_tokens - lv.span_count if lv.in_span else budget.max_tokens + 1
         return Rows(**arr)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
@@ -711,9 +736,11 @@ class Engine:
 
     # ---- delivery and finishing ------------------------------------------------------------------------------
     def _deliver(self, lv: _Live, tokens: list[int], events: list[TokenEvent]) -> None:
+        del lv.forced[: len(tokens)]  # forced tokens are the first a call emits
         for t in tokens:
             if lv.done:
                 return
+            self._track_budget(lv, t)
             res = lv.result
             ev = TokenEvent(lv.index, t, len(res.tokens))
             res.tokens.append(t)
@@ -736,6 +763,23 @@ class Engine:
                     self._finish(lv, FinishReason.STOP)
                     lv.result.text = text[: min(hit)]
                     return
+
+    def _track_budget(self, lv: _Live, token: int) -> None:
+        budget = lv.request.budget
+        if budget is None or lv.budget_done:
+            return
+        lv.recent = (lv.recent + [token])[-MAX_FORCED:]
+        ends_with = lambda seq: len(seq) and tuple(lv.recent[-len(seq):]) == tuple(seq)
+        if lv.in_span:
+            lv.span_count += 1
+            if ends_with(budget.close_ids):  # a natural close: the budget is left alone
+                lv.in_span, lv.budget_done = False, True
+            elif lv.span_count >= budget.max_tokens:  # the engine closes the span: the next tokens are forced
+                lv.forced = [int(t) for t in budget.close_ids]
+                lv.in_span, lv.budget_done = False, True
+                lv.result.budget_forced_close = True
+        elif ends_with(budget.open_ids):
+            lv.in_span, lv.span_count = True, 0
 
     def _check_finished(self, lv: _Live) -> None:
         toks = lv.result.tokens

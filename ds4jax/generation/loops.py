@@ -27,6 +27,8 @@ from ds4jax.runtime import steps
 from ds4jax.runtime.roles import Role
 
 MAX_STOP_IDS = 8
+MAX_FORCED = 8  # most tokens the host can force into a row at once (a thinking budget's close ids)
+NO_LIMIT = 1 << 30
 
 
 class Rows(NamedTuple):
@@ -42,6 +44,9 @@ class Rows(NamedTuple):
     top_k: jax.Array  # int32 (0 = off)
     key_data: jax.Array  # [B, 2] uint32 the request's seed key
     k_cap: jax.Array  # int32 speculative: most drafts a round may accept for this request
+    limit: jax.Array  # int32 most tokens the row may emit in this call (a thinking budget's end; NO_LIMIT)
+    forced: jax.Array  # [B, MAX_FORCED] int32 tokens the row must emit next, in order
+    n_forced: jax.Array  # int32 how many of them
 
 
 class SlotState(NamedTuple):
@@ -147,13 +152,17 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
         out, pool = steps._step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
         tok = sample(out.logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
+        fp = i  # forced tokens are consumed one per step from the call's start
+        forced = jnp.take_along_axis(rows.forced, jnp.minimum(fp, MAX_FORCED - 1)[None, None].repeat(b, 0), 1)[:, 0]
+        tok = jnp.where(fp < rows.n_forced, forced, tok)
         tok = jnp.where(live, tok, cur)
         buf = buf.at[:, i].set(jnp.where(live, tok, -1))
         n_out = n_out + live.astype(jnp.int32)
-        now_done = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
-        return pool, tok, n_out, done | now_done, buf, i + 1, jnp.any(now_done)
+        finished = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
+        paused = live & (n_out - rows.n_out >= rows.limit)  # the host must look at it (a budget's end)
+        return pool, tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused)
 
-    done0 = ~rows.active | (rows.n_out >= rows.max_new)
+    done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
     init = (pool, rows.cur, rows.n_out, done0, buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
     pool, _, n_out, done, buf, i, _ = jax.lax.while_loop(cond, body, init)
     return DecodeOut(buf, n_out, done, i), pool

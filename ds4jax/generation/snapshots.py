@@ -187,11 +187,17 @@ def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+@jax.jit
+def _heads(leaves):
+    return [leaf.reshape(-1)[:64] for leaf in leaves]
+
+
 def fingerprint(model, tspec, dspec) -> dict[str, str]:
     """What must match for a snapshot to be valid: model weights, config, dtype, pool specs."""
     h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(model.params)[:: max(1, len(jax.tree.leaves(model.params)) // 16)]:
-        digest.update(np.asarray(jax.device_get(leaf.reshape(-1)[:64])).astype(np.float32).tobytes())
+    leaves = jax.tree.leaves(model.params)
+    for head in jax.device_get(_heads(leaves[:: max(1, len(leaves) // 16)])):  # one small program
+        digest.update(np.asarray(head).astype(np.float32).tobytes())
     return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
             "dtype": str(jnp.dtype(model.params["embed"].dtype)), "pool": h(repr((tspec, dspec)))}

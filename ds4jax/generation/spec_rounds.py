@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
-from ds4jax.generation.loops import Rows, SlotState, is_stop
+from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop
 from ds4jax.generation.sampling import filter_logits, token_keys
 from ds4jax.runtime import steps
 from ds4jax.runtime.roles import Role
@@ -48,6 +48,7 @@ class _Carry(NamedTuple):
     accepted: jax.Array
     r: jax.Array
     finished: jax.Array
+    fp: jax.Array  # [B] forced tokens consumed
 
 
 def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
@@ -64,10 +65,20 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     safe_t = jnp.where(greedy, 1.0, rows.temperature)
     chain_keys = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, c.n_out))  # [b, k+1]
 
+    # forced tokens (a thinking budget's close ids) replace the first drafts and are accepted whatever the
+    # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
+    pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
+    n_force = jnp.minimum(pending, k)
+
+    def forced_at(j):
+        idx = jnp.minimum(c.fp + j, MAX_FORCED - 1)
+        return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
+
     def propose(logits, j):
         logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
         drawn = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
-        return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), logp
+        tok = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+        return jnp.where(j < pending, forced_at(j), tok), logp
 
     # ---- draft chain: k proposals, k-1 draft decode steps, then roll the draft back ----------------------------
     draft_len = c.dpool.lengths
@@ -89,11 +100,20 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     tokens = jnp.concatenate([c.cur[:, None], drafts], axis=1)
     verify, tpool = steps._step(params, c.tpool, steps.StepBatch(slots, tokens, one * (k + 1)), None, cfg=cfg,
                                 spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
-    by_match = accept_greedy(drafts, verify.logits, rows.k_cap)
+    # a budget's end: emit at most `limit` tokens this call, so accept at most remaining - 1 drafts this round
+    remaining = rows.limit - (c.n_out - rows.n_out)
+    cap = jnp.where(pending > 0, n_force, jnp.minimum(rows.k_cap, jnp.maximum(remaining - 1, 0)))
+    by_match = accept_greedy(drafts, verify.logits, cap)
     t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-    by_sample = accept_sampled(drafts, jnp.stack(draft_logps, axis=1), t_logp, chain_keys[:, k], rows.k_cap)
+    by_sample = accept_sampled(drafts, jnp.stack(draft_logps, axis=1), t_logp, chain_keys[:, k], cap)
     a = jnp.where(greedy, by_match.accepted, by_sample.accepted)
     nxt = jnp.where(greedy, by_match.next_token, by_sample.next_token)
+    # forced rows: exactly n_force drafts accepted; the token after them from the target at that position
+    at = lambda x: jnp.take_along_axis(x, n_force[:, None, None], axis=1)[:, 0]
+    after = jax.vmap(jax.random.categorical)(chain_keys[:, k], at(t_logp)).astype(jnp.int32)
+    after = jnp.where(greedy, jnp.argmax(at(verify.logits), axis=-1).astype(jnp.int32), after)
+    a = jnp.where(pending > 0, n_force, a)
+    nxt = jnp.where(pending > k, forced_at(k), jnp.where(pending > 0, after, nxt))
     a = jnp.where(active, a, 0)
     before = target_len[slots]
     tpool = tpool.replace(lengths=target_len.at[slots].set(jnp.where(active, before + a + 1, before)))
@@ -113,13 +133,16 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     write = jnp.where(j < count[:, None], emitted, -1)
     buf = jax.vmap(lambda o, w, n: jax.lax.dynamic_update_slice(o, w, (n,)))(c.buf, write, c.n_buf)
     n_out = c.n_out + count
-    now_done = active & ((n_out >= rows.max_new) | jnp.any(stop_hit & (j < count[:, None]), axis=1))
+    finished = active & ((n_out >= rows.max_new) | jnp.any(stop_hit & (j < count[:, None]), axis=1))
+    paused = active & (n_out - rows.n_out >= rows.limit)
+    now_done = finished | paused
     accepted = c.accepted.at[:, c.r].set(jnp.where(active, a, -1))
     draft_logits = jnp.where(active[:, None], ext.logits, c.draft_logits)
     draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)).astype(c.draft_stream.dtype),
                              c.draft_stream)
     return _Carry(tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
-                  c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done))
+                  c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
+                  c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds"),
@@ -130,10 +153,11 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
 
     Returns (SpecOut, tpool, dpool, slot_state)."""
     b = rows.slots.shape[0]
-    done0 = ~rows.active | (rows.n_out >= rows.max_new)
+    done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
     init = _Carry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
                   rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
-                  jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool))
+                  jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+                  jnp.zeros((b,), jnp.int32))
 
     def cond(c):
         return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)
