@@ -14,6 +14,7 @@ import unicodedata
 from typing import Sequence
 
 from ds4jax.errors import Ds4jaxError, UsageError
+from ds4jax.io import convert as _convert
 
 USER_ERROR = 2
 UserError = UsageError  # the older name
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = info.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", metavar="DIR")
     which.add_argument("--preset", choices=("default", "tiny", "flash", "pro"))
+    _convert.add_parser(sub)
     return parser
 
 
@@ -226,7 +228,7 @@ def describe(cfg, name: str) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": _generate, "compare": _compare, "info": _info}
+COMMANDS = {"generate": _generate, "compare": _compare, "info": _info, "convert": _convert.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
