@@ -60,6 +60,19 @@ def check_exact_restore(engine, fresh):
         got = engine.generate([req(PROMPT, **kw)])[0]
         assert engine.stats.prefill_steps == steps, name  # zero prefill steps
         assert (got.tokens, got.prefill_tokens) == (fresh[name], 0), name
+    # engine.snapshot() from on_token of the first token (between prefill and the first decode step)
+    engine.snapshots.clear()
+    taken = {}
+
+    def on_first(ev):
+        if ev.index == 0:
+            taken["snap"] = engine.snapshot(taken["request"])
+        return True
+
+    taken["request"] = req(PROMPT, on_token=on_first)
+    assert engine.generate([taken["request"]])[0].tokens == fresh["greedy"]
+    assert taken["snap"].length == len(PROMPT) and len(engine.snapshots) == 1
+    assert engine.generate([req(PROMPT)])[0].prefill_tokens == 0
 
 
 def check_suffix_and_split(engine, fresh):

@@ -662,13 +662,17 @@ class Engine:
         self.stats.snapshots_saved += 1
         return snap
 
-    def snapshot(self, which) -> Snapshot:
+    def snapshot(self, which, at: int | None = None) -> Snapshot:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
-        its first token; `Request(snapshot=True)` / `snapshot_at=` do this inside the engine."""
+        its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
+        `Request(snapshot=True)` snapshots the whole prompt without a callback."""
         live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
         if not live:
             raise PoolError(f"snapshot({which!r}): no running request there")
         lv = live[0]
+        if at is not None and at != len(lv.ids):
+            raise PoolError(f"snapshot(at={at}): only the whole prompt ({len(lv.ids)} tokens) can be snapshotted "
+                            "after prefill; pass Request(snapshot_at=({at},)) to snapshot inside the prompt")
         if lv.pos < len(lv.ids) or len(lv.result.tokens) > 1:
             raise PoolError("snapshot(): a request can be snapshotted between its prefill and its first decode step")
         return self._save_snapshot(lv)
