@@ -24,11 +24,16 @@ def plot(report: dict, path: str) -> None:
     ax.plot(x, [h["loss"] for h in hist], lw=0.8, alpha=0.8, label="train: next token")
     ax.plot(x, [h["mtp_loss"] for h in hist], lw=0.8, alpha=0.8, label="train: MTP next-next token")
     ex = [e["step"] * tokens_per_step / 1e6 for e in evals]
-    ax.plot(ex, [e["loss"] for e in evals], "o-", color="k", label="held-out: next token")
+    ax.plot(ex, [e["loss"] for e in evals], "o-", color="k",
+            label=f"held-out: next token ({evals[-1]['windows'] if evals else 0} windows)")
+    if report.get("heldout_all"):
+        a = report["heldout_all"]
+        ax.plot([x[-1]], [a["loss"]], "D", color="tab:red", label=f"held-out: all {a['windows']} windows, final")
     ax.plot(ex, [e.get("mtp_loss", float("nan")) for e in evals], "s--", color="gray",
             label="held-out: MTP") if evals and "mtp_loss" in evals[0] else None
     ax.set(xlabel="training tokens (millions)", ylabel="cross-entropy (nats/token)", ylim=(0, 9),
-           title=f"default model: {report['parameters'] / 1e6:.1f}M parameters, {report['device']}")
+           title=f"default model: {report['parameters'] / 1e6:.1f}M parameters, "
+                 f"{report.get('device_name', report['device'])}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -51,30 +56,32 @@ def markdown(report: dict, sample: str | None) -> str:
         ("steps", f"{report['steps']:,} of batch {report['hyper']['batch']} x {report['hyper']['seq_len']} tokens"),
         ("tokens seen", f"{report['tokens_seen']:,} ({report['tokens_seen'] / s.get('train', {}).get('tokens', 1):.1f}"
                         f" epochs)"),
-        ("training time", f"{report['train_seconds']:.0f} s on {report['device']} (jax {report['jax']}), "
+        ("training time", f"{report['train_seconds']:.0f} s of steps on {report.get('device_name', report['device'])} (jax {report['jax']}), "
                           f"{report['tokens_per_s']:,.0f} tokens/s"),
         ("held-out loss", f"{h['loss']:.4f} nats/token, {h['bits_per_byte']:.4f} bits/byte "
-                          f"({h['windows']} windows, {h['tokens']:,} tokens, {h['bytes']:,} bytes; heldout_eval.npy)"),
+                          f"({h['windows']} windows, {int(h['tokens']):,} tokens, {h['bytes']:,} bytes; heldout_eval.npy)"),
         ("top-1 accuracy", f"next token {h['top1']:.3f}; MTP next-next token {h['mtp_top1']:.3f}; MTP chained "
                            f"(its own streams, draft steps 2..k) {h['mtp_chain_top1']:.3f}"),
     ]
     if report.get("heldout_all"):
         a = report["heldout_all"]
         rows.append(("all held-out windows", f"{a['loss']:.4f} nats/token, {a['bits_per_byte']:.4f} bits/byte, MTP "
-                                             f"top-1 {a['mtp_top1']:.3f} ({a['windows']} windows, {a['tokens']:,} "
+                                             f"top-1 {a['mtp_top1']:.3f} ({a['windows']} windows, {int(a['tokens']):,} "
                                              f"tokens)"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    arch = (f"{c['num_hidden_layers']} layers ({', '.join(t.split('_')[0] for t in c['layer_types'])}), hidden "
+    kinds = {"sliding_attention": "SWA", "compressed_sparse_attention": "CSA", "heavily_compressed_attention": "HCA"}
+    arch = (f"{c['num_hidden_layers']} layers ({', '.join(kinds[t] for t in c['layer_types'])}), hidden "
             f"{c['hidden_size']}, {c['num_attention_heads']} heads x {c['head_dim']}, window {c['sliding_window']}, "
             f"CSA ratio {c['compress_rates']['compressed_sparse_attention']} (indexer top {c['index_topk']}), HCA "
             f"ratio {c['compress_rates']['heavily_compressed_attention']}, {c['n_routed_experts']} experts (top "
             f"{c['num_experts_per_tok']}, ffw {c['moe_intermediate_size']}) + 1 shared; MoE layers "
-            f"{', '.join(t for t in c['mlp_layer_types'])}; mHC {c['hc_mult']} streams; YaRN off; one MTP block")
+            f"{', '.join('hash' if t == 'hash_moe' else 'top-k' for t in c['mlp_layer_types'])}; mHC {c['hc_mult']} streams; YaRN off; one MTP block")
     o = report["objective"]
     text = (f"# Default model: training report\n\n{arch}.\n\n"
             f"Objective: next-token cross-entropy + {o['mtp_weight']} x MTP next-next-token cross-entropy + "
             f"{o['chain_weight']} x the MTP block applied to its own streams (as the speculative draft chain uses "
-            f"it); AdamW (b2 0.95, weight decay {report['hyper']['weight_decay']}, clip 1.0), peak learning rate "
+            f"it) + the lightning indexer's KL distillation to the layer's attention over compressed entries "
+            f"(DeepSeek-V3.2; trains only the indexer, whose top-k passes no gradient); AdamW (b2 0.95, weight decay {report['hyper']['weight_decay']}, clip 1.0), peak learning rate "
             f"{report['hyper']['lr']}, warmup {report['hyper']['warmup']} steps then cosine; top-k routers balanced "
             f"without an auxiliary loss (bias step {o['bias_rate']}). Trained with `scripts/train_default.py` "
             f"({report['invocations']} invocation(s)).\n\n| | |\n|---|---|\n{table}\n\n![loss](loss.png)\n")

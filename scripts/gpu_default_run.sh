@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One accelerator call: train the default model within a time budget, export it, then benchmark speculative vs
 # plain decoding on it. Everything worth keeping lands in $OUT (at most 8 files, each < 16 MB):
-#   run.log, model.safetensors (bf16 copy made by `ds4jax convert`), train_report.json, speculative.{json,md,png}
+#   run.log, model.safetensors (bf16), train_report.json, speculative.{json,md,png}
 # Needs build/corpus (scripts/default_corpus.py) next to the code; downloads nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +15,11 @@ python scripts/train_default.py --data build/corpus --workdir "$W" --budget-s "$
     --all-heldout 2>&1 | tr '\r' '\n' >>"$log"
 status=${PIPESTATUS[0]}
 echo "train exit $status" >>"$log"
-if [ "$status" = 0 ]; then
-    cp "$W/model/train_report.json" "$OUT/"
-    python -c "import sys; from ds4jax.cli import main; sys.exit(main(sys.argv[1:]))" \
-        convert "$W/model" "$W/st" --to safetensors >>"$log" 2>&1 && cp "$W/st/model.safetensors" "$OUT/"
-    python scripts/bench_default_speculative.py --checkpoint "$W/model" --out "$OUT" \
+if [ -f "$W/model_safetensors/model.safetensors" ]; then
+    cp "$W/model_safetensors/model.safetensors" "$W/model_safetensors/train_report.json" "$OUT/"
+    ckpt="$W/model"
+    [ -f "$ckpt/config.json" ] || ckpt="$W/model_safetensors"
+    python scripts/bench_default_speculative.py --checkpoint "$ckpt" --out "$OUT" \
         --deadline-s "${BENCH_DEADLINE_S:-150}" >>"$log" 2>&1
     echo "bench exit $?" >>"$log"
 fi

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Any, NamedTuple
@@ -322,7 +323,10 @@ def save_state(mngr, step: int, state: State, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
     host = jax.tree.map(np.asarray, state._asdict())
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta)))
+    try:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # resumability is worth less than finishing the run and exporting the model
+        print(f"warning: could not save the training state at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def restore_state(mngr, like: State) -> tuple[State, dict] | None:
@@ -353,7 +357,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--all-heldout", action="store_true", help="also evaluate every held-out window at the end")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is a nicety; never lose a run over it
+        tqdm = _NoBar
 
     if args.smoke:
         corpus, hp = smoke_corpus(), SMOKE
@@ -458,7 +465,10 @@ def main(argv=None) -> dict:
     meta["step"] = step
     meta["last_tokens_per_s"] = loop_tokens / max(train_seconds, 1e-9)
     save_state(mngr, step, State(floats, opt_state, ints), meta)
-    mngr.wait_until_finished()
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:
+        print(f"warning: training state not saved: {type(e).__name__}: {e}", file=sys.stderr)
     report = export(args, cfg, hp, corpus, meta, floats, ints, eval_fn, stopped_early)
     print(f"done: step {step}/{total}, held-out loss {report['heldout']['loss']:.4f} nats/token, "
           f"{report['heldout']['bits_per_byte']:.4f} bits/byte, MTP top-1 {report['heldout']['mtp_top1']:.3f} "
@@ -488,18 +498,47 @@ def export(args, cfg, hp, corpus, meta, floats, ints, eval_fn, stopped_early) ->
     if args.all_heldout:
         report["heldout_all"] = evaluate(eval_fn, params, eval_windows(corpus, hp, None), corpus.token_bytes,
                                          hp.eval_windows)
-    out = os.path.join(args.workdir, "model")
-    orbax_checkpoint.save(model, out, overwrite=True)
-    import shutil
-
-    if corpus.directory:
-        for name in EXTRA_FILES + ("manifest.json",):
-            shutil.copy2(os.path.join(corpus.directory, name),
-                         os.path.join(out, "corpus_manifest.json" if name == "manifest.json" else name))
-    np.save(os.path.join(out, "heldout_eval.npy"), eval_windows(corpus, hp, hp.eval_windows).astype(np.uint16))
-    with open(os.path.join(out, "train_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    # the same weights twice: Orbax (the shipped format) and, as insurance, safetensors (ds4jax.save)
+    for out, write in ((os.path.join(args.workdir, "model_safetensors"), _save_safetensors),
+                       (os.path.join(args.workdir, "model"), _save_orbax)):
+        try:
+            write(model, out)
+        except Exception as e:
+            print(f"warning: export to {out} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if corpus.directory:
+            for name in EXTRA_FILES + ("manifest.json",):
+                shutil.copy2(os.path.join(corpus.directory, name),
+                             os.path.join(out, "corpus_manifest.json" if name == "manifest.json" else name))
+        np.save(os.path.join(out, "heldout_eval.npy"), wins.astype(np.uint16))
+        with open(os.path.join(out, "train_report.json"), "w") as f:
+            json.dump(report, f, indent=1)
     return report
+
+
+def _save_orbax(model: Model, out: str) -> None:
+    orbax_checkpoint.save(model, out, overwrite=True)
+
+
+def _save_safetensors(model: Model, out: str) -> None:
+    from ds4jax.io.checkpoint import save
+
+    shutil.rmtree(out, ignore_errors=True)
+    save(model, out)
+
+
+class _NoBar:
+    def __init__(self, total=None, initial=0, **_):
+        self.n = initial
+
+    def set_postfix(self, **kw):
+        print(" ".join(f"{k}={v}" for k, v in kw.items()), f"step={self.n}", file=sys.stderr, flush=True)
+
+    def update(self, n):
+        self.n += n
+
+    def close(self):
+        pass
 
 
 def _manifest_hash(corpus: Corpus) -> str | None:
