@@ -105,7 +105,7 @@ def run(args) -> dict:
     return res
 
 
-def write_markdown_and_plot(res: dict, out_dir: str) -> None:
+def _table(res: dict) -> str:
     rows = ["| batch | k | tokens/s | speedup vs plain | tokens / round | mean accepted | per-position acceptance | "
             "equals plain greedy |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(res["runs"], key=lambda r: (r["batch"], r["k"])):
@@ -117,13 +117,17 @@ def write_markdown_and_plot(res: dict, out_dir: str) -> None:
             rows.append(f"| {r['batch']} | {r['k']} | {r['tokens_per_s']:,.1f} | {r['speedup']:.2f}x | "
                         f"{r.get('tokens_per_round', 0):.2f} | {r.get('mean_accepted', 0):.2f} | {pos} | "
                         f"{sum(eq)}/{len(eq)} |")
-    text = (f"# Speculative decoding on the default model\n\n"
-            f"{res['device']}, jax {res['jax']}, checkpoint `{res['checkpoint']}` in {res['dtype']} "
-            f"(matmul precision {res['matmul_precision']}), greedy, {res['new_tokens']} new tokens after "
-            f"{res['prompt_len']}-token held-out prompts, best of {res['repeats']} timed calls after a compiling "
-            f"call; plain decoding measured in the same run. Tokens per round = accepted drafts + 1. "
-            f"Per-position acceptance j = share of rounds reaching draft j whose draft j was accepted.\n\n"
-            + "\n".join(rows) + "\n\n![speculative](speculative.png)\n")
+    return (f"{res.get('title', res['device'])}: jax {res['jax']}, checkpoint `{res['checkpoint']}` in "
+            f"{res['dtype']} (matmul precision {res['matmul_precision']}), greedy, {res['new_tokens']} new tokens "
+            f"after {res['prompt_len']}-token held-out prompts, best of {res['repeats']} timed call(s) after a "
+            f"compiling call; plain decoding measured in the same run.\n\n" + "\n".join(rows) + "\n")
+
+
+def write_markdown_and_plot(results: list[dict], out_dir: str, preface: str = "") -> None:
+    text = ("# Speculative decoding on the default model\n\n" + preface
+            + "Tokens per round = accepted drafts + 1. Per-position acceptance j = share of rounds reaching draft j "
+              "whose draft j was accepted.\n\n" + "\n".join(_table(r) for r in results)
+            + "\n![speculative](speculative.png)\n")
     with open(os.path.join(out_dir, "speculative.md"), "w") as f:
         f.write(text)
     import matplotlib
@@ -132,15 +136,20 @@ def write_markdown_and_plot(res: dict, out_dir: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for b in sorted({r["batch"] for r in res["runs"]}):
-        spec = sorted((r for r in res["runs"] if r["batch"] == b and r["k"] > 0), key=lambda r: r["k"])
-        ks = [r["k"] for r in spec]
-        ax1.plot(ks, [r.get("tokens_per_round", 0) for r in spec], "o-", label=f"batch {b}")
-        ax2.plot(ks, [r["speedup"] for r in spec], "o-", label=f"batch {b}")
-    ax1.set(xlabel="draft tokens k", ylabel="tokens per round", title="greedy acceptance (held-out prompts)")
+    for res in results:
+        name = res.get("short", res["device"])
+        for b in sorted({r["batch"] for r in res["runs"]}):
+            spec = sorted((r for r in res["runs"] if r["batch"] == b and r["k"] > 0), key=lambda r: r["k"])
+            if not spec:
+                continue
+            ks = [r["k"] for r in spec]
+            ax1.plot(ks, [r.get("tokens_per_round", 0) for r in spec], "o-", label=f"{name}, batch {b}")
+            ax2.plot(ks, [r["speedup"] for r in spec], "o-", label=f"{name}, batch {b}")
+    ax1.set(xlabel="draft tokens k", ylabel="tokens per round", title="greedy acceptance, held-out prompts")
     ax2.axhline(1.0, color="gray", lw=0.8)
-    ax2.set(xlabel="draft tokens k", ylabel="speculative / plain tokens/s", title=res["device"])
+    ax2.set(xlabel="draft tokens k", ylabel="speculative / plain tokens/s", title="speedup (same run)")
     for ax in (ax1, ax2):
+        ax.set_xticks(range(1, 5))
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -160,17 +169,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision ('' keeps the default)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip remaining speculative runs after this")
-    ap.add_argument("--plot", metavar="JSON", help="only write markdown + plot from an existing result file")
+    ap.add_argument("--plot", metavar="JSON", nargs="+", help="only write markdown + plot from result files")
+    ap.add_argument("--preface", default="", help="markdown put before the tables (with --plot)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     args.json = args.json or os.path.join(args.out, "speculative.json")
     if args.plot:
-        with open(args.plot) as f:
-            res = json.load(f)
+        results = []
+        for path in args.plot:
+            with open(path) as f:
+                results.append(json.load(f))
     else:
-        res = run(args)
+        results = [run(args)]
     try:
-        write_markdown_and_plot(res, args.out)
+        write_markdown_and_plot(results, args.out, args.preface)
     except ImportError as e:  # matplotlib missing on the device: plot later from the JSON
         print(f"no plot: {e}", file=sys.stderr)
     return 0
