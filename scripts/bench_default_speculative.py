@@ -124,6 +124,7 @@ def _table(res: dict) -> str:
 
 
 def write_markdown_and_plot(results: list[dict], out_dir: str, preface: str = "") -> None:
+    preface = preface.rstrip() + "\n\n" if preface.strip() else ""
     text = ("# Speculative decoding on the default model\n\n" + preface
             + "Tokens per round = accepted drafts + 1. Per-position acceptance j = share of rounds reaching draft j "
               "whose draft j was accepted.\n\n" + "\n".join(_table(r) for r in results)
