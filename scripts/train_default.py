@@ -264,7 +264,7 @@ def make_train_step(cfg: Config, hp: Hyper):
         floats = balance_biases(cfg, floats, loads)
         scalars = {k: v for k, v in metrics.items() if v.ndim == 0}
         scalars["lr"] = lr
-        scalars["grad_norm"] = optax.global_norm(grads)
+        scalars["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         return floats, opt_state, scalars
 
     return jax.jit(step_fn, donate_argnums=(0, 1))
