@@ -18,10 +18,13 @@ from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
 from ds4jax.generation.engine import Engine, EngineStats
 from ds4jax.generation.requests import Budget, ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
+from ds4jax.io.default_model import default_model
+from ds4jax.io.convert import convert
 
 __all__ = [
     "AttentionType", "CheckpointError", "Ds4jaxError", "InputError", "errors", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
     "Engine", "EngineStats", "Budget", "ErrorCode", "FinishReason", "GenerateResult", "Request", "TokenEvent",
+    "default_model", "convert",
 ]
