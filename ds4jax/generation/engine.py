@@ -414,7 +414,8 @@ class Engine:
 
     def _admit(self, queue) -> list[_Live]:
         """Admit queued requests into free slots; returns those restored from a prefix snapshot."""
-        self._apply_resets()
+        if queue:  # freed slots are reset before they are reused (a one-shot engine never pays for it)
+            self._apply_resets()
         admitted = []
         while queue and len(self._slots) < self.tspec.max_slots:
             lv = queue[0]
