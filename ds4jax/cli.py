@@ -165,6 +165,10 @@ def enable_compilation_cache() -> None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         where = os.path.join(base, "ds4jax", "jax")
     jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small programs add up at startup
+    from ds4jax.runtime import executable_cache
+
+    executable_cache.enable(os.path.join(where, "executables"))  # skips tracing too (see that module)
 
 
 def _compare(args) -> int:

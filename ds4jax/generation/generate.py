@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.runtime import steps
+from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.model.handle import Model
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolBook, PoolError, zeros
@@ -131,8 +132,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     out: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(rows, bool)
     for step in range(params.max_new_tokens):
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-        token = np.asarray(sample(logits, step_keys, temperature, top_p))
+        token = np.asarray(_sample_step(logits, keys, step, temperature, top_p))
         for r in range(rows):
             if not done[r]:
                 out[r].append(int(token[r]))
@@ -147,6 +147,13 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
         book.commit(slots, n)
         logits = res.logits
     return out
+
+
+@cached_jit
+@jax.jit
+def _sample_step(logits, keys, step, temperature, top_p):
+    """One sampling step as one program (eagerly it is a dozen small ones, each compiled at startup)."""
+    return sample(logits, jax.vmap(lambda k: jax.random.fold_in(k, step))(keys), temperature, top_p)
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,

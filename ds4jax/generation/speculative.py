@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.runtime import steps
+from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
 from ds4jax.model.handle import Model
@@ -131,6 +132,7 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
                      done, accepted, st.rounds + 1, st.keys)
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "greedy"), donate_argnames=("state",))
 def speculative_loop(params, state: LoopState, temperature, top_p, max_new, stop_ids, *, cfg, tspec, dspec, k,
                      greedy):
