@@ -28,6 +28,7 @@ SUBCOMMANDS = (
     "ds4jax.commands.generate",
     "ds4jax.commands.compare",
     "ds4jax.commands.info",
+    "ds4jax.io.convert",
 )
 
 

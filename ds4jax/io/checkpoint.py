@@ -38,6 +38,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
@@ -581,7 +582,8 @@ def check_dtype(dtype: Any) -> Any:
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False) -> Model:
-    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index) into a `Model`.
+    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
+    format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
     Compute-dtype leaves come back in `dtype`; norms, mHC, sinks, ape and router bias in float32; tid2eid int32.
     Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config,
@@ -593,6 +595,15 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError("is not a directory" if os.path.exists(ckpt_dir) else "does not exist",
                               source=ckpt_dir)
+    if orbax_checkpoint.is_orbax(ckpt_dir):
+        model = orbax_checkpoint.load(ckpt_dir, dtype)
+        if check_finite:
+            for key_path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+                a = np.asarray(leaf)
+                if not np.issubdtype(a.dtype, np.integer) and not np.isfinite(a).all():
+                    raise CheckpointError("non-finite value in the Orbax params", source=ckpt_dir,
+                                          name=jax.tree_util.keystr(key_path))
+        return model
     cfg, block = _read_config(ckpt_dir)
     with ExitStack() as stack:
         where = _open_shards(ckpt_dir, stack)
