@@ -91,7 +91,8 @@ def describe(cfg, name: str) -> str:
 def enable_compilation_cache() -> None:
     """Persist compiled programs across runs (the first ``generate`` compiles for about a minute on CPU).
 
-    ``DS4JAX_COMPILATION_CACHE`` overrides the directory (``off`` disables); an explicit JAX setting wins."""
+    ``DS4JAX_COMPILATION_CACHE`` overrides the directory (``off`` disables); an explicit JAX setting wins.
+    ``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's cache but not ours (which also skips tracing)."""
     import jax
 
     where = os.environ.get("DS4JAX_COMPILATION_CACHE")
@@ -104,7 +105,8 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small programs add up at startup
     from ds4jax.runtime import executable_cache
 
-    executable_cache.enable(os.path.join(where, "executables"))  # skips tracing too (see that module)
+    if os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off":
+        executable_cache.enable(os.path.join(where, "executables"))  # skips tracing too (see that module)
 
 
 # ---- errors --------------------------------------------------------------------------------------------------------

@@ -63,11 +63,14 @@ def check_stop_ids(stop_ids, vocab_size: int) -> None:
 def check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
     """Ragged prompts as lists of ints: each non-empty, every id in the vocabulary, prompt + max_new_tokens within
     max_position_embeddings."""
+    if not isinstance(prompt_ids, (list, tuple, np.ndarray, jax.Array)):
+        raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
+                            value=type(prompt_ids).__name__)
     try:
         flat = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and not isinstance(
             prompt_ids[0], (list, tuple, np.ndarray, jax.Array))
         prompts = [list(prompt_ids)] if flat else _as_prompts(prompt_ids)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):
         raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
                             value=type(prompt_ids).__name__) from None
     if not prompts:
