@@ -111,14 +111,16 @@ def enable_compilation_cache() -> None:
 
 # ---- errors --------------------------------------------------------------------------------------------------------
 
-def as_runtime_failure(e: BaseException):
-    """A `RuntimeFailure` for an exception that is not ours: device / host out of memory, or an internal error."""
+def as_runtime_failure(e: BaseException, sizes: str = ""):
+    """A `RuntimeFailure` for an exception that is not ours: device / host out of memory (with `sizes`, what the
+    command had allocated), or an internal error."""
     from ds4jax.errors import DeviceMemoryError, RuntimeFailure
 
     text = str(e)
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
-        return DeviceMemoryError(f"out of memory: {first[:300]}; reduce --max-new-tokens, the prompt, "
+        held = f" ({sizes})" if sizes else ""
+        return DeviceMemoryError(f"out of memory: {first[:300]}{held}; reduce --max-new-tokens, the prompt, "
                                  "--prefill-chunk, or use --dtype bfloat16")
     where = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
     return RuntimeFailure(f"internal error ({where}); rerun with --debug for the traceback")
@@ -147,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from ds4jax.errors import Ds4jaxError
 
-        error = e if isinstance(e, Ds4jaxError) else as_runtime_failure(e)
+        error = e if isinstance(e, Ds4jaxError) else as_runtime_failure(e, getattr(args, "sizes", ""))
         print(f"ds4jax: error: {error}", file=sys.stderr)
         return error.exit_status
 

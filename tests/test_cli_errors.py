@@ -111,7 +111,7 @@ def test_quiet(fake_generate, capsys):
 
 @pytest.mark.parametrize("exc, status, says", [
     (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456789 bytes."), 3,
-     "out of memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456789 bytes"),
+     "out of memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456789 bytes. (context 34 tokens)"),
     (MemoryError(), 3, "out of memory"),
     (ZeroDivisionError("boom"), 3, "internal error (ZeroDivisionError: boom); rerun with --debug"),
     (NonFiniteError("NaN/Inf values first appear here", name="layer 1"), 3, "layer 1: NaN/Inf"),

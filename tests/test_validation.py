@@ -204,3 +204,14 @@ def test_broken_tokenizer_files(tmp_path, name, content, says):
     with pytest.raises(TokenizerError) as e:
         load_tokenizer(tmp_path, 16)
     assert name in str(e.value) and says in str(e.value)
+
+
+def test_save_validates_before_writing(tmp_path):
+    params = numpy_params(CFG)
+    params["layers"][0]["attn"]["wq_a"] = params["layers"][0]["attn"]["wq_a"][:, :-1]
+    with pytest.raises(ArgumentError, match=r"params\['layers'\]\[0\]\['attn'\]\['wq_a'\]: has shape"):
+        ds4jax.save(Model(config=CFG, params=params), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
+    del params["layers"][0]["attn"]["wq_a"]
+    with pytest.raises(ArgumentError, match="is missing"):
+        ds4jax.save(Model(config=CFG, params=params), tmp_path / "out")

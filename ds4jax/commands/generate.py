@@ -163,6 +163,17 @@ class StreamPrinter:
             self.shown = len(text)
 
 
+def _sizes(model, context: int) -> str:
+    """What an out-of-memory report should say: the weights held and the context asked for."""
+    try:
+        import jax
+
+        weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    except Exception:  # a model without arrays (tests) has no size to report
+        return f"context {context} tokens"
+    return f"model weights {weights / 2**30:.2f} GiB, context {context} tokens"
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 
 def run(args) -> int:
@@ -186,6 +197,7 @@ def run(args) -> int:
         _check_speculative(cfg, args.speculative, len(ids), args.max_new_tokens)
     progress(f"loading {'the default model' if args.checkpoint is None else args.checkpoint}")
     model = load_model(args)
+    args.sizes = _sizes(model, len(ids) + args.max_new_tokens)
     if args.speculative and not model.has_mtp:
         raise UsageError("needs the MTP block, and this checkpoint has no mtp.* tensors", name="--speculative",
                          value=args.speculative)

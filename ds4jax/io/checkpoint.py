@@ -654,6 +654,24 @@ def _nbytes(array: Any, expert: int | None) -> int:
     return n // array.shape[0] if expert is not None else n
 
 
+def _check_savable(model: Model) -> None:
+    """Every leaf the config declares is present with its shape (an MTP block may be absent), and nothing else."""
+    if not isinstance(model, Model) or not isinstance(model.params, dict):
+        raise ArgumentError("must be a ds4jax Model (config + params dict)", name="model", value=type(model).__name__)
+    expected = {leaf.path: leaf.target.shape for leaf in _plan(model.config, jnp.float32)}
+    got = {_path_of(kp): getattr(a, "shape", None) for kp, a in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    if not any(p[0] == "mtp" for p in got):
+        expected = {p: v for p, v in expected.items() if p[0] != "mtp"}
+    for path in sorted(set(expected) | set(got), key=str):
+        name = "params" + "".join(f"[{k!r}]" for k in path)
+        if path not in got:
+            raise ArgumentError("is missing", name=name)
+        if path not in expected:
+            raise ArgumentError("is not a parameter of this config", name=name)
+        if tuple(got[path] or ()) != tuple(expected[path]):
+            raise ArgumentError(f"has shape {got[path]}, the config needs {tuple(expected[path])}", name=name)
+
+
 def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> None:
     """Write `model` as an upstream-named checkpoint: ``config.json`` + safetensors in the params' dtypes.
 
@@ -663,6 +681,7 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     safetensors files unless `overwrite` (which deletes them first).
     """
     out_dir = os.fspath(path)
+    _check_savable(model)  # before anything is created or deleted
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))
     if stale and not overwrite:
