@@ -64,7 +64,8 @@ def test_sampling_params_accept_edges():
     ([], {}, "empty"),
     ([[1], []], {}, "empty"),
     ([1.0, 2.0], {}, "integer token ids"),
-    ("hello", {}, "integer token ids"),
+    ("hello", {}, "must be a list of token ids"),
+    ({"a": 1}, {}, "must be a list of token ids"),
     ([1, 2], dict(speculative=-1), "speculative=-1"),
     ([1] * (CFG.max_position_embeddings - 3), {}, "max_position_embeddings"),
 ])
