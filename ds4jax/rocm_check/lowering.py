@@ -1,0 +1,88 @@
+"""Lower the real serving steps on this (CPU) host as if on a GPU target, and list the Triton kernels in them.
+
+`as_if_on(target)` makes trace-time device queries answer for the target: the kernel dispatcher's architecture
+(tile defaults) and `jax.default_backend()` (Pallas kernels rather than the references; the GPU MoE strategies).
+Both are trace-time facts that jit's cache keys do not carry, so JAX's caches are cleared on entry and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.model import params as model_params
+from ds4jax.model.config import Config, flash_slice, pro
+from ds4jax.rocm_check.extract import TritonKernel, triton_kernels
+from ds4jax.rocm_check.targets import GpuTarget
+from ds4jax.runtime import pools, steps, target as device
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.roles import Role
+from ds4jax.runtime.target import Target
+
+MAX_CONTEXT = 131072  # 128k: the indexer scores 32k C4 entries, HCA attends to 1k C128 entries
+
+
+@contextlib.contextmanager
+def as_if_on(target: Target):
+    jax.clear_caches()
+    try:
+        with mock.patch.object(device, "device_target", lambda: target), \
+                mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            yield
+    finally:
+        jax.clear_caches()
+
+
+def pro_slice(num_layers: int) -> Config:
+    """Real Pro per-layer dimensions (128 heads, top-1024 indexer) with the first `num_layers` of its schedule."""
+    full = pro()
+    return full.replace(num_layers=num_layers, attention_types=full.attention_types[:num_layers],
+                        mlp_types=full.mlp_types[:num_layers])
+
+
+# Flash: sliding, sliding, CSA, HCA layers; Pro: HCA, HCA, CSA (Pro has no sliding-only layer).
+MODELS = {"Flash": functools.partial(flash_slice, 4), "Pro": functools.partial(pro_slice, 3)}
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+# (batch rows, tokens per row): decode at batch 8 (few programs: split-K partials), a 512-token prefill chunk.
+SHAPES = {"decode": (8, 1), "prefill": (1, 512)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str
+    shape: str
+
+
+CASES = tuple(Case(m, d, s) for m in MODELS for d in DTYPES for s in SHAPES)
+
+
+def _abstract_batch(rows: int, tokens: int) -> steps.StepBatch:
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    return steps.StepBatch(s(rows), s(rows, tokens), s(rows))
+
+
+def spec_for(case: Case) -> PoolSpec:
+    return PoolSpec.for_role(MODELS[case.model](), role=Role.TARGET, max_slots=max(SHAPES[case.shape][0], 8),
+                             max_context=MAX_CONTEXT, dtype=jnp.dtype(DTYPES[case.dtype]).name)
+
+
+def lower_step(case: Case, gpu: GpuTarget) -> jax.stages.Lowered:
+    """The target step of `case` (decode or prefill) lowered for `gpu`, with the tiles the dispatcher picks there."""
+    cfg, dtype = MODELS[case.model](), DTYPES[case.dtype]
+    rows, tokens = SHAPES[case.shape]
+    spec = spec_for(case)
+    step = steps.decode if case.shape == "decode" else steps.prefill
+    with as_if_on(gpu.target):
+        traced = jax.jit(functools.partial(step, cfg=cfg, spec=spec)).trace(
+            model_params.abstract(cfg, dtype), pools.abstract(spec), _abstract_batch(rows, tokens))
+        return traced.lower(lowering_platforms=(gpu.lowering,))
+
+
+def kernels_of(case: Case, gpu: GpuTarget) -> list[TritonKernel]:
+    return triton_kernels(lower_step(case, gpu))
