@@ -10,6 +10,8 @@ from ds4jax import xla_flags as _xla_flags
 _xla_flags.apply()  # before anything can start a JAX backend: DS4JAX_COMMAND_BUFFERS (docs/rocm.md)
 
 from ds4jax.model.api import forward_logits  # noqa: E402
+from ds4jax import errors
+from ds4jax.errors import Ds4jaxError, InputError
 from ds4jax.io.checkpoint import CheckpointError, load, save
 from ds4jax.model.config import AttentionType, Config, ConfigError, MlpType, flash, flash_slice, from_hf_config, pro, tiny
 from ds4jax.generation.generate import SamplingParams, generate, greedy_generate
@@ -20,7 +22,7 @@ from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
 
 __all__ = [
-    "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
+    "AttentionType", "CheckpointError", "Ds4jaxError", "InputError", "errors", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
 ]
