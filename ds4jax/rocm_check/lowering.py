@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.model import params as model_params
-from ds4jax.model.config import Config, flash_slice, pro
+from ds4jax.model.config import AttentionType, Config, MlpType, flash, pro
 from ds4jax.rocm_check.extract import TritonKernel, triton_kernels
 from ds4jax.rocm_check.targets import GpuTarget
 from ds4jax.runtime import pools, steps, target as device
@@ -38,15 +38,16 @@ def as_if_on(target: Target):
         jax.clear_caches()
 
 
-def pro_slice(num_layers: int) -> Config:
-    """Real Pro per-layer dimensions (128 heads, top-1024 indexer) with the first `num_layers` of its schedule."""
-    full = pro()
-    return full.replace(num_layers=num_layers, attention_types=full.attention_types[:num_layers],
-                        mlp_types=full.mlp_types[:num_layers])
+def layers_of(full: Config, attention: tuple[AttentionType, ...], mlp: tuple[MlpType, ...]) -> Config:
+    """A model's real per-layer dimensions with one layer of each kind it has (each kind dispatches its kernels)."""
+    return full.replace(num_layers=len(attention), attention_types=attention, mlp_types=mlp)
 
 
-# Flash: sliding, sliding, CSA, HCA layers; Pro: HCA, HCA, CSA (Pro has no sliding-only layer).
-MODELS = {"Flash": functools.partial(flash_slice, 4), "Pro": functools.partial(pro_slice, 3)}
+A, M = AttentionType, MlpType
+MODELS = {
+    "Flash": functools.partial(layers_of, flash(), (A.SLIDING, A.CSA, A.HCA), (M.HASH, M.HASH, M.TOPK)),
+    "Pro": functools.partial(layers_of, pro(), (A.HCA, A.CSA), (M.HASH, M.TOPK)),  # Pro has no sliding-only layer
+}
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 # (batch rows, tokens per row): decode at batch 8 (few programs: split-K partials), a 512-token prefill chunk.
 SHAPES = {"decode": (8, 1), "prefill": (1, 512)}

@@ -1,5 +1,5 @@
 """The whole serving path lowers for ROCm with no CUDA-only custom call: prefill, decode, verify and draft extend
-of a Flash-shaped model, the speculative loop (draft chain, verification, sampling, acceptance) and token sampling,
+of a Flash-shaped model (one layer of each attention kind), the speculative loop (draft chain, verification, sampling, acceptance) and token sampling,
 traced as if on an MI300 (`as_if_on`: Pallas kernels, GPU MoE strategies) and lowered for platform "rocm"."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import pytest
 
 from ds4jax.generation import sampling, speculative
 from ds4jax.model import params as model_params
-from ds4jax.model.config import flash_slice
 from ds4jax.model.layers import moe
 from ds4jax.rocm_check.extract import TRITON_TARGET, custom_call_targets
-from ds4jax.rocm_check.lowering import as_if_on
+from ds4jax.rocm_check.lowering import MODELS, as_if_on
 from ds4jax.rocm_check.targets import GFX942
 from ds4jax.runtime import pools, steps
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -29,7 +28,7 @@ CUDA_ONLY = re.compile(r"cublas|cudnn|cusolver|cusparse|^cu_|mosaic_gpu|__gpu\$x
 # Everything a ROCm lowering of these programs may contain today; anything new needs a look (and a line here).
 ROCM_OK = {TRITON_TARGET}
 
-CFG = flash_slice(4)  # real Flash per-layer dims: sliding, sliding, CSA, HCA layers; the MTP block for drafts
+CFG = MODELS["Flash"]()  # real Flash per-layer dims: a sliding, a CSA and an HCA layer; the MTP block drafts
 K = 2  # draft tokens
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
