@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ds4jax.rocm_check.compile import TRITON_VERSION
 from ds4jax.rocm_check.lowering import CASES
-from ds4jax.rocm_check.report import check, render, rows_for
+from ds4jax.rocm_check.report import check, render, rows_for, tile_comparison
 from ds4jax.rocm_check.targets import TARGETS
 
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
                 bar.update()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "rocm_kernels.md"), "w") as f:
-        f.write(render(rows))
+        f.write(render(rows, tile_comparison()))
     with open(os.path.join(args.out, "rocm_kernels.json"), "w") as f:
         json.dump(dict(triton=TRITON_VERSION, rows=[r.as_dict() for rs in rows.values() for r in rs]), f, indent=1)
     problems = check([r for rs in rows.values() for r in rs])

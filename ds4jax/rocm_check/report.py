@@ -76,7 +76,7 @@ def _kb(n: int) -> str:
     return f"{n / 1024:.1f}"
 
 
-def render(rows_by_target: dict[str, list[Row]]) -> str:
+def render(rows_by_target: dict[str, list[Row]], comparison=()) -> str:
     lines = [
         "# Pallas kernels compiled for MI300 (gfx942), MI355 (gfx950) and H200 (sm90)",
         "",
@@ -107,4 +107,52 @@ def render(rows_by_target: dict[str, list[Row]]) -> str:
             lines.append(f"| {c.model} | {c.dtype} | {c.shape} | {k.name} | {r.variant} | {k.num_warps} x "
                          f"{k.num_stages} | {_kb(res.lds)} | {res.vgprs} | {res.agprs} | {res.sgprs} | {res.spills} | "
                          f"{res.sgpr_spills} | {res.scratch} | {res.occupancy} ({res.occupancy_limit}) |")
+    return "\n".join(lines) + "\n" + (render_comparison(comparison) if comparison else "")
+
+
+def _flash_csa_calls(dtype, sparse_tiles, indexer_tiles):
+    """The kernels of one Flash CSA layer at decode, batch 64 (one split), 128k context, with the given tiles."""
+    import functools
+
+    import jax
+
+    import pallas_kernels
+
+    S, i32, t = jax.ShapeDtypeStruct, jnp.int32, 64
+    sparse = functools.partial(pallas_kernels.sparse_attention, scale=512**-0.5, block_sizes=sparse_tiles)
+    indexer = functools.partial(pallas_kernels.indexer_topk, k=512, block_sizes=indexer_tiles)
+    return [(sparse, (S((t, 64, 512), dtype), S((t * 129, 512), dtype), S((t, 128), i32), S((262144, 512), dtype),
+                      S((t, 512), i32), S((64,), jnp.float32))),
+            (indexer, (S((t, 64, 128), dtype), S((t, 64), jnp.float32), S((262144, 128), dtype), S((t, 32768), i32),
+                       S((t,), i32)))]
+
+
+def tile_comparison(names=("gfx942", "gfx950")) -> list[tuple[str, str, str, TritonKernel, Resources]]:
+    """(target, dtype, "H200 tile" | "ROCm tile", kernel, resources): why each ROCm default was chosen."""
+    import jax
+
+    from ds4jax.rocm_check.extract import triton_kernels
+
+    out = []
+    for name in names:
+        gpu = TARGETS[name]
+        for dname, dtype in DTYPES.items():
+            for label, arch in (("H200 tile", "sm90"), ("ROCm tile", name)):
+                tiles = [dispatch.block_sizes(op, jnp.dtype(dtype), arch) for op in ("sparse_attention", "indexer_topk")]
+                for fn, args in _flash_csa_calls(dtype, *tiles):
+                    for kernel in triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=(gpu.lowering,))):
+                        out.append((name, dname, label, kernel, compile_kernel(kernel, gpu)))
+    return out
+
+
+def render_comparison(rows) -> str:
+    lines = ["", "## The H200 tiles on AMD targets (why the ROCm tiles differ)", "",
+             "One Flash CSA layer at decode, batch 64, 128k context, compiled with the H200 (sm90) default tiles and "
+             "with the ROCm defaults.", "",
+             "| target | dtype | tiles | kernel | warps x stages | LDS KiB | VGPR | SGPR | spills | sgpr sp. | scratch | "
+             "occupancy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, dname, label, k, res in rows:
+        lines.append(f"| {name} | {dname} | {label} | {k.name} | {k.num_warps} x {k.num_stages} | {_kb(res.lds)} | "
+                     f"{res.vgprs} | {res.sgprs} | {res.spills} | {res.sgpr_spills} | {res.scratch} | "
+                     f"{res.occupancy} ({res.occupancy_limit}) |")
     return "\n".join(lines) + "\n"
