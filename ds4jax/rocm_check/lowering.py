@@ -19,7 +19,7 @@ from ds4jax.model import params as model_params
 from ds4jax.model.config import AttentionType, Config, MlpType, flash, pro
 from ds4jax.rocm_check.extract import TritonKernel, triton_kernels
 from ds4jax.rocm_check.targets import GpuTarget
-from ds4jax.runtime import pools, steps, target as device
+from ds4jax.runtime import kernels as dispatch, pools, steps, target as device
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.roles import Role
 from ds4jax.runtime.target import Target
@@ -85,5 +85,14 @@ def lower_step(case: Case, gpu: GpuTarget) -> jax.stages.Lowered:
         return traced.lower(lowering_platforms=(gpu.lowering,))
 
 
+_LOWERED: dict = {}  # (case, lowering platform, tiles) -> kernels: gfx942 and gfx950 share fp32 lowerings
+
+
 def kernels_of(case: Case, gpu: GpuTarget) -> list[TritonKernel]:
-    return triton_kernels(lower_step(case, gpu))
+    """The Triton kernels of `case` on `gpu`; targets that share a lowering platform and tiles share one lowering."""
+    dtype = jnp.dtype(DTYPES[case.dtype])
+    key = (case, gpu.lowering, tuple(dispatch.block_sizes(op, dtype, gpu.name)
+                                     for op in ("sparse_attention", "indexer_topk")))
+    if key not in _LOWERED:
+        _LOWERED[key] = triton_kernels(lower_step(case, gpu))
+    return _LOWERED[key]
