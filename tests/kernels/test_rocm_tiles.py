@@ -34,9 +34,9 @@ def _distinct(cls):
 def _sparse_cases(interpret: bool):
     for arch, dtype, bs in _distinct(SparseAttentionBlockSizes):
         if interpret:  # small heads and d; lists cross several row blocks; one split and several
-            yield SparseCase(f"{arch}_{dtype}", t=5, h=32, d=64, na=70, nb=3 * bs.block_k + 5, dtype=dtype,
+            yield SparseCase(f"{arch}_{dtype}", t=3, h=16, d=64, na=70, nb=3 * bs.block_k + 5, dtype=dtype,
                              empty_rows=(1,), block_sizes=bs)
-            yield SparseCase(f"{arch}_{dtype}_split", t=2, h=32, d=64, na=40, nb=4 * bs.block_k, dtype=dtype,
+            yield SparseCase(f"{arch}_{dtype}_split", t=2, h=16, d=64, na=40, nb=4 * bs.block_k, dtype=dtype,
                              dense_b=True, block_sizes=dataclasses.replace(bs, num_splits=3))
         else:
             yield SparseCase(f"{arch}_{dtype}_flash", t=8, h=64, d=512, na=128, nb=512, dtype=dtype, page=64,
