@@ -24,6 +24,15 @@ def no_persistent_cache(monkeypatch):
     monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")
 
 
+@pytest.fixture(autouse=True)
+def random_default(monkeypatch):
+    """The byte-level tokenizer of the random tiny model makes the expected output obvious."""
+    from ds4jax.io import default_model as module
+
+    monkeypatch.setattr(module, "default_tokenizer", module.random_tokenizer)
+    monkeypatch.setattr(module, "default_config", module.random_config)
+
+
 @pytest.fixture
 def fake_generate(monkeypatch):
     """Replace generation: streams 'ok' then EOS through on_token; records what it was given."""

@@ -87,7 +87,7 @@ def test_fingerprint_covers_environment(monkeypatch):
 
 def test_generate_through_the_cache_equals_plain_jit(tmp_path):
     from ds4jax.generation.generate import SamplingParams, generate
-    from ds4jax.io.default_model import default_model, default_tokenizer
+    from ds4jax.io.default_model import random_model as default_model, random_tokenizer as default_tokenizer
 
     model, ids = default_model(jnp.float32), default_tokenizer().encode("Hello", add_bos=True)
     params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)]

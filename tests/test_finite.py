@@ -6,7 +6,7 @@ import pytest
 
 from ds4jax.errors import NonFiniteError
 from ds4jax.generation.generate import SamplingParams, generate
-from ds4jax.io.default_model import default_model, default_tokenizer
+from ds4jax.io.default_model import random_model as default_model, random_tokenizer as default_tokenizer
 from ds4jax.model.finite import first_nonfinite
 from ds4jax.model.handle import Model
 

@@ -21,12 +21,13 @@ NAME = "generate"
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(NAME, help="generate a continuation of a prompt",
                        description="Generate text, printing tokens as they are produced. Without --checkpoint, "
-                                   "runs the default model.",
+                                   "runs the default model (checkpoints/default: a small DeepSeek-V4 trained on the "
+                                   "Python standard library).",
                        formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (UTF-8)")
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file; - reads stdin")
-    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the default model)")
+    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: checkpoints/default)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens to generate at most")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                    help="sampling temperature; 0 = greedy")
