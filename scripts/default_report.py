@@ -53,7 +53,9 @@ def markdown(report: dict, sample: str | None) -> str:
                           f"bytes)"),
         ("tokenizer", f"byte-level BPE, {c['vocab_size']} tokens (tokenizers library), trained on the train split"),
         ("parameters", f"{report['parameters']:,} (bfloat16 on disk, MTP block included)"),
-        ("steps", f"{report['steps']:,} of batch {report['hyper']['batch']} x {report['hyper']['seq_len']} tokens"),
+        ("steps", f"{report['steps']:,} of batch {report['hyper']['batch']} x {report['hyper']['seq_len']} tokens"
+                  + (f" (of {report['total_steps']:,} planned; the time budget ended the run near the end of the "
+                     f"learning-rate schedule)" if report.get("stopped_early") else "")),
         ("tokens seen", f"{report['tokens_seen']:,} ({report['tokens_seen'] / s.get('train', {}).get('tokens', 1):.1f}"
                         f" epochs)"),
         ("training time", f"{report['train_seconds']:.0f} s of steps on {report.get('device_name', report['device'])} (jax {report['jax']}), "

@@ -536,7 +536,10 @@ class Engine:
             if finishing[r]:
                 lv.first_token = now
                 lv.result.timings.prefill_s = now - lv.admitted
-                self._deliver(lv, [int(first[r])], events)
+                token = int(first[r])
+                if token < 0:  # the logits were not finite: deliver the greedy stand-in 0 and flag it
+                    lv.result.nonfinite_at, token = 0, 0
+                self._deliver(lv, [token], events)
                 if not lv.done:
                     self._check_finished(lv)
 
@@ -561,7 +564,10 @@ class Engine:
             self.stats.spec_rounds += int(rounds)
         else:
             out = self._decode_call(rows)
-            tokens, steps_run = jax.device_get((out.tokens, out.steps))
+            tokens, steps_run, bad = jax.device_get((out.tokens, out.steps, out.bad))
+            for r, lv in enumerate(part):
+                if bad[r] >= 0 and lv.result.nonfinite_at is None:
+                    lv.result.nonfinite_at = int(bad[r])
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)

@@ -13,20 +13,78 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from typing import Callable
+
+from ds4jax.errors import ArgumentError
 from ds4jax.generation.engine import Engine, bucket, default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.requests import GenerateResult, Request
+from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
+from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
 from ds4jax.runtime.pools import PoolError
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """Validated at construction (`ArgumentError` naming the field): max_new_tokens >= 1, temperature finite and
+    >= 0 (0 = greedy), top_p in (0, 1], seed a 64-bit integer, stop_ids non-negative integers, top_k >= 0."""
+
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     top_k: int = 0  # 0 = off
+
+    def __post_init__(self):
+        check_sampling(self)
+        check_int(self.top_k, "SamplingParams.top_k", low=0)
+
+
+def check_sampling(p, where: str = "SamplingParams") -> None:
+    """Every sampling field of `p` (a SamplingParams or anything with the same attributes)."""
+    check_int(p.max_new_tokens, f"{where}.max_new_tokens", low=1)
+    if check_real(p.temperature, f"{where}.temperature") < 0:
+        raise ArgumentError("must be >= 0 (0 is greedy)", name=f"{where}.temperature", value=p.temperature)
+    if not 0 < check_real(p.top_p, f"{where}.top_p") <= 1:
+        raise ArgumentError("must be in (0, 1]", name=f"{where}.top_p", value=p.top_p)
+    check_int(p.seed, f"{where}.seed", low=INT64_MIN, high=INT64_MAX)
+    if not isinstance(p.stop_ids, (tuple, list)):
+        raise ArgumentError("must be a tuple of token ids", name=f"{where}.stop_ids", value=p.stop_ids)
+    for i, t in enumerate(p.stop_ids):
+        check_int(t, f"{where}.stop_ids[{i}]", low=0)
+
+
+def check_stop_ids(stop_ids, vocab_size: int) -> None:
+    for i, t in enumerate(stop_ids):
+        if t >= vocab_size:
+            raise ArgumentError(f"is outside the vocabulary [0, {vocab_size})", name=f"stop_ids[{i}]", value=t)
+
+
+def check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
+    """Ragged prompts as lists of ints: each non-empty, every id in the vocabulary, prompt + max_new_tokens within
+    max_position_embeddings."""
+    if not isinstance(prompt_ids, (list, tuple, np.ndarray, jax.Array)):
+        raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
+                            value=type(prompt_ids).__name__)
+    try:
+        flat = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and not isinstance(
+            prompt_ids[0], (list, tuple, np.ndarray, jax.Array))
+        prompts = [list(prompt_ids)] if flat else _as_prompts(prompt_ids)
+    except (TypeError, ValueError, KeyError):
+        raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
+                            value=type(prompt_ids).__name__) from None
+    if not prompts:
+        raise ArgumentError("is empty: at least one prompt is needed", name="prompt_ids", value=prompt_ids)
+    for r, p in enumerate(prompts):
+        name = "prompt_ids" if len(prompts) == 1 else f"prompt_ids[{r}]"
+        if not isinstance(p, (list, tuple)) or any(not is_int(t) for t in p):
+            raise ArgumentError("must be a sequence of integer token ids", name=name, value=p)
+        check_token_ids(np.asarray(p, np.int64), cfg.vocab_size, name)
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ArgumentError(f"{len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                                f"max_position_embeddings ({cfg.max_position_embeddings})", name=name, value=len(p))
+    return [[int(t) for t in p] for p in prompts]
 
 
 def _as_prompts(prompt_ids) -> list[list[int]]:
@@ -44,14 +102,11 @@ def row_seed(seed: int, row: int) -> int:
     return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, row]).generate_state(2, np.uint32).view(np.uint64)[0])
 
 
-def run_batch(model: Model, prompt_ids, params: SamplingParams, *, k: int = 0, prefill_chunk: int | None = None
-              ) -> list[GenerateResult]:
-    """Run prompts through a one-shot engine sized for them; raises PoolError on the first failed request."""
-    prompts = _as_prompts(prompt_ids)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise PoolError("every prompt needs at least one token")
-    if params.max_new_tokens < 1:
-        raise PoolError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
+              prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
+              check_finite: bool = False) -> list[GenerateResult]:
+    """Run validated prompts through a one-shot engine sized for them; raises PoolError on a failed request and
+    `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
     longest = max(len(p) for p in prompts)
     new_bucket = bucket(params.max_new_tokens)
     max_context = bucket(longest + new_bucket + (k + 1 if k else 0))
@@ -61,23 +116,44 @@ def run_batch(model: Model, prompt_ids, params: SamplingParams, *, k: int = 0, p
                     row_buckets=(slots,), steps_per_call=new_bucket)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
-                        stop_ids=tuple(params.stop_ids)) for r, p in enumerate(prompts)]
+                        stop_ids=tuple(params.stop_ids),
+                        on_token=None if on_token is None else (lambda ev, r=r: on_token(r, ev.token) and None))
+                for r, p in enumerate(prompts)]
     results = engine.generate(requests)
-    for r in results:
-        if r.error is not None:
-            raise PoolError(r.message)
+    for res in results:
+        if res.error is not None:
+            raise PoolError(res.message)
+    if check_finite:
+        for r, res in enumerate(results):
+            if res.nonfinite_at is not None:
+                i = res.nonfinite_at
+                raise nonfinite_error(model, prompts[r] + res.tokens[:i], where=f"prompt {r}, generated token {i}")
     return results
 
 
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
-             prefill_chunk: int | None = None, speculative: int = 0) -> list[list[int]]:
+             prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
+
+    Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
+    `NonFiniteError` naming the first layer when logits turn NaN/Inf; `on_token(row, token)` sees every token as
+    it is delivered.
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
     decoding, sampled output follows the same distribution."""
-    if speculative < 0:
-        raise PoolError(f"k must be >= 1, got {speculative}")
-    return [r.tokens for r in run_batch(model, prompt_ids, params, k=speculative, prefill_chunk=prefill_chunk)]
+    cfg = model.config
+    if not isinstance(params, SamplingParams):
+        raise ArgumentError("must be a SamplingParams", name="params", value=params)
+    prompts = check_prompts(prompt_ids, cfg, params.max_new_tokens)
+    check_stop_ids(params.stop_ids, cfg.vocab_size)
+    if prefill_chunk is not None:
+        check_int(prefill_chunk, "prefill_chunk", low=1)
+    k = check_int(speculative, "speculative", low=0)
+    if k and not model.has_mtp:
+        raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
+    return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,
+                                        on_token=on_token, check_finite=check_finite)]
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,

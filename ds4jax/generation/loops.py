@@ -100,6 +100,7 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
             draft_stream=slot_state.draft_stream.at[rows.slots].set(
                 jnp.where(keep[:, None, None], stream.astype(slot_state.draft_stream.dtype),
                           slot_state.draft_stream[rows.slots])))
+    first = jnp.where(jnp.isfinite(out.logits).all(axis=-1), first, -1)  # -1: non-finite logits (numerics guard)
     return first, tpool, dpool, slot_state
 
 
@@ -133,6 +134,7 @@ class DecodeOut(NamedTuple):
     n_out: jax.Array  # [B] tokens emitted so far (after this call)
     done: jax.Array  # [B] finished (stop id or budget)
     steps: jax.Array  # [] steps run
+    bad: jax.Array  # [B] index of the first token whose logits were not finite (-1 = none)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "kernels", "max_steps"), donate_argnames=("pool",))
@@ -142,16 +144,17 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
     buf = jnp.full((b, max_steps), -1, jnp.int32)
 
     def cond(c):
-        _, _, _, done, _, i, finished = c
+        _, _, _, done, _, i, finished, _ = c
         return (i < max_steps) & ~finished & jnp.any(~done)
 
     def body(c):
-        pool, cur, n_out, done, buf, i, _ = c
+        pool, cur, n_out, done, buf, i, _, bad = c
         live = ~done
         batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
         out, pool = steps._step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
         tok = sample(out.logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
+        bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(out.logits).all(axis=-1), n_out, bad)
         fp = i  # forced tokens are consumed one per step from the call's start
         forced = jnp.take_along_axis(rows.forced, jnp.minimum(fp, MAX_FORCED - 1)[None, None].repeat(b, 0), 1)[:, 0]
         tok = jnp.where(fp < rows.n_forced, forced, tok)
@@ -160,9 +163,10 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
         n_out = n_out + live.astype(jnp.int32)
         finished = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
         paused = live & (n_out - rows.n_out >= rows.limit)  # the host must look at it (a budget's end)
-        return pool, tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused)
+        return pool, tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused), bad
 
     done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
-    init = (pool, rows.cur, rows.n_out, done0, buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
-    pool, _, n_out, done, buf, i, _ = jax.lax.while_loop(cond, body, init)
-    return DecodeOut(buf, n_out, done, i), pool
+    init = (pool, rows.cur, rows.n_out, done0, buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+            jnp.full((b,), -1, jnp.int32))
+    pool, _, n_out, done, buf, i, _, bad = jax.lax.while_loop(cond, body, init)
+    return DecodeOut(buf, n_out, done, i, bad), pool

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ds4jax.generation.generate import SamplingParams, run_batch
+from ds4jax.generation.generate import SamplingParams, check_prompts, check_stop_ids, run_batch
+from ds4jax.model.inputs import check_int
 from ds4jax.generation.loops import MAX_STOP_IDS  # noqa: F401 (re-exported)
 from ds4jax.generation.spec_rounds import speculative_loop  # noqa: F401 (re-exported)
 from ds4jax.model.handle import Model
@@ -30,14 +31,18 @@ class SpecResult:
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
                          prefill_chunk: int | None = None) -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round)."""
+    cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
-    if k < 1:
-        raise PoolError(f"k must be >= 1, got {k}")
+    check_int(k, "k", low=1)
     if len(params.stop_ids) > MAX_STOP_IDS:
         raise PoolError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(params.stop_ids)}")
+    prompts = check_prompts(prompt_ids, cfg, params.max_new_tokens + k + 1)
+    check_stop_ids(params.stop_ids, cfg.vocab_size)
+    if prefill_chunk is not None:
+        check_int(prefill_chunk, "prefill_chunk", low=1)
     start = time.perf_counter()
-    results = run_batch(model, prompt_ids, params, k=k, prefill_chunk=prefill_chunk)
+    results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]
