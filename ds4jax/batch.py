@@ -26,21 +26,23 @@ _FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids"
 def add_parser(sub) -> None:
     p = sub.add_parser("batch", help="generate for every line of a JSONL file (resumable)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("input", metavar="INPUT.jsonl")
-    p.add_argument("output", metavar="OUTPUT.jsonl")
+    p.add_argument("input", metavar="INPUT.jsonl", help="one JSON object per line: id, prompt, optional fields")
+    p.add_argument("output", metavar="OUTPUT.jsonl", help="results, appended; ids already there are skipped")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype (default: bfloat16 for a checkpoint, float32 for the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default per request")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default per request (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--top-k", type=int, default=0, metavar="K")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default per request")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="default per request (0 = off)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="default per request")
     p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per round (0 = off)")
     p.add_argument("--max-slots", type=int, default=8, metavar="B", help="requests decoded together")
-    p.add_argument("--max-context", type=int, default=4096, metavar="T")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C")
-    p.add_argument("--steps-per-call", type=int, default=8, metavar="M")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-context", type=int, default=4096, metavar="T", help="prompt + new tokens per request")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C", help="prefill width per step")
+    p.add_argument("--steps-per-call", type=int, default=8, metavar="M",
+                   help="tokens (or speculative rounds) per host round trip")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _done_keys(path: str) -> set[str]:
