@@ -16,6 +16,8 @@ def _forward(cfg, params, token_ids):
 
 def forward_logits(model: Model, token_ids) -> jax.Array:
     """Full-sequence forward without a cache: token_ids [b, t] (or [t]) -> float32 logits [b, t, v] (or [t, v])."""
+    if model.layout is not None:  # placed on a mesh (runtime floor; duck-typed to keep imports downward)
+        return model.layout.forward_logits(model, token_ids)
     ids = jnp.asarray(token_ids, jnp.int32)
     if ids.ndim == 1:
         return _forward(model.config, model.params, ids[None])[0]
