@@ -114,6 +114,12 @@ class MeshLayout:
 
         return forward_logits(self, model, token_ids)
 
+    def steps(self, cfg: Config):
+        """The pooled steps on this mesh (`mesh_steps.MeshSteps`: the API of `ds4jax.runtime.steps`)."""
+        from ds4jax.runtime.mesh_steps import MeshSteps
+
+        return MeshSteps(self, cfg)
+
     def per_device_bytes(self, tree: Any) -> dict[Any, int]:
         """Bytes each device holds of a placed pytree (shards actually resident on it)."""
         out: dict[Any, int] = {d: 0 for d in self.mesh.devices.flat}
