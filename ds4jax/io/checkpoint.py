@@ -535,12 +535,20 @@ def _read_config(ckpt_dir: str) -> tuple[Config, tuple[int, int]]:
     return cfg, block
 
 
-def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
+def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, mesh=None, rules=None) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index) into a `Model`.
 
     Compute-dtype leaves come back in `dtype`; norms, mHC, sinks, ape and router bias in float32; tid2eid int32.
     Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config.
+    With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
+    straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
     """
+    if mesh is not None:
+        from ds4jax.io.sharded_load import load_sharded
+
+        if rules is not None:
+            mesh = dataclasses.replace(mesh, rules=tuple(rules))
+        return load_sharded(path, dtype, mesh)
     ckpt_dir = os.fspath(path)
     cfg, block = _read_config(ckpt_dir)
     with ExitStack() as stack:
