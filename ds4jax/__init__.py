@@ -6,6 +6,8 @@ streams, v vocab, g output groups, o output LoRA rank, c compressed entries, n t
 """
 
 from ds4jax.model.api import forward_logits
+from ds4jax import errors
+from ds4jax.errors import Ds4jaxError, InputError
 from ds4jax.io.checkpoint import CheckpointError, load, save
 from ds4jax.model.config import AttentionType, Config, ConfigError, MlpType, flash, flash_slice, from_hf_config, pro, tiny
 from ds4jax.generation.generate import SamplingParams, generate, greedy_generate
@@ -16,7 +18,7 @@ from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
 
 __all__ = [
-    "AttentionType", "CheckpointError", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
+    "AttentionType", "CheckpointError", "Ds4jaxError", "InputError", "errors", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
 ]

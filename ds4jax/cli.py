@@ -13,12 +13,11 @@ import sys
 import unicodedata
 from typing import Sequence
 
+from ds4jax.errors import Ds4jaxError, UsageError
+from ds4jax.io import convert as _convert
+
 USER_ERROR = 2
-
-
-class UserError(Exception):
-    """Reported as ``ds4jax: error: <message>`` with exit status 2."""
-
+UserError = UsageError  # the older name
 
 # ---- argument parsing ----------------------------------------------------------------------------------------------
 
@@ -84,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = info.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", metavar="DIR")
     which.add_argument("--preset", choices=("default", "tiny", "flash", "pro"))
+    _convert.add_parser(sub)
     return parser
 
 
@@ -228,7 +228,7 @@ def describe(cfg, name: str) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": _generate, "compare": _compare, "info": _info}
+COMMANDS = {"generate": _generate, "compare": _compare, "info": _info, "convert": _convert.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,17 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed usage and the message; return its status instead of exiting
         return int(e.code or 0)
-    from ds4jax.io.checkpoint import CheckpointError
-    from ds4jax.model.config import ConfigError
-    from ds4jax.io.tokenizer import TokenizerError
-
     if args.command in ("generate", "compare"):
         enable_compilation_cache()
     try:
         return COMMANDS[args.command](args)
-    except (UserError, CheckpointError, ConfigError, TokenizerError) as e:
+    except Ds4jaxError as e:
         print(f"ds4jax: error: {e}", file=sys.stderr)
-        return USER_ERROR
+        return e.exit_status
 
 
 if __name__ == "__main__":

@@ -38,16 +38,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.errors import CheckpointError  # noqa: F401 (re-exported: importable from here too)
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the tensor (or shard / config) and its file."""
 
 
 # ---- dequantization (spec §5.2) ----------------------------------------------------------------------------------
@@ -536,20 +534,23 @@ def _read_config(ckpt_dir: str) -> tuple[Config, tuple[int, int]]:
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, mesh=None, rules=None) -> Model:
-    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index) into a `Model`.
+    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
+    format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
     Compute-dtype leaves come back in `dtype`; norms, mHC, sinks, ape and router bias in float32; tid2eid int32.
     Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config.
     With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
     straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
     """
+    ckpt_dir = os.fspath(path)
+    if mesh is not None and rules is not None:
+        mesh = dataclasses.replace(mesh, rules=tuple(rules))
+    if orbax_checkpoint.is_orbax(ckpt_dir):
+        return orbax_checkpoint.load(ckpt_dir, dtype, layout=mesh)
     if mesh is not None:
         from ds4jax.io.sharded_load import load_sharded
 
-        if rules is not None:
-            mesh = dataclasses.replace(mesh, rules=tuple(rules))
-        return load_sharded(path, dtype, mesh)
-    ckpt_dir = os.fspath(path)
+        return load_sharded(ckpt_dir, dtype, mesh)
     cfg, block = _read_config(ckpt_dir)
     with ExitStack() as stack:
         where = _open_shards(ckpt_dir, stack)

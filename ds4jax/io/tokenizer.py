@@ -10,9 +10,7 @@ import json
 import os
 from typing import Any, Protocol, Sequence
 
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be loaded or does not fit the model."""
+from ds4jax.errors import TokenizerError  # noqa: F401 (re-exported: importable from here too)
 
 
 class Tokenizer(Protocol):

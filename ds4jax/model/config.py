@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from ds4jax.errors import ConfigError  # noqa: F401 (re-exported: importable from here too)
+
 
 class AttentionType(enum.Enum):
     SLIDING = "sliding_attention"  # ratio 0: sliding window only
@@ -30,10 +32,6 @@ class YarnScaling:
     original_max_position_embeddings: int = 65536
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the offending field."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

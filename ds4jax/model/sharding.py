@@ -35,7 +35,7 @@ def default_rules() -> Rules:
     * batch rows and pool slots / pages over ``data`` (data-parallel attention).
     Everything else (embed, norms, mHC, router, compressors, indexer) is replicated."""
     return (
-        ("batch", "data"), ("slots", "data"), ("pages", "data"),
+        ("batch", "data"), ("slots", "data"), ("entries", "data"),
         ("experts", "expert"), ("expert_mlp", "tensor"), ("mlp", "tensor"),
         ("heads", "tensor"), ("o_groups", "tensor"),
         ("vocab", ("expert", "tensor")),

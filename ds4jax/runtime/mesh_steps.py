@@ -4,8 +4,9 @@
 runs unchanged on a mesh (``runner = model.layout.steps(cfg)`` instead of the module).
 
 * Pools are one `KVPool` per layer stage, holding that stage's layers (a stage-local `PoolSpec`).
-* Within a stage, arrays are placed by the logical axes of `POOL_AXES` and the layout's rules: per-slot arrays
-  split by slot over ``data``, paged arrays by page over ``data``, the rest replicated.
+* Within a stage, arrays are placed by their logical axes (`pool_layout.POOL_ARRAYS`) and the layout's rules:
+  per-slot arrays split by slot over ``data``, paged arrays by entry (whole pages) over ``data``, the rest
+  replicated.
 * Data-parallel attention (``data`` > 1): the whole stage step runs inside ``shard_map`` over ``data``: each
   data shard runs the unchanged single-device step on its rows, its slots and its pages (`ShardedPoolBook`
   allocates a slot's pages from its shard's range), so no pool row ever leaves its device; the MoE inside
@@ -27,28 +28,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.forward import embed
 from ds4jax.model.sharding import mesh_spec
-from ds4jax.runtime import steps as steps_lib
+from ds4jax.runtime import pool_layout, steps as steps_lib
 from ds4jax.runtime.kernels import resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pooled_attention import geometry
 from ds4jax.runtime.pools import KVPool, PoolBook, PoolError, zeros as pool_zeros
 from ds4jax.runtime.steps import Logits, StepBatch, StepOutput
 
-# Logical axes of every pool array (pool_spec's table); "slots" and "pages" go over ``data`` by default.
-POOL_AXES = {
-    "swa_kv": ("layers", "slots", "ring_rows", "head_dim"),
-    "c4_kv": ("csa_layers", "pages", "head_dim"),
-    "indexer_kv": ("csa_layers", "pages", "index_head_dim"),
-    "c128_kv": ("hca_layers", "pages", "head_dim"),
-    "c4_state_kv": ("csa_layers", "slots", "state_rows", "state_width"),
-    "c4_state_gate": ("csa_layers", "slots", "state_rows", "state_width"),
-    "indexer_state_kv": ("csa_layers", "slots", "state_rows", "state_width"),
-    "indexer_state_gate": ("csa_layers", "slots", "state_rows", "state_width"),
-    "c128_state_kv": ("hca_layers", "slots", "state_rows", "state_width"),
-    "c128_state_gate": ("hca_layers", "slots", "state_rows", "state_width"),
-    "page_table": ("slots", "slot_pages"),
-    "lengths": ("slots",),
-}
+# Logical axes of every pool array, from the one pool-layout table; "slots" and "entries" go over ``data``.
+POOL_AXES = {a.name: a.axes for a in pool_layout.POOL_ARRAYS}
 
 
 def stage_config(cfg: Config, lo: int, hi: int) -> Config:
@@ -142,14 +130,19 @@ def _stage_step(top, layers, pool, batch, x, *, cfg, spec, rules, first, last, l
                 per = spec.num_pages
                 pool = pool.replace(page_table=jnp.where(table >= 0, table - shard * per, -1))
             steps_lib._validate_static(cfg, spec, steps_lib.Role.TARGET, pool, batch)
-            slots, ids = batch.slots, batch.token_ids
-            g = geometry(pool.lengths[slots], batch.n_tokens, ids.shape[1], pool.page_table[slots])
+            ids = batch.token_ids
+            # as in steps._step: padding rows address the null slot max_slots (fill reads, dropped writes)
+            live = (batch.n_tokens > 0) & (batch.slots >= 0) & (batch.slots < spec.max_slots)
+            slots = jnp.where(live, batch.slots, spec.max_slots)
+            start = pool.lengths.at[slots].get(mode="fill", fill_value=0)
+            g = geometry(start, batch.n_tokens, ids.shape[1], pool.page_table.at[slots].get(mode="fill", fill_value=-1))
             if first:
                 x = embed(top, ids, cfg)
             for j, p in enumerate(layers):
                 kind, mlp = cfg.attention_types[j], cfg.mlp_types[j]
-                x, pool, _ = steps_lib._pooled_block(x, ids, p, pool, slots, g, j, kind, mlp, cfg, spec, kernels)
-            pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens), page_table=table)
+                with jax.named_scope(f"stage/layer{j}_{kind.name.lower()}"):
+                    x, pool, _ = steps_lib._pooled_block(x, ids, p, pool, slots, g, j, kind, mlp, cfg, spec, kernels)
+            pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"), page_table=table)
             out = None
             if last:
                 out = steps_lib._logits(x, top["hc_head"], top["norm"], top["head"], batch, cfg, logits)
@@ -158,7 +151,7 @@ def _stage_step(top, layers, pool, batch, x, *, cfg, spec, rules, first, last, l
     if data == 1:
         return body(top, layers, pool, batch, x)
     d = P("data")
-    pool_specs = KVPool(**{k: P(*[("data" if a in ("slots", "pages") else None) for a in v])
+    pool_specs = KVPool(**{k: P(*[("data" if a in ("slots", "entries") else None) for a in v])
                            for k, v in POOL_AXES.items()})
     out_logits = None if not last or logits is Logits.NONE else d
     fn = jax.shard_map(body, in_specs=(P(), P(), pool_specs, d, None if x is None else d),

@@ -7,20 +7,8 @@ A `PoolSpec` is a static argument of every jitted step. Pool array shapes derive
 * `configure(cfg, role=…, …, memory_budget_bytes=…)` — sized from a memory budget with the arithmetic of
   SGLang's DSV4PoolConfigurator (serving.md §5.3), adapted to this layout (see `configure`).
 
-Pool arrays (letters: b slot, w `swa_rows`, d `head_dim`, di `index_head_dim`, z `page_size`,
-p `pages_per_slot`; L, L4, L128 = `num_layers`, `num_csa_layers`, `num_hca_layers`):
-
-| array                    | shape                              | dtype       | holds                               |
-|--------------------------|------------------------------------|-------------|-------------------------------------|
-| swa_kv                   | [L, b, w, d]                       | dtype       | SWA K=V ring, position q at q mod w |
-| c4_kv                    | [L4, c4_entries, d]                | dtype       | CSA compressed entries (paged)      |
-| indexer_kv               | [L4, indexer_entries, di]          | dtype       | indexer keys, one per C4 entry      |
-| c128_kv                  | [L128, c128_entries, d]            | dtype       | HCA compressed entries (paged)      |
-| c4_state_kv, _gate       | [L4, b, c4_state_rows, 2d]         | state_dtype | CSA compressor ring, a token a row  |
-| indexer_state_kv, _gate  | [L4, b, indexer_state_rows, 2di]   | state_dtype | indexer compressor ring             |
-| c128_state_kv, _gate     | [L128, b, c128_state_rows, d]      | state_dtype | HCA compressor ring, a token a row  |
-| page_table               | [b, p]                             | int32       | physical page of each logical page  |
-| lengths                  | [b]                                | int32       | committed tokens of each slot       |
+Pool arrays: the table, with shape rules, dtypes, roles, layer kinds and logical axes, is
+`ds4jax.runtime.pool_layout.POOL_ARRAYS` (the one place that lists them); `shapes(spec)` evaluates it.
 
 The layer axis of c4_*/indexer_* arrays follows `cfg.layers_of(AttentionType.CSA)`, that of c128_* arrays
 `cfg.layers_of(AttentionType.HCA)`; swa_kv covers every layer (every layer has the sliding branch).
@@ -28,8 +16,9 @@ The layer axis of c4_*/indexer_* arrays follows `cfg.layers_of(AttentionType.CSA
 Paging. Logical page j of slot b covers positions [j·z, (j+1)·z). One physical page id n = page_table[b, j]
 addresses all three paged pools: C4 entries and indexer keys at rows [n·z/csa_ratio, (n+1)·z/csa_ratio),
 C128 entries at rows [n·z/hca_ratio, (n+1)·z/hca_ratio). Hence c4_pages == c128_pages (= `num_pages`)
-wherever both kinds of layer exist. `null_page` (= num_pages, out of range) marks unallocated table
-entries: scatters with mode="drop" discard writes to it and gathers with mode="fill" read the fill value.
+wherever both kinds of layer exist. A page id outside [0, num_pages) (-1 in the tables: no page; `null_page`
+= num_pages) is owned by no request and addresses no row: steps drop writes to it (mode="drop" scatters) and
+end a request's readable entries before it, so an unreserved page never aliases another request's page.
 
 Compressor state rings (spec §3.6–3.7, §4.1). Row q mod rows holds the raw projections of token q: kv = V_q
 and gate = Z_q + ape[q mod ratio] (bias added, so rows are position-independent once written). CSA rows
@@ -68,13 +57,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config
+from ds4jax.runtime import pool_layout as layout
 from ds4jax.runtime.roles import Role
+from ds4jax.errors import PoolSpecError  # noqa: F401 (re-exported: importable from here too)
 
 _INT32_LIMIT = 2**31  # paged row indices are int32 in the kernels
-
-
-class PoolSpecError(ValueError):
-    """An invalid pool specification or an impossible sizing request; the message names the field."""
 
 
 def _fail(field: str, why: str) -> None:
@@ -165,6 +152,19 @@ class PoolSpec:
     @property
     def c128_entries_per_page(self) -> int:
         return self.page_size // self.hca_ratio
+
+    @property
+    def c4_state_width(self) -> int:
+        """CSA compressor ring width: overlap half + current half, 2·head_dim."""
+        return 2 * self.head_dim
+
+    @property
+    def indexer_state_width(self) -> int:
+        return 2 * self.index_head_dim
+
+    @property
+    def c128_state_width(self) -> int:
+        return self.head_dim
 
     @property
     def c4_window(self) -> int:
@@ -333,8 +333,8 @@ def _validate(s: PoolSpec) -> None:
         if pages < s.pages_per_slot:
             _fail(f"{prefix}_pages", f"{pages} pages cannot hold one request of max_context "
                                      f"({s.pages_per_slot} pages)")
-        if entries >= _INT32_LIMIT:
-            _fail(f"{prefix}_entries", f"{entries} rows overflow int32 row indices")
+        if entries * layers >= _INT32_LIMIT:  # the kernels index the rows of all layers at once
+            _fail(f"{prefix}_entries", f"{entries} rows x layers overflow int32 row indices")
     if s.indexer_entries != s.c4_entries:
         _fail("indexer_entries", f"must equal c4_entries ({s.c4_entries}): one indexer key per C4 entry, "
                                  f"got {s.indexer_entries}")
@@ -345,34 +345,8 @@ def _validate(s: PoolSpec) -> None:
 # ---- shapes and byte accounting ---------------------------------------------------------------------------
 
 def shapes(spec: PoolSpec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every pool array as name -> (shape, dtype name), from the spec alone (table in the module docstring)."""
-    s = spec
-    b, kv, st = s.max_slots, s.dtype, s.state_dtype
-    return {
-        "swa_kv": ((s.num_layers, b, s.swa_rows, s.head_dim), kv),
-        "c4_kv": ((s.num_csa_layers, s.c4_entries, s.head_dim), kv),
-        "indexer_kv": ((s.num_csa_layers, s.indexer_entries, s.index_head_dim), kv),
-        "c128_kv": ((s.num_hca_layers, s.c128_entries, s.head_dim), kv),
-        "c4_state_kv": ((s.num_csa_layers, b, s.c4_state_rows, 2 * s.head_dim), st),
-        "c4_state_gate": ((s.num_csa_layers, b, s.c4_state_rows, 2 * s.head_dim), st),
-        "indexer_state_kv": ((s.num_csa_layers, b, s.indexer_state_rows, 2 * s.index_head_dim), st),
-        "indexer_state_gate": ((s.num_csa_layers, b, s.indexer_state_rows, 2 * s.index_head_dim), st),
-        "c128_state_kv": ((s.num_hca_layers, b, s.c128_state_rows, s.head_dim), st),
-        "c128_state_gate": ((s.num_hca_layers, b, s.c128_state_rows, s.head_dim), st),
-        "page_table": ((b, s.pages_per_slot), "int32"),
-        "lengths": ((b,), "int32"),
-    }
-
-
-# Which report bucket each array belongs to; paged arrays scale with pages, the rest with slots.
-_GROUP = {
-    "swa_kv": "swa", "c4_kv": "c4_kv", "indexer_kv": "indexer", "c128_kv": "c128_kv",
-    "c4_state_kv": "states", "c4_state_gate": "states", "indexer_state_kv": "states",
-    "indexer_state_gate": "states", "c128_state_kv": "states", "c128_state_gate": "states",
-    "page_table": "tables", "lengths": "tables",
-}
-_PAGED = ("c4_kv", "indexer_kv", "c128_kv")  # [layers, pages * entries_per_page, dim]
-_GROUPS = ("swa", "c4_kv", "indexer", "c128_kv", "states", "tables")
+    """Every pool array as name -> (shape, dtype name), from the spec alone (rules in `pool_layout`)."""
+    return {a.name: (layout.shape_of(a, spec), layout.dtype_of(a, spec)) for a in layout.POOL_ARRAYS}
 
 
 def _array_bytes(spec: PoolSpec) -> dict[str, int]:
@@ -380,21 +354,18 @@ def _array_bytes(spec: PoolSpec) -> dict[str, int]:
 
 
 def _report(per_array: dict[str, float]) -> dict[str, float]:
-    out = dict.fromkeys(_GROUPS, 0)
+    out = dict.fromkeys(layout.GROUPS, 0)
     for name, value in per_array.items():
-        out[_GROUP[name]] += value
-    out["total"] = sum(out[g] for g in _GROUPS)
+        out[layout.BY_NAME[name].group] += value
+    out["total"] = sum(out[g] for g in layout.GROUPS)
     return out
 
 
 def _per_page(spec: PoolSpec) -> dict[str, int]:
-    # Bytes one page adds to each paged array (0 for a kind of layer the spec lacks).
-    itemsize = jnp.dtype(spec.dtype).itemsize
-    return {
-        "c4_kv": spec.num_csa_layers * spec.c4_entries_per_page * spec.head_dim * itemsize,
-        "indexer_kv": spec.num_csa_layers * spec.c4_entries_per_page * spec.index_head_dim * itemsize,
-        "c128_kv": spec.num_hca_layers * spec.c128_entries_per_page * spec.head_dim * itemsize,
-    }
+    # Bytes one page adds to each paged array (every paged array has num_pages pages, or no layers).
+    sizes = _array_bytes(spec)
+    return {a.name: sizes[a.name] // spec.num_pages if spec.num_pages else 0
+            for a in layout.POOL_ARRAYS if a.paged}
 
 
 def page_bytes(spec: PoolSpec) -> int:
@@ -413,7 +384,7 @@ def bytes_per_token(spec: PoolSpec) -> dict[str, float]:
 def bytes_per_slot(spec: PoolSpec) -> dict[str, int]:
     """Bytes each request slot owns whatever its length (SWA ring, state rings, its table row), by pool."""
     sizes = _array_bytes(spec)
-    return _report({n: v // spec.max_slots for n, v in sizes.items() if n not in _PAGED})
+    return _report({n: v // spec.max_slots for n, v in sizes.items() if not layout.BY_NAME[n].paged})
 
 
 def bytes_per_request(spec: PoolSpec) -> dict[str, float]:

@@ -13,7 +13,9 @@ start[b] = pool.lengths[slot]. Per layer:
    attends to the selected entries. Attention and indexer go through `ds4jax.kernels` (Pallas or reference).
 
 All reads are masked by position: a row is used only if it holds a committed position the query may see.
-Padding rows (n = 0) and padding tokens write nothing.
+Padding rows (n = 0) and padding tokens write nothing. A page id outside the pool (-1 = none) maps to no row:
+writes to it are dropped and a request's readable entries end before it (`entry_rows`, `readable_entries`),
+so nothing is ever clamped onto another request's page.
 """
 
 from __future__ import annotations
@@ -61,12 +63,41 @@ def rewrite_ring(old: jax.Array, fresh: jax.Array, g: ChunkGeometry) -> jax.Arra
     return jnp.where(has[..., None], picked.astype(old.dtype), old)
 
 
-def entry_rows(page_table: jax.Array, entries: jax.Array, ratio: int, page_size: int) -> jax.Array:
-    """Pool rows of logical entries [B, ...] of each request (pages must exist; callers mask the rest)."""
+def entry_rows(page_table: jax.Array, entries: jax.Array, ratio: int, page_size: int, num_pages: int) -> jax.Array:
+    """Pool rows of logical entries [B, ...] of each request; -1 where the entry's page is missing or its page id
+    is outside [0, num_pages): such an entry has no row (nothing is clamped onto another request's page)."""
     per_page = page_size // ratio
-    page = jnp.take_along_axis(page_table, (entries // per_page).reshape(entries.shape[0], -1), axis=1)
-    page = page.reshape(entries.shape)
-    return jnp.maximum(page, 0) * per_page + entries % per_page
+    page = jnp.take_along_axis(page_table, (entries // per_page).reshape(entries.shape[0], -1), axis=1,
+                               mode="fill", fill_value=-1).reshape(entries.shape)
+    owned = (page >= 0) & (page < num_pages)
+    return jnp.where(owned, page * per_page + entries % per_page, -1)
+
+
+def readable_entries(page_table: jax.Array, ratio: int, page_size: int, num_pages: int) -> jax.Array:
+    """[B] entries of each request up to its first missing page: reads never go past a hole in the table."""
+    owned = (page_table >= 0) & (page_table < num_pages)  # [B, P]
+    first_missing = jnp.where(owned.all(axis=1), owned.shape[1], jnp.argmin(owned, axis=1))
+    return first_missing.astype(jnp.int32) * (page_size // ratio)
+
+
+class PagedLayer(NamedTuple):
+    """A paged pool array of every layer [layers, N, w] and the index of the running layer on its first axis.
+
+    Kernels read it in place through a free reshape to [layers * N, w] (rows offset by layer * N); writes
+    scatter into it in place. No layer slice is ever copied out and back."""
+    pool: jax.Array
+    layer: int
+
+    @property
+    def rows(self) -> int:
+        return self.pool.shape[1]
+
+    def flat(self) -> jax.Array:
+        return self.pool.reshape(-1, self.pool.shape[-1])
+
+    def flat_rows(self, rows: jax.Array) -> jax.Array:
+        """Rows of this layer [..] (-1 = none) as rows of `flat()`."""
+        return jnp.where(rows >= 0, rows + self.layer * self.rows, -1)
 
 
 class CompressorState(NamedTuple):
@@ -116,21 +147,27 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
     return entries, ids, ok, new_state
 
 
-def write_entries(pool: jax.Array, entries, ids, ok, g: ChunkGeometry, ratio: int, page_size: int) -> jax.Array:
-    """Scatter new entries [B, E, w] into pool [N, w]; padding entries go to the out-of-range row N, which the
-    explicit mode='drop' discards (the one intentional drop; host validation guarantees real rows exist)."""
-    rows = entry_rows(g.page_table, ids, ratio, page_size)
-    rows = jnp.where(ok, rows, pool.shape[0])
-    return pool.at[rows.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(pool.dtype), mode="drop")
+def write_entries(paged: PagedLayer, entries, ids, ok, g: ChunkGeometry, ratio: int, page_size: int) -> PagedLayer:
+    """Scatter new entries [B, E, w] into the layer's rows in place. Padding entries and entries without a page
+    go to the out-of-range row N, which mode="drop" discards (host validation guarantees real rows exist)."""
+    n = paged.rows
+    rows = entry_rows(g.page_table, ids, ratio, page_size, n // (page_size // ratio))
+    rows = jnp.where(ok & (rows >= 0), rows, n)
+    new = paged.pool.at[paged.layer, rows.reshape(-1)].set(
+        entries.reshape(-1, entries.shape[-1]).astype(paged.pool.dtype), mode="drop")
+    return paged._replace(pool=new)
 
 
 class LayerPools(NamedTuple):
-    """One layer's slice of the pools, gathered for the step's slots (None where the layer has no such pool)."""
+    """What one layer reads and writes (fields named by `pool_layout.POOL_ARRAYS`; None where the layer has no
+    such array): slot rings gathered for the step's rows, paged pools whole with the layer's index."""
     ring: jax.Array  # [B, R, d]
-    entries: jax.Array | None  # [N, d] shared pool (C4 or C128)
-    state: CompressorState | None
-    index_entries: jax.Array | None  # [N4, di]
-    index_state: CompressorState | None
+    entries: PagedLayer | None = None  # C4 (CSA) or C128 (HCA) entries
+    state_kv: jax.Array | None = None  # [B, Rs, c*w] compressor ring
+    state_gate: jax.Array | None = None
+    index_entries: PagedLayer | None = None  # indexer keys (CSA)
+    index_state_kv: jax.Array | None = None
+    index_state_gate: jax.Array | None = None
 
 
 def window_rows(g: ChunkGeometry, ring_rows: int, window: int) -> jax.Array:
@@ -168,32 +205,39 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
         ratio = cfg.compress_ratio_of(kind)
         overlap = kind is AttentionType.CSA
         capacity = max_entries // ratio
+        num_pages = pools.entries.rows // (page_size // ratio)
         with jax.named_scope("compressor"):
-            ents, ids, ok, state = compress_chunk(x, p["compressor"], pools.state, g, ratio=ratio, overlap=overlap,
-                                                  width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
-            table = write_entries(pools.entries, ents, ids, ok, g, ratio, page_size)
-        new = new._replace(entries=table, state=state)
+            ents, ids, ok, state = compress_chunk(
+                x, p["compressor"], CompressorState(pools.state_kv, pools.state_gate), g, ratio=ratio,
+                overlap=overlap, width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+            paged = write_entries(pools.entries, ents, ids, ok, g, ratio, page_size)
+        new = new._replace(entries=paged, state_kv=state.kv, state_gate=state.gate)
+        table = paged.flat()
         all_ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
-        rows_of = entry_rows(g.page_table, all_ids, ratio, page_size)  # [B, capacity]
-        n_visible = jnp.where(g.valid, (g.positions + 1) // ratio, 0)  # [B, C]
+        rows_of = entry_rows(g.page_table, all_ids, ratio, page_size, num_pages)  # [B, capacity], -1 = no page
+        readable = readable_entries(g.page_table, ratio, page_size, num_pages)  # [B]
+        n_visible = jnp.where(g.valid, jnp.minimum((g.positions + 1) // ratio, readable[:, None]), 0)  # [B, C]
         if overlap:
             with jax.named_scope("indexer"):
                 ip = p["indexer"]
-                ients, iids, iok, istate = compress_chunk(x, ip["compressor"], pools.index_state, g, ratio=ratio,
-                                                          overlap=True, width=cfg.index_head_dim,
-                                                          inv_freq=inv_freq, eps=cfg.rms_norm_eps)
-                itable = write_entries(pools.index_entries, ients, iids, iok, g, ratio, page_size)
-                new = new._replace(index_entries=itable, index_state=istate)
+                ients, iids, iok, istate = compress_chunk(
+                    x, ip["compressor"], CompressorState(pools.index_state_kv, pools.index_state_gate), g,
+                    ratio=ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+                ipaged = write_entries(pools.index_entries, ients, iids, iok, g, ratio, page_size)
+                new = new._replace(index_entries=ipaged, index_state_kv=istate.kv, index_state_gate=istate.gate)
                 iq, iw = indexer.queries(q_latent, x, g.positions, ip, cfg, inv_freq)
-                key_rows = jnp.broadcast_to(rows_of[:, None, :], (b, chunk, capacity)).reshape(b * chunk, capacity)
+                key_rows = jnp.broadcast_to(ipaged.flat_rows(rows_of)[:, None, :], (b, chunk, capacity))
                 selection = kernels.indexer_topk(
-                    iq.reshape(b * chunk, *iq.shape[2:]), iw.reshape(b * chunk, -1), itable, key_rows,
-                    n_visible.reshape(-1), k=min(cfg.index_topk, capacity), impl=impl).reshape(b, chunk, -1)
-            chosen_rows = jnp.take_along_axis(rows_of, jnp.maximum(selection, 0).reshape(b, -1), axis=1)
+                    iq.reshape(b * chunk, *iq.shape[2:]), iw.reshape(b * chunk, -1), ipaged.flat(),
+                    key_rows.reshape(b * chunk, capacity), n_visible.reshape(-1), k=min(cfg.index_topk, capacity),
+                    impl=impl).reshape(b, chunk, -1)
+            # selection ids are < n_visible (-1 = none), so every chosen entry has a row
+            chosen_rows = jnp.take_along_axis(paged.flat_rows(rows_of), selection.reshape(b, -1), axis=1,
+                                              mode="fill", fill_value=-1)
             idx_b = jnp.where(selection >= 0, chosen_rows.reshape(selection.shape), -1)
         else:
             visible = all_ids[:, None, :] < n_visible[..., None]  # [B, C, capacity]
-            idx_b = jnp.where(visible, rows_of[:, None, :], -1)
+            idx_b = jnp.where(visible, paged.flat_rows(rows_of)[:, None, :], -1)
     o = kernels.sparse_attention(
         q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa.reshape(-1, cfg.head_dim),
         idx_a.reshape(b * chunk, -1), table.astype(kv.dtype), idx_b.reshape(b * chunk, -1), p["sink"],

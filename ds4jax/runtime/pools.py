@@ -1,15 +1,8 @@
 """KV pools: a pytree of arrays whose shapes come only from a `PoolSpec`, plus host-side bookkeeping.
 
-Device side (`KVPool`, donated to every step):
-
-| array                 | shape (from the spec)                                      | holds                                  |
-|-----------------------|------------------------------------------------------------|----------------------------------------|
-| swa_kv                | [layers, slots, swa_rows, d]                               | K=V ring; row of position p = p % rows |
-| c4_kv / indexer_kv    | [csa_layers, c4_entries, d] / [.., indexer_entries, di]    | compressed CSA entries, paged          |
-| c128_kv               | [hca_layers, c128_entries, d]                              | compressed HCA entries, paged          |
-| *_state_kv / _gate    | [csa/hca layers, slots, state_rows, c*w]                   | raw projections of recent tokens       |
-| page_table            | [slots, pages_per_slot] int32 (-1 = no page)               | page p of a request -> pool page id    |
-| lengths               | [slots] int32                                              | committed tokens per request           |
+Device side (`KVPool`, donated to every step): one array per row of `pool_layout.POOL_ARRAYS` (shapes, dtypes,
+roles, layer kinds and logical axes are listed there and nowhere else); `logical_specs()` gives each array's
+logical axes as a `PartitionSpec` for Flax's logical-axis sharding rules.
 
 A page covers `page_size` tokens, i.e. page_size/ratio compressed entries; entry j of a request lives at pool
 row ``page_table[slot, j*ratio // page_size] * (page_size // ratio) + j % (page_size // ratio)``.
@@ -32,53 +25,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.runtime import pool_layout as layout
 from ds4jax.runtime.pool_spec import PoolSpec, shapes
+from ds4jax.errors import PoolError  # noqa: F401 (re-exported: importable from here too)
 
 
-class PoolError(ValueError):
-    """A request would overflow its pool, or a step input is invalid. Nothing has been written."""
+def _replace(self, **changes) -> "KVPool":
+    return dataclasses.replace(self, **changes)
 
 
-_ARRAYS = (
-    "swa_kv", "c4_kv", "indexer_kv", "c128_kv",
-    "c4_state_kv", "c4_state_gate", "indexer_state_kv", "indexer_state_gate", "c128_state_kv", "c128_state_gate",
-    "page_table", "lengths",
-)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVPool:
-    swa_kv: jax.Array
-    c4_kv: jax.Array
-    indexer_kv: jax.Array
-    c128_kv: jax.Array
-    c4_state_kv: jax.Array
-    c4_state_gate: jax.Array
-    indexer_state_kv: jax.Array
-    indexer_state_gate: jax.Array
-    c128_state_kv: jax.Array
-    c128_state_gate: jax.Array
-    page_table: jax.Array
-    lengths: jax.Array
-
-    def replace(self, **changes) -> "KVPool":
-        return dataclasses.replace(self, **changes)
+KVPool = jax.tree_util.register_dataclass(dataclasses.make_dataclass(
+    "KVPool", [(name, jax.Array) for name in layout.NAMES], frozen=True,
+    namespace={"replace": _replace, "__module__": __name__,
+               "__doc__": "The pool arrays of one attention rank, fields in `pool_layout.POOL_ARRAYS` order."}))
 
 
 def _filled(spec: PoolSpec, fill: float) -> KVPool:
     arrays = {}
-    for name, (shape, dtype) in shapes(spec).items():
-        if name == "page_table":
-            arrays[name] = jnp.full(shape, -1, jnp.int32)
-        elif name == "lengths":
-            arrays[name] = jnp.zeros(shape, jnp.int32)
-        else:
-            arrays[name] = jnp.full(shape, fill, jnp.dtype(dtype))
-    missing = set(_ARRAYS) - set(arrays)
-    if missing:
-        raise PoolError(f"pool spec shapes lack arrays {sorted(missing)}")
-    return KVPool(**{k: arrays[k] for k in _ARRAYS})
+    for a in layout.POOL_ARRAYS:
+        shape, dtype = layout.shape_of(a, spec), jnp.dtype(layout.dtype_of(a, spec))
+        arrays[a.name] = jnp.full(shape, fill if a.empty is None else a.empty, dtype)
+    return KVPool(**arrays)
 
 
 def zeros(spec: PoolSpec) -> KVPool:
@@ -93,6 +60,11 @@ def poisoned(spec: PoolSpec) -> KVPool:
 
 def abstract(spec: PoolSpec) -> KVPool:
     return KVPool(**{k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in shapes(spec).items()})
+
+
+def logical_specs() -> KVPool:
+    """Each pool array's logical axis names as a PartitionSpec (map them onto a mesh with Flax's rules)."""
+    return KVPool(**{name: jax.sharding.PartitionSpec(*axes) for name, axes in layout.logical_axes().items()})
 
 
 def check_pool(pool: KVPool, spec: PoolSpec, what: str) -> None:
@@ -112,9 +84,14 @@ def _reset(pool: KVPool, mask: jax.Array) -> KVPool:
         shape[axis] = mask.shape[0]
         return jnp.where(mask.reshape(shape), jnp.zeros((), a.dtype), a)
 
-    changes = {name: per_slot(getattr(pool, name), 1) for name in _ARRAYS if "state" in name or name == "swa_kv"}
-    changes["page_table"] = jnp.where(mask[:, None], -1, pool.page_table)
-    changes["lengths"] = jnp.where(mask, 0, pool.lengths)
+    changes = {}
+    for a in layout.POOL_ARRAYS:
+        arr = getattr(pool, a.name)
+        if a.per_slot:  # [layers, slots, ...]
+            changes[a.name] = per_slot(arr, 1)
+        elif a.axes[0] == "slots":  # tables: back to their empty value
+            m = mask.reshape((-1,) + (1,) * (arr.ndim - 1))
+            changes[a.name] = jnp.where(m, jnp.asarray(a.empty, arr.dtype), arr)
     return pool.replace(**changes)
 
 
@@ -192,21 +169,27 @@ class PoolBook:
 
     # ---- validation ------------------------------------------------------------------------------
     def check_extend(self, slots: Sequence[int], token_ids: np.ndarray, n_tokens: Sequence[int]) -> None:
-        """Validate a step: distinct admitted slots, token ids in the vocabulary, capacity for every row."""
+        """Validate a step: distinct admitted slots, token ids in the vocabulary, capacity for every row.
+
+        A padding row (n_tokens 0) is not looked at: its slot may be anything (-1, a free slot, or a slot
+        another row uses), since a step reads nothing of and writes nothing to a padding row's slot."""
         token_ids = np.asarray(token_ids)
         slots = [int(s) for s in slots]
-        if len(set(slots)) != len(slots):
-            raise PoolError(f"a step's slots must be distinct, got {slots}")
         if token_ids.ndim != 2 or token_ids.shape[0] != len(slots):
             raise PoolError(f"token_ids must be [rows={len(slots)}, chunk], got shape {token_ids.shape}")
         if len(n_tokens) != len(slots):  # zip below would silently skip the unmatched rows
             raise PoolError(f"n_tokens must have one entry per row ({len(slots)}), got {len(n_tokens)}")
+        live = [s for s, n in zip(slots, n_tokens) if int(n) != 0]
+        if len(set(live)) != len(live):
+            raise PoolError(f"a step's slots must be distinct, got {slots} (padding rows, n_tokens 0, excepted)")
         for row, (slot, n) in enumerate(zip(slots, n_tokens)):
             n = int(n)
-            if not 0 <= slot < self.spec.max_slots or not self.active[slot]:
-                raise PoolError(f"row {row}: slot {slot} is not an admitted request slot")
             if not 0 <= n <= token_ids.shape[1]:
                 raise PoolError(f"row {row}: n_tokens {n} is outside [0, {token_ids.shape[1]}]")
+            if n == 0:
+                continue
+            if not 0 <= slot < self.spec.max_slots or not self.active[slot]:
+                raise PoolError(f"row {row}: slot {slot} is not an admitted request slot")
             ids = token_ids[row, :n]
             bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
             if bad.size:
@@ -223,7 +206,8 @@ class PoolBook:
 
     def commit(self, slots: Sequence[int], n_tokens: Sequence[int]) -> None:
         for slot, n in zip(slots, n_tokens):
-            self.lengths[int(slot)] += int(n)
+            if int(n):
+                self.lengths[int(slot)] += int(n)
 
     def sync(self, pool: KVPool) -> KVPool:
         """Copy the host page tables and lengths into the device pool."""

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.kernels import Impl, resolve
-from ds4jax.runtime.pooled_attention import (CompressorState, LayerPools, attention_pooled, geometry)
+from ds4jax.runtime import pool_layout as layout
+from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import KVPool, PoolError, check_pool
@@ -38,7 +39,7 @@ class Logits(enum.Enum):
 
 
 class StepBatch(NamedTuple):
-    slots: jax.Array  # [B] int32 pool slot of each row (distinct)
+    slots: jax.Array  # [B] int32 pool slot of each row (distinct among rows with tokens; ignored for n = 0)
     token_ids: jax.Array  # [B, C] int32 (draft: the ids of the NEXT tokens, see draft_extend)
     n_tokens: jax.Array  # [B] int32 valid tokens per row (0 = padding row)
 
@@ -88,48 +89,34 @@ def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batc
         raise PoolError(f"{name}: {b} rows exceed the pool's {spec.max_slots} slots")
 
 
-def _layer_pools(pool: KVPool, slots, layer: int, cfg: Config) -> tuple[LayerPools, int | None]:
-    kind = cfg.attention_types[layer]
-    ring = pool.swa_kv[layer, slots]
-    if kind is AttentionType.CSA:
-        i = cfg.layers_of(AttentionType.CSA).index(layer)
-        return LayerPools(
-            ring, pool.c4_kv[i], CompressorState(pool.c4_state_kv[i, slots], pool.c4_state_gate[i, slots]),
-            pool.indexer_kv[i],
-            CompressorState(pool.indexer_state_kv[i, slots], pool.indexer_state_gate[i, slots])), i
-    if kind is AttentionType.HCA:
-        i = cfg.layers_of(AttentionType.HCA).index(layer)
-        return LayerPools(ring, pool.c128_kv[i],
-                          CompressorState(pool.c128_state_kv[i, slots], pool.c128_state_gate[i, slots]),
-                          None, None), i
-    return LayerPools(ring, None, None, None, None), None
+def _load_layer(pool: KVPool, rows: jax.Array, layer: int, cfg: Config) -> LayerPools:
+    """Layer `layer`'s view of the pools (arrays and fields from `pool_layout`): slot rings of the step's `rows`
+    (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index."""
+    fields = {}
+    for a in layout.of_layer(cfg.attention_types[layer]):
+        arr, i = getattr(pool, a.name), layout.layer_index(cfg.attention_types, layer, a)
+        fields[a.field] = arr.at[i, rows].get(mode="fill", fill_value=0) if a.per_slot else PagedLayer(arr, i)
+    return LayerPools(**fields)
 
 
-def _store_layer(pool: KVPool, new: LayerPools, slots, layer: int, index: int | None, cfg: Config) -> KVPool:
-    kind = cfg.attention_types[layer]
-    changes = {"swa_kv": pool.swa_kv.at[layer, slots].set(new.ring.astype(pool.swa_kv.dtype))}
-    if kind is AttentionType.CSA:
-        changes.update(
-            c4_kv=pool.c4_kv.at[index].set(new.entries),
-            c4_state_kv=pool.c4_state_kv.at[index, slots].set(new.state.kv),
-            c4_state_gate=pool.c4_state_gate.at[index, slots].set(new.state.gate),
-            indexer_kv=pool.indexer_kv.at[index].set(new.index_entries),
-            indexer_state_kv=pool.indexer_state_kv.at[index, slots].set(new.index_state.kv),
-            indexer_state_gate=pool.indexer_state_gate.at[index, slots].set(new.index_state.gate),
-        )
-    elif kind is AttentionType.HCA:
-        changes.update(
-            c128_kv=pool.c128_kv.at[index].set(new.entries),
-            c128_state_kv=pool.c128_state_kv.at[index, slots].set(new.state.kv),
-            c128_state_gate=pool.c128_state_gate.at[index, slots].set(new.state.gate),
-        )
+def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, layer: int, cfg: Config) -> KVPool:
+    """Write a layer's updated rings back to their slots in place (padding rows' null slot is dropped); paged
+    pools were already updated in place."""
+    changes = {}
+    for a in layout.of_layer(cfg.attention_types[layer]):
+        value = getattr(new, a.field)
+        if a.per_slot:
+            arr, i = getattr(pool, a.name), layout.layer_index(cfg.attention_types, layer, a)
+            changes[a.name] = arr.at[i, rows].set(value.astype(arr.dtype), mode="drop")
+        else:
+            changes[a.name] = value.pool
     return pool.replace(**changes)
 
 
-def _pooled_block(x, token_ids, p, pool, slots, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
+def _pooled_block(x, token_ids, p, pool, rows, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
                   spec: PoolSpec, impl: Impl):
     """`model.block` with the pooled attention; returns (streams, pool with this layer updated, selection)."""
-    layer_pools, index = _layer_pools(pool, slots, layer, cfg)
+    layer_pools = _load_layer(pool, rows, layer, cfg)
 
     def attention(h):
         y, new, selection = attention_pooled(
@@ -139,7 +126,7 @@ def _pooled_block(x, token_ids, p, pool, slots, g, layer: int, kind: AttentionTy
 
     x, aux = block(x, token_ids, p, cfg, mlp, attention)
     new, selection = aux.attention
-    return x, _store_layer(pool, new, slots, layer, index, cfg), selection
+    return x, _store_layer(pool, new, rows, layer, cfg), selection
 
 
 def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits):
@@ -154,9 +141,15 @@ def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mod
 def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
           logits: Logits, kernels: Impl = Impl.REFERENCE):
     _validate_static(cfg, spec, role, pool, batch)
-    slots, token_ids = batch.slots, batch.token_ids
-    start = pool.lengths[slots]
-    g = geometry(start, batch.n_tokens, token_ids.shape[1], pool.page_table[slots])
+    token_ids = batch.token_ids
+    # A padding row (n = 0; or a slot outside the pool, which the host check rejects) addresses the null slot
+    # max_slots, owned by no request: its reads give empty values (fill) and its writes are dropped, so it
+    # neither sees nor touches any live request. (Negative slots would wrap, hence the explicit range.)
+    live = (batch.n_tokens > 0) & (batch.slots >= 0) & (batch.slots < spec.max_slots)
+    slots = jnp.where(live, batch.slots, spec.max_slots)
+    start = pool.lengths.at[slots].get(mode="fill", fill_value=0)
+    g = geometry(start, batch.n_tokens, token_ids.shape[1],
+                 pool.page_table.at[slots].get(mode="fill", fill_value=-1))
     selections = []
     if role is Role.TARGET:
         x = embed(params, token_ids, cfg)
@@ -175,7 +168,7 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
             x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, 0, AttentionType.SLIDING,
                                        MlpType.TOPK, _draft_view(cfg), spec, kernels)
         head_params, norm = mtp["hc_head"], mtp["norm"]
-    pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens))
+    pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"))
     out = StepOutput(_logits(x, head_params, norm, params["head"], batch, cfg, logits), x, tuple(selections))
     return out, pool
 

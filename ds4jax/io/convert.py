@@ -1,0 +1,104 @@
+"""``ds4jax convert SRC DST``: any loadable checkpoint (safetensors in any accepted naming/quantization, or ours
+in Orbax) to our Orbax format or to upstream-named safetensors.
+
+The destination is assembled in a hidden directory beside DST and renamed into place only when complete
+(`orbax_checkpoint.atomic_directory`), so an interrupted conversion leaves nothing at DST and nothing that loads.
+Files other than weights and config (tokenizer, reports, plots) are copied along.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+FORMATS = ("orbax", "safetensors")
+# Imported lazily below, so that building the command-line parser does not import JAX.
+CONFIG_FILE, INDEX_FILE = "config.json", "model.safetensors.index.json"
+
+
+def source_format(path: str) -> str:
+    from ds4jax.io import orbax_checkpoint
+
+    return "orbax" if orbax_checkpoint.is_orbax(path) else "safetensors"
+
+
+def source_dtype(path: str) -> Any:
+    """float32 when the source stores its embedding in float32, else bfloat16 (FP8/FP4 dequantize to bf16)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ds4jax.io import orbax_checkpoint
+
+    if source_format(path) == "orbax":
+        meta = orbax_checkpoint.stored_metadata(path).get("embed")
+        return jnp.float32 if meta is not None and np.dtype(meta.dtype) == np.float32 else jnp.bfloat16
+    from safetensors import safe_open
+
+    for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(shard, "np") as f:
+            for key in f.keys():
+                if key.endswith(("embed.weight", "embed_tokens.weight")):
+                    return jnp.float32 if f.get_slice(key).get_dtype() == "F32" else jnp.bfloat16
+    return jnp.bfloat16
+
+
+def _extras(src: str) -> list[str]:
+    """Top-level files to carry over: everything but weights, the index and config.json (rewritten)."""
+    return sorted(f for f in os.listdir(src) if os.path.isfile(os.path.join(src, f))
+                  and f not in (CONFIG_FILE, INDEX_FILE) and not f.endswith(".safetensors"))
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, dtype: Any = None,
+            overwrite: bool = False) -> str:
+    """Convert `src` to format `to` (default: the other one) at `dst`; returns the format written."""
+    from ds4jax.io import checkpoint, orbax_checkpoint
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not os.path.isdir(src):
+        raise checkpoint.CheckpointError(f"checkpoint directory {src!r} does not exist")
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise checkpoint.CheckpointError("source and destination are the same directory")
+    to = to or ("safetensors" if source_format(src) == "orbax" else "orbax")
+    if to not in FORMATS:
+        raise checkpoint.CheckpointError(f"unknown format {to!r}; expected one of {FORMATS}")
+    model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src))
+    with orbax_checkpoint.atomic_directory(dst, overwrite=overwrite) as tmp:
+        for name in _extras(src):
+            shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+        if to == "orbax":
+            orbax_checkpoint.write_params(model.params, tmp)
+        else:
+            checkpoint.save(model, tmp, overwrite=True)
+            os.remove(os.path.join(tmp, CONFIG_FILE))  # written again below, last
+        write_config(model, tmp)
+    return to
+
+
+def write_config(model, directory: str) -> None:
+    """config.json is written last: a directory without it is not a checkpoint."""
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="convert a checkpoint between safetensors and our Orbax format",
+                       description="Convert SRC (safetensors in any accepted naming, or Orbax) to DST. The default "
+                                   "target format is the other one. DST appears only once complete.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=FORMATS, default=None, help="target format (default: the other one)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="weight dtype (auto: float32 if the source embedding is float32, else bfloat16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+
+    dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
+    written = convert(args.src, args.dst, to=args.to, dtype=dtype, overwrite=args.overwrite)
+    print(f"wrote {written} checkpoint {args.dst}")
+    return 0

@@ -1,0 +1,149 @@
+"""Our own checkpoint format: ``config.json`` + the params pytree written by Orbax under ``params/``.
+
+The tree is the `ds4jax.model.params` layout itself (linears ``[in, out]``, experts stacked), so nothing is renamed
+or transposed; `load` checks every leaf's path, shape and dtype against the config before reading any data and
+raises `CheckpointError` naming the first mismatch. A directory is written next to its destination and renamed
+into place at the end (see `atomic_directory`), so an interrupted save never leaves a directory that loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.model.handle import Model
+from ds4jax.model.params import abstract
+
+PARAMS_DIR = "params"
+CONFIG_FILE = "config.json"
+
+
+def is_orbax(path: str | os.PathLike) -> bool:
+    """True when `path` holds an Orbax params tree (``params/`` with Orbax metadata)."""
+    params = os.path.join(os.fspath(path), PARAMS_DIR)
+    return any(os.path.exists(os.path.join(params, f)) for f in ("_CHECKPOINT_METADATA", "_METADATA"))
+
+
+def _error(message: str) -> Exception:
+    from ds4jax.io.checkpoint import CheckpointError  # the safetensors loader's error type, one for all formats
+
+    return CheckpointError(message)
+
+
+def _keystr(key_path) -> str:
+    return ".".join(str(k.key if hasattr(k, "key") else k.idx) for k in key_path)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {_keystr(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary directory beside `path`; on success rename it to `path`, on any error delete it.
+
+    ``config.json`` is what makes a directory a checkpoint: writers put it last, and the temporary name starts
+    with a dot, so even a killed process leaves only a hidden directory without a complete checkpoint name."""
+    final = os.path.abspath(os.fspath(path))
+    if os.path.exists(final) and (not overwrite or not os.path.isdir(final)):
+        raise _error(f"{final} already exists; pass overwrite to replace it")
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.partial-", dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(final):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=parent)
+            os.rename(final, os.path.join(old, "x"))
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_params(params: Any, directory: str) -> None:
+    """Orbax write of a params pytree into `directory`/params (synchronous)."""
+    import orbax.checkpoint as ocp
+
+    host = jax.tree.map(np.asarray, params)  # numpy leaves: no device placement recorded in the checkpoint
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(os.path.abspath(directory), PARAMS_DIR), host)
+        ckptr.wait_until_finished()
+
+
+def save(model: Model, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Write `model` as ``config.json`` + Orbax ``params/`` in the params' own dtypes, atomically."""
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        write_params(model.params, tmp)
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(model.config.to_hf_dict(), f, indent=2)
+
+
+def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Flat {"layers.0.attn.wq_a": ArrayMetadata-like (shape, dtype)} read from the Orbax metadata (no data)."""
+    import orbax.checkpoint as ocp
+
+    params = os.path.join(os.fspath(path), PARAMS_DIR)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(params)
+    except Exception as e:  # Orbax raises assorted types for damaged metadata
+        raise _error(f"cannot read Orbax metadata of {params}: {type(e).__name__}: {e}") from None
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return _flat(tree)
+
+
+def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Model:
+    """Read an Orbax checkpoint directory into a `Model` (same dtype rules as the safetensors loader).
+
+    With a `layout` (`ds4jax.make_mesh`), each leaf is restored with its mesh sharding: Orbax reads only the
+    chunks of each device's block (host-local when several processes share the mesh)."""
+    from ds4jax.io.checkpoint import _read_config
+
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.fspath(path)
+    cfg, _ = _read_config(ckpt_dir)
+    stored = stored_metadata(ckpt_dir)
+    target = abstract(cfg, dtype)
+    if not any(k.startswith("mtp.") for k in stored):
+        target.pop("mtp", None)  # like safetensors checkpoints, the MTP block is optional
+    wanted = _flat(target)
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
+    if missing or unexpected:
+        raise _error(f"{ckpt_dir}: params tree does not match config.json: missing {missing[:5]}, "
+                     f"unexpected {unexpected[:5]}")
+    device = jax.local_devices()[0]
+    placed = {} if layout is None else _flat(layout.param_shardings(cfg, target))
+    restore_as = {}
+    for name, want in wanted.items():
+        meta = stored[name]
+        shape, have = tuple(meta.shape), np.dtype(meta.dtype)
+        if shape != tuple(want.shape):
+            raise _error(f"{ckpt_dir}: tensor {name} has shape {shape}, config.json implies {tuple(want.shape)}")
+        if jnp.issubdtype(want.dtype, jnp.integer) != jnp.issubdtype(have, jnp.integer):
+            raise _error(f"{ckpt_dir}: tensor {name} has dtype {have}, expected {np.dtype(want.dtype)}")
+        sharding = placed.get(name) or jax.sharding.SingleDeviceSharding(device)
+        restore_as[name] = jax.ShapeDtypeStruct(shape, have, sharding=sharding)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    restore_tree = jax.tree_util.tree_unflatten(treedef, [restore_as[_keystr(kp)] for kp, _ in flat])
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            raw = ckptr.restore(os.path.join(os.path.abspath(ckpt_dir), PARAMS_DIR), restore_tree)
+    except Exception as e:
+        raise _error(f"cannot restore {ckpt_dir}/{PARAMS_DIR}: {type(e).__name__}: {e}") from None
+    params = jax.tree.map(lambda a, t: jnp.asarray(a).astype(t.dtype), raw, target)
+    return Model(config=cfg, params=params, layout=layout)

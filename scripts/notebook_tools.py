@@ -1,0 +1,101 @@
+"""The notebooks in notebooks/: keep them output-free in git, execute them top to bottom, extract their plots.
+
+    python scripts/notebook_tools.py check [NOTEBOOK ...]   # exit 1 if any notebook has committed outputs
+    python scripts/notebook_tools.py strip [NOTEBOOK ...]   # remove outputs and execution counts in place
+    python scripts/notebook_tools.py run [NOTEBOOK ...]     # execute; exit 1 on the first failing cell
+
+Without arguments every ``notebooks/*.ipynb`` is meant. Notebooks run in a fresh kernel with the repository root
+first on ``PYTHONPATH`` (so they import this checkout's ``ds4jax``, not whatever else is installed) and the
+notebooks/ folder as working directory. The test suite (`tests/test_notebooks.py`) uses the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+from typing import Sequence
+
+import nbformat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+# Per-cell limit: generous next to the notebooks' own budget (a minute each on a laptop) so a slow CI machine
+# reports a failing assertion rather than a timeout, while a hung kernel still fails.
+CELL_TIMEOUT_S = 300
+
+
+def notebooks() -> list[pathlib.Path]:
+    return sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+
+
+def committed_outputs(nb: nbformat.NotebookNode) -> list[str]:
+    """What a stripped notebook must not hold: one line per code cell with outputs or an execution count."""
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.get("outputs"):
+            problems.append(f"cell {i}: {len(cell.outputs)} output(s)")
+        if cell.get("execution_count") is not None:
+            problems.append(f"cell {i}: execution_count {cell.execution_count}")
+    return problems
+
+
+def strip(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def execute(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> nbformat.NotebookNode:
+    """Run a notebook top to bottom in a fresh kernel; returns it with outputs.
+
+    Raises `nbclient.exceptions.CellExecutionError` (naming the cell and the traceback) when a cell raises,
+    a failed assertion included."""
+    from nbclient import NotebookClient
+
+    path = pathlib.Path(path)
+    nb = nbformat.read(path, as_version=4)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved) if p)  # the kernel inherits it
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return nb
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("action", choices=("check", "strip", "run"))
+    ap.add_argument("paths", nargs="*", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    paths = args.paths or notebooks()
+    status = 0
+    for path in paths:
+        if args.action == "check":
+            problems = committed_outputs(nbformat.read(path, as_version=4))
+            for p in problems:
+                print(f"{path}: {p}", file=sys.stderr)
+            status |= bool(problems)
+        elif args.action == "strip":
+            nbformat.write(strip(nbformat.read(path, as_version=4)), path)
+        else:
+            start = time.perf_counter()
+            execute(path)
+            print(f"{path}: ok in {time.perf_counter() - start:.1f} s")
+    if status:
+        print(f"strip them with: python {pathlib.Path(__file__).relative_to(ROOT)} strip", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
