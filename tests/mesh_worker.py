@@ -39,6 +39,9 @@ LAYOUTS = {
     "tp8": dict(tensor=8),
     "split2_ep4": dict(layer_split=2, expert=4),
     "split4_tp2": dict(layer_split=4, tensor=2),
+    # DP attention whose ranks also split the experts (tokens all-gathered over data inside the step's shard_map),
+    # with the Pallas kernels (interpreted) in shard_map per head
+    "dp2_tp2_ep2_pallas": dict(data=2, tensor=2, expert=2, rules="experts_over_data", kernels="pallas_interpret"),
 }
 FORWARD = ("ep8", "split4_tp2", "dp2_ep4")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
@@ -50,7 +53,21 @@ def config():
     return ds4jax.tiny(num_heads=8, o_groups=8)
 
 
-def run(model, mesh_steps=None):
+def experts_over_data():
+    from ds4jax.model.sharding import default_rules
+
+    return tuple((k, ("data", "expert")) if k == "experts" else (k, v) for k, v in default_rules())
+
+
+def make(name):
+    kw = dict(LAYOUTS[name])
+    kernels = kw.pop("kernels", None)
+    if kw.pop("rules", None) == "experts_over_data":
+        kw["rules"] = experts_over_data()
+    return make_mesh(**kw), kernels
+
+
+def run(model, mesh_steps=None, kernels=None):
     cfg = model.config
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(PROMPTS), max_context=max(PROMPTS) + DECODE,
                              page_size=8, dtype="float32")
@@ -70,7 +87,7 @@ def run(model, mesh_steps=None):
             tok[r, : n[r]] = p[c : c + n[r]]
         book.check_extend(slots, tok, n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
-        out, pool = run.prefill(model.params, pool, batch, cfg=cfg, spec=spec, all_logits=True)
+        out, pool = run.prefill(model.params, pool, batch, cfg=cfg, spec=spec, all_logits=True, kernels=kernels)
         book.commit(slots, n)
         logits = np.asarray(out.logits)
         prefill_logits.append(logits)
@@ -86,7 +103,7 @@ def run(model, mesh_steps=None):
         book.check_extend(slots, token[:, None], n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(token[:, None], jnp.int32),
                                 jnp.asarray(n, jnp.int32))
-        out, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec)
+        out, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec, kernels=kernels)
         book.commit(slots, n)
         logits = np.asarray(out.logits)
         decode_logits.append(logits)
@@ -133,9 +150,9 @@ def main(names):
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     results = {}
     for name in names:
-        layout = make_mesh(**LAYOUTS[name])
+        layout, kernels = make(name)
         placed = place_model(model, layout)
-        got = run(placed, layout.steps(cfg))
+        got = run(placed, layout.steps(cfg), kernels)
         res = dict(prefill=rel(got["prefill"], ref["prefill"]), decode=rel(got["decode"], ref["decode"]),
                    tokens_equal=got["tokens"] == ref["tokens"], tokens=got["tokens"],
                    pools={k: rel(v, ref["pools"][k]) for k, v in got["pools"].items()},

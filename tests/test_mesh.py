@@ -143,3 +143,21 @@ def test_placed_params_are_split_not_copied():
     per_device = layout.per_device_bytes(placed)
     total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
     assert max(per_device.values()) < total
+
+
+def test_configure_on_a_mesh_reports_per_device_bytes():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    cfg = ds4jax.tiny()
+    layout = make_mesh(data=2, expert=2)
+    params = layout.memory_report(cfg)["params"]
+    budget = params + (4 << 20)
+    spec, report = layout.configure(cfg, role=Role.TARGET, max_context=512, memory_budget_bytes=budget, max_slots=4,
+                                    page_size=8)
+    assert spec.max_slots == 4 and spec.num_pages % 2 == 0
+    assert report["params"] == params and 0 < report["pools"] and report["total"] <= budget
+    # the whole-model pool is about twice one device's (two data ranks), params are split, not replicated
+    single = make_mesh(devices=jax.devices()[:1]).memory_report(cfg, spec)
+    assert single["pools"] > 1.5 * report["pools"] and single["params"] > report["params"]
+    with pytest.raises(MeshError, match="params alone"):
+        layout.configure(cfg, role=Role.TARGET, max_context=512, memory_budget_bytes=params // 2, max_slots=4)

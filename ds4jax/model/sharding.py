@@ -71,8 +71,13 @@ class Active:
         self.rules = rules
 
     def spec(self, shape, logical) -> P:
+        """The spec over the still-automatic axes (what a nested shard_map or a constraint may name)."""
         manual = [a for a in self.sizes if a not in self.auto]
         return mesh_spec(shape, logical, self.sizes, self.rules, exclude=manual)
+
+    def full_axes(self, size: int, logical: str) -> tuple[str, ...]:
+        """Every mesh axis (manual ones included) a dimension of `size` named `logical` is split over."""
+        return spec_axes(mesh_spec((size,), (logical,), self.sizes, self.rules)[0])
 
 
 def active() -> Active | None:

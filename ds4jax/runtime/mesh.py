@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ds4jax.errors import InputError
 from ds4jax.model import params as params_lib
 from ds4jax.model.config import Config
 from ds4jax.model.sharding import MESH_AXES, STAGE_AXIS, Rules, default_rules, mesh_spec
 
 
-class MeshError(ValueError):
+class MeshError(InputError):
     """A mesh that cannot be built or does not fit the model; the message names the culprit."""
 
 
@@ -120,6 +121,52 @@ class MeshLayout:
 
         return MeshSteps(self, cfg)
 
+    def memory_report(self, cfg: Config, spec=None, dtype: Any = jnp.bfloat16) -> dict[str, int]:
+        """Bytes of params (in `dtype`) and of a pool `spec` on the busiest device, from the shardings alone."""
+        per_device: dict[Any, list[int]] = {d: [0, 0] for d in self.mesh.devices.flat}
+
+        def add(leaf, sharding, col):
+            block = math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+            for d in sharding.device_set:
+                per_device[d][col] += block
+
+        jax.tree.map(lambda a, s: add(a, s, 0), params_lib.abstract(cfg, dtype), self.param_shardings(cfg))
+        if spec is not None:
+            from ds4jax.runtime.pool_spec import shapes
+
+            steps = self.steps(cfg)
+            for sp, sh in zip(steps.stage_specs(spec), steps.pool_shardings(spec)):
+                for name, (shape, dt) in shapes(sp).items():
+                    add(jax.ShapeDtypeStruct(shape, jnp.dtype(dt)), getattr(sh, name), 1)
+        busiest = max(per_device.values(), key=sum)
+        return {"params": busiest[0], "pools": busiest[1], "total": sum(busiest),
+                "devices": len(per_device)}
+
+    def configure(self, cfg: Config, *, role, max_context: int, memory_budget_bytes: int, max_slots: int | None = None,
+                  params_dtype: Any = jnp.bfloat16, **kwargs):
+        """`ds4jax.configure` for this mesh: `memory_budget_bytes` is per device. Pools get what the params leave;
+        each ``data`` rank sizes its own pools (slots and pages then multiply by ``data``). Returns
+        (the global PoolSpec, `memory_report` of it: per-device params / pools / total bytes)."""
+        from ds4jax.runtime.pool_spec import configure
+
+        data = self.axis_sizes["data"]
+        params = self.memory_report(cfg, None, params_dtype)["params"]
+        free = int(memory_budget_bytes) - params
+        if free <= 0:
+            raise MeshError(f"memory_budget_bytes={memory_budget_bytes:,}: the params alone take {params:,} B per "
+                            f"device on {self.describe()}")
+        if max_slots is not None and max_slots % data:
+            raise MeshError(f"max_slots={max_slots} must be divisible by data={data}")
+        widest = max(hi - lo for lo, hi in self.stage_ranges(cfg.num_layers))
+        rank_budget = int(free * cfg.num_layers / widest)  # a device holds its stage's share of its rank's pools
+        rank = configure(cfg, role=role, max_context=max_context, memory_budget_bytes=rank_budget,
+                         max_slots=None if max_slots is None else max_slots // data, **kwargs)
+        spec = dataclasses.replace(
+            rank, max_slots=rank.max_slots * data, c4_pages=rank.c4_pages * data, c4_entries=rank.c4_entries * data,
+            indexer_entries=rank.indexer_entries * data, c128_pages=rank.c128_pages * data,
+            c128_entries=rank.c128_entries * data)
+        return spec, self.memory_report(cfg, spec, params_dtype)
+
     def per_device_bytes(self, tree: Any) -> dict[Any, int]:
         """Bytes each device holds of a placed pytree (shards actually resident on it)."""
         out: dict[Any, int] = {d: 0 for d in self.mesh.devices.flat}
@@ -176,6 +223,8 @@ def make_mesh(*, expert: int = 1, tensor: int = 1, data: int = 1, layer_split=No
         if not layer_split:
             raise MeshError("make_mesh: layer_split is an empty list of ranges")
         stages = len(layer_split)
+    if devices is None:
+        init_distributed()
     devices = list(jax.devices() if devices is None else devices)
     need = stages * data * expert * tensor
     if need > len(devices):
@@ -200,3 +249,33 @@ def place_model(model, layout: MeshLayout):
 
     layout.stage_ranges(model.config.num_layers)  # fail early on a bad split
     return Model(model.config, layout.place(model.params, model.config), layout)
+
+
+def init_distributed(**kwargs) -> bool:
+    """Join a multi-host job with ``jax.distributed.initialize`` when one is launched; returns True if joined.
+
+    Detected: ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, or keyword arguments),
+    or a SLURM / Open MPI job of more than one task (jax's own cluster detection). Must run before anything
+    touches a device; `make_mesh` calls it, so scripts only need to call `make_mesh` first. Every process then
+    sees every device in ``jax.devices()``, holds the shards of its own devices, and loads only those."""
+    import os
+
+    from jax._src import distributed as _dist
+
+    if _dist.global_state.client is not None:
+        return True
+    env = os.environ
+    launched = bool(kwargs) or "JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1 or \
+        int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    if not launched:
+        return False
+    if kwargs.get("num_processes") is None and "JAX_NUM_PROCESSES" in env:
+        kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if kwargs.get("process_id") is None and "JAX_PROCESS_ID" in env:
+        kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        raise MeshError(f"jax.distributed.initialize failed ({e}); call ds4jax.make_mesh (or init_distributed) "
+                        f"before anything creates a jax array") from None
+    return True

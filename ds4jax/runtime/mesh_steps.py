@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.forward import embed
-from ds4jax.model.sharding import mesh_spec
+from ds4jax.model import params as params_lib
+from ds4jax.model.sharding import mesh_spec, spec_axes
 from ds4jax.runtime import pool_layout, steps as steps_lib
 from ds4jax.runtime.kernels import resolve
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -151,12 +152,27 @@ def _stage_step(top, layers, pool, batch, x, *, cfg, spec, rules, first, last, l
     if data == 1:
         return body(top, layers, pool, batch, x)
     d = P("data")
+    decl = params_lib.declare(cfg)
+    top_specs = {k: data_part(decl[k], rules) for k in top}
+    layer_specs = [data_part(p, rules) for p in decl["layers"]]
     pool_specs = KVPool(**{k: P(*[("data" if a in ("slots", "entries") else None) for a in v])
                            for k, v in POOL_AXES.items()})
     out_logits = None if not last or logits is Logits.NONE else d
-    fn = jax.shard_map(body, in_specs=(P(), P(), pool_specs, d, None if x is None else d),
+    fn = jax.shard_map(body, in_specs=(top_specs, layer_specs, pool_specs, d, None if x is None else d),
                        out_specs=(d, out_logits, pool_specs), axis_names={"data"}, check_vma=False)
     return fn(top, layers, pool, batch, x)
+
+
+def data_part(decl, rules):
+    """Per-parameter shard_map specs naming only ``data`` (params split over it, e.g. experts over data x expert,
+    enter each data shard as their local block; every other axis stays automatic inside)."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+
+    def one(info):
+        spec = mesh_spec(info.shape, info.axes, sizes, rules)
+        return P(*[("data" if "data" in spec_axes(e) else None) for e in spec])
+
+    return jax.tree.map(one, decl, is_leaf=lambda v: isinstance(v, params_lib.ParamInfo))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -247,6 +263,6 @@ def gather_pools(pools: tuple, steps: MeshSteps, spec: PoolSpec) -> dict[str, np
         parts = [np.asarray(getattr(p, name)) for p in pools]
         if name in ("page_table", "lengths"):
             out[name] = max(parts, key=lambda a: a.size)
-        else:
-            out[name] = np.concatenate(parts, axis=0)
+        else:  # stages without a layer kind hold zero-size arrays for it
+            out[name] = np.concatenate([a for a in parts if a.shape[0]] or parts[:1], axis=0)
     return out

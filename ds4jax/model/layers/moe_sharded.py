@@ -42,15 +42,19 @@ def routed_experts_sharded(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     w2_spec = P(w_spec[0], w_spec[2], None)
     tok_spec = act.spec((n,), ("batch",))
     expert_axes, col_axes, tok_axes = spec_axes(w_spec[0]), spec_axes(w_spec[2]), spec_axes(tok_spec[0])
-    gather = tuple(a for a in tok_axes if a in expert_axes)
+    # Inside a data-parallel step (``data`` already manual) the experts may also be split over ``data``: this
+    # device then holds only its data shard's block of them, and the tokens of every data shard are needed.
+    outer = tuple(a for a in act.full_axes(p["w1"].shape[0], "experts") if a not in act.auto)
+    gather = outer + tuple(a for a in tok_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes + col_axes if a not in gather)
-    local_cfg = _local_config(cfg, cfg.num_routed_experts // max(1, _size(act, expert_axes)))
+    all_expert_axes = outer + expert_axes
+    local_cfg = _local_config(cfg, cfg.num_routed_experts // max(1, _size(act, all_expert_axes)))
 
     def local(xs, ids, weights, w1, w3, w2):
         if gather:
             xs, ids, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (xs, ids, weights))
         count = w1.shape[0]
-        first = (jax.lax.axis_index(expert_axes) * count) if expert_axes else 0
+        first = (jax.lax.axis_index(all_expert_axes) * count) if all_expert_axes else 0
         mine = (ids >= first) & (ids < first + count)
         view = Routing(jnp.where(mine, ids - first, 0), jnp.where(mine, weights, 0.0))
         y = routed_experts(xs, view, {"w1": w1, "w3": w3, "w2": w2}, local_cfg)
