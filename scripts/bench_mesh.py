@@ -38,6 +38,7 @@ import ds4jax  # noqa: E402
 from ds4jax.model import params as params_lib  # noqa: E402
 from ds4jax.model.handle import Model  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh  # noqa: E402
+from ds4jax.runtime.mesh_plan import format_bytes  # noqa: E402
 from ds4jax.runtime.mesh_steps import ShardedPoolBook  # noqa: E402
 from ds4jax.runtime.pool_spec import PoolSpec, shapes  # noqa: E402
 from ds4jax.runtime.pools import KVPool  # noqa: E402
@@ -206,13 +207,16 @@ def main(argv=None):
         raise SystemExit(f"bench_mesh needs 2 devices, found {len(devices)} ({devices[0].platform})")
     dtype = jnp.float32 if SMOKE else jnp.bfloat16
     if SMOKE:
-        cfg, context, decode_rows, prefill_chunks, steps = ds4jax.tiny(), 24, (2,), (8,), args.steps or 2
+        t = ds4jax.tiny()  # three layers (sliding, CSA, HCA) keep the smoke run's compiles short
+        cfg = ds4jax.tiny(num_layers=3, attention_types=t.attention_types[:3], mlp_types=t.mlp_types[:3])
+        context, decode_rows, prefill_chunks, steps = 24, (2,), (8,), args.steps or 2
     else:
         cfg, context, decode_rows, prefill_chunks, steps = ds4jax.flash_slice(4), 2048, (1, 8, 64), (2048, 8192), \
             args.steps or 10
     out_dir = tempfile.mkdtemp(prefix="bench_mesh_") if SMOKE and not args.out else None
     out = args.out or (os.path.join(out_dir, "mesh.md") if out_dir else os.path.join("docs", "benchmarks", "mesh.md"))
     results_path = args.results or os.path.splitext(out)[0] + ".jsonl"
+    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
     done = _finished(results_path)
     rows_out = []
     cases = [("decode", b, 1) for b in decode_rows] + [("prefill", 2, c) for c in prefill_chunks]
@@ -299,7 +303,7 @@ def write_report(path, rows, command):
     for r in rows:
         step = "decode" if r["kind"] == "decode" else f"prefill {r['chunk']}"
         lines.append(f"| {r['layers']} | {r['layout']} | {step} | {r['rows']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['memory'] / 2**30:.2f} GiB | {r['collective_s']:.4f} | "
+                     f"{r['speedup']:.2f} | {format_bytes(r['memory'])} | {r['collective_s']:.4f} | "
                      f"{r['rel_err']:.2e} |")
     plot = os.path.splitext(path)[0] + "_scaling.png"
     fig, ax = plt.subplots(figsize=(7, 3.5))

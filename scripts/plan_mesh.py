@@ -9,8 +9,8 @@ the compiled HLO. Writes docs/benchmarks/mesh_plan.md.
     python scripts/plan_mesh.py --only flash-ep8   # one plan, printed
     python scripts/plan_mesh.py --smoke            # tiny config on 8 devices (seconds; CI)
 
-The routed-expert strategy is the one the GPU picks (``gather`` for decode, ``tiles`` for prefill); attention
-uses the reference ops (the Pallas kernels compile only for a GPU), so temp bytes are the XLA reference's.
+The routed-expert strategy is the one a GPU picks for each device's experts (``gather`` for a few tokens, else
+``tiles``); attention uses the reference ops (the Pallas kernels compile only for a GPU), so temp bytes are the XLA reference's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm.auto import tqdm  # noqa: E402
 
 import ds4jax  # noqa: E402
+from ds4jax.model.sharding import spec_axes  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh  # noqa: E402
 from ds4jax.runtime.mesh_plan import markdown, plan_step, target_spec  # noqa: E402
 
@@ -49,6 +50,14 @@ def config(name):
     return {"flash": ds4jax.flash, "pro": ds4jax.pro, "tiny": lambda: ds4jax.tiny(num_heads=8, o_groups=4)}[name]()
 
 
+def gpu_strategy(cfg, layout, tokens: int) -> str:
+    """The routed-expert strategy `moe.moe_strategy` picks on a GPU for one device's experts."""
+    local = cfg.num_routed_experts
+    for a in spec_axes(layout.param_shardings(cfg)["layers"][0]["ffn"]["experts"]["w1"].spec[0]):
+        local //= layout.axis_sizes[a]
+    return "gather" if tokens * cfg.num_experts_per_tok <= local // 2 else "tiles"
+
+
 def run(names, table):
     plans = []
     for name in tqdm(names, desc="plans", unit="plan"):
@@ -56,10 +65,9 @@ def run(names, table):
         cfg = config(model)
         layout = make_mesh(**mesh)
         spec = target_spec(cfg, slots=slots, context=context)
-        os.environ["DS4JAX_MOE"] = "gather"  # what a GPU decode step runs
-        plans.append(plan_step(layout, cfg, spec, rows=slots, chunk=1, name=f"{name} ({layout.describe()})"))
-        os.environ["DS4JAX_MOE"] = "tiles"  # what a GPU prefill chunk runs
-        plans.append(plan_step(layout, cfg, spec, rows=rows, chunk=chunk, name=f"{name} ({layout.describe()})"))
+        for n, c in ((slots, 1), (rows, chunk)):
+            os.environ["DS4JAX_MOE"] = gpu_strategy(cfg, layout, n * c)
+            plans.append(plan_step(layout, cfg, spec, rows=n, chunk=c, name=f"{name} ({layout.describe()})"))
         tqdm.write(markdown(plans[-2:]).splitlines()[-2])
         tqdm.write(markdown(plans[-1:]).splitlines()[-1])
     return plans

@@ -43,7 +43,7 @@ LAYOUTS = {
     # with the Pallas kernels (interpreted) in shard_map per head
     "dp2_tp2_ep2_pallas": dict(data=2, tensor=2, expert=2, rules="experts_over_data", kernels="pallas_interpret"),
 }
-FORWARD = ("ep8", "split4_tp2", "dp2_ep4")  # also compare the cache-free forward_logits
+FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 PROMPTS = (19, 11)
 

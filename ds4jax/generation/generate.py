@@ -107,6 +107,11 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     speculative=k > 0 drafts k tokens per round with the model's MTP block (`ds4jax.speculative`); greedy output
     is identical to plain decoding, sampled output follows the same distribution."""
     if speculative:
+        if model.layout is not None:
+            from ds4jax.errors import ArgumentError
+
+            raise ArgumentError("speculative decoding on a mesh is not implemented yet (the draft steps are "
+                                "single-device); generate without speculative=", name="speculative", value=speculative)
         from ds4jax.generation.speculative import speculative_generate  # imports this module
 
         return speculative_generate(model, prompt_ids, params, k=speculative, prefill_chunk=prefill_chunk).tokens

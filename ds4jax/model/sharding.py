@@ -81,10 +81,10 @@ class Active:
 
 
 def active() -> Active | None:
-    """The mesh being traced under, if it splits anything over the model axes; else None (single device)."""
+    """The mesh being traced under, if any model axis has more than one device; else None (single device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not any(mesh.shape.get(a, 1) > 1 for a in MESH_AXES):
         return None
-    rules = nn.get_logical_axis_rules() or default_rules()
-    act = Active(mesh, tuple(rules))
-    return act if any(act.sizes.get(a, 1) > 1 for a in act.auto) else None
+    # (also when only already-manual axes are larger than 1: inside a data-parallel step the experts may be
+    # split over ``data`` while ``expert`` and ``tensor`` have size 1)
+    return Active(mesh, tuple(nn.get_logical_axis_rules() or default_rules()))
