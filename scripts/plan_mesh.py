@@ -10,7 +10,8 @@ the compiled HLO. Writes docs/benchmarks/mesh_plan.md.
     python scripts/plan_mesh.py --smoke            # tiny config on 8 devices (seconds; CI)
 
 The routed-expert strategy is the one a GPU picks for each device's experts (``gather`` for a few tokens, else
-``tiles``); attention uses the reference ops (the Pallas kernels compile only for a GPU), so temp bytes are the XLA reference's.
+``tiles``); attention uses the reference ops (the Pallas kernels compile only for a GPU), so temp bytes are the
+XLA reference's.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ PLANS = {
     "pro-ep64": ("pro", dict(expert=64), 256, 8192, 1, 2048),
     "pro-dp4-ep16": ("pro", dict(data=4, expert=16), 256, 8192, 4, 2048),
 }
-SMOKE = {"tiny-ep8": ("tiny", dict(expert=8), 8, 64, 1, 16), "tiny-dp2-tp2-ep2": ("tiny", dict(data=2, tensor=2, expert=2), 8, 64, 2, 16)}
+SMOKE = {"tiny-ep8": ("tiny", dict(expert=8), 8, 64, 1, 16),
+         "tiny-dp2-tp2-ep2": ("tiny", dict(data=2, tensor=2, expert=2), 8, 64, 2, 16)}
 
 
 def config(name):

@@ -108,7 +108,10 @@ def run(model, mesh_steps=None, kernels=None):
         logits = np.asarray(out.logits)
         decode_logits.append(logits)
         token = np.argmax(logits, axis=-1)
-    arrays = gather_pools(pool, mesh_steps, spec) if mesh_steps else {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
+    if mesh_steps:
+        arrays = gather_pools(pool, mesh_steps, spec)
+    else:
+        arrays = {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
     return dict(prefill=np.stack(prefill_logits), decode=np.stack(decode_logits), tokens=tokens,
                 pools=committed(arrays, spec, cfg))
 

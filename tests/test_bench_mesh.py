@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_mesh_smoke(tmp_path):
     out = tmp_path / "mesh.md"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_mesh.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)
+    script = os.path.join(ROOT, "scripts", "bench_mesh.py")
+    proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in open(tmp_path / "mesh.jsonl")]
     layouts = {r["layout"] for r in records}

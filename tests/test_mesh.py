@@ -161,3 +161,40 @@ def test_configure_on_a_mesh_reports_per_device_bytes():
     assert single["pools"] > 1.5 * report["pools"] and single["params"] > report["params"]
     with pytest.raises(MeshError, match="params alone"):
         layout.configure(cfg, role=Role.TARGET, max_context=512, memory_budget_bytes=params // 2, max_slots=4)
+
+
+def test_dispatch_under_a_mesh_uses_shard_map():
+    """The sharded paths are wired in: MoE and the Pallas kernels trace into shard_map under a mesh (and not
+    without one), and an expert-parallel forward compiles without gathering any expert weights."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    from jax.sharding import NamedSharding
+
+    from ds4jax.model import forward
+    from ds4jax.runtime import kernels
+    from ds4jax.runtime.mesh_plan import collectives
+
+    S = jax.ShapeDtypeStruct
+    t, h, d = 4, 4, 32
+    args = (S((t, h, d), np.float32), S((16, d), np.float32), S((t, 8), np.int32), S((8, d), np.float32),
+            S((t, 4), np.int32), S((h,), np.float32))
+    attn = lambda *a: kernels.sparse_attention(*a, scale=0.1, impl=kernels.Impl.PALLAS_INTERPRET)
+    plain = str(jax.make_jaxpr(attn)(*args))
+    assert "pallas_call" in plain and "shard_map" not in plain
+    layout = make_mesh(tensor=2, expert=2)
+    with layout.active():
+        sharded = str(jax.make_jaxpr(attn)(*args))
+    assert "shard_map" in sharded and "pallas_call" in sharded
+
+    cfg = ds4jax.tiny(num_heads=4, o_groups=4)
+    abstract = params_lib.abstract(cfg, np.float32)
+    layout = make_mesh(expert=4)
+    params = jax.tree.map(lambda a, s: S(a.shape, a.dtype, sharding=s), abstract, layout.param_shardings(cfg))
+    ids = S((2, 8), np.int32, sharding=NamedSharding(layout.stages[0], jax.sharding.PartitionSpec()))
+    fwd = jax.jit(lambda p, i: forward.forward(cfg, p, i))
+    unsharded = jax.make_jaxpr(lambda p, i: forward.forward(cfg, p, i))(abstract, S((2, 8), np.int32))
+    assert "shard_map" not in str(unsharded)
+    with layout.active():
+        assert "shard_map" in str(jax.make_jaxpr(lambda p, i: forward.forward(cfg, p, i))(params, ids))
+        hlo = fwd.lower(params, ids).compile().as_text()
+    assert set(collectives(hlo)) <= {"all-reduce"}, collectives(hlo)  # no all-gather of experts (or anything)

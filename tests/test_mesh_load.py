@@ -30,7 +30,8 @@ def tensor_bytes(directory) -> dict[str, int]:
             with open(os.path.join(directory, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(n))
-            out.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"})
+            out.update({k: v["data_offsets"][1] - v["data_offsets"][0]
+                        for k, v in header.items() if k != "__metadata__"})
     return out
 
 

@@ -65,7 +65,8 @@ class ParamInfo:
     integer: bool = False  # int32 table (tid2eid)
 
     def __post_init__(self):
-        if len(self.axes) != len(self.shape) or not set(self.axes) <= PARAM_AXES or len(set(self.axes)) != len(self.axes):
+        named = len(self.axes) == len(self.shape) and set(self.axes) <= PARAM_AXES
+        if not named or len(set(self.axes)) != len(self.axes):
             raise ValueError(f"parameter of shape {self.shape} has logical axes {self.axes}: need one distinct name "
                              f"from PARAM_AXES per dimension")
 

@@ -27,7 +27,8 @@ def _stage(params, layers, token_ids, x, *, cfg: Config, rules, lo: int, first: 
             i = lo + j
             kind, mlp = cfg.attention_types[i], cfg.mlp_types[i]
             with jax.named_scope(f"layer{i}_{kind.name.lower()}"):
-                x, _ = block(x, token_ids, p, cfg, mlp, lambda h, p=p, kind=kind: attention_sequence(h, p["attn"], cfg, kind))
+                attention = lambda h, p=p, kind=kind: attention_sequence(h, p["attn"], cfg, kind)
+                x, _ = block(x, token_ids, p, cfg, mlp, attention)
         if last:
             return logits_from_streams(x, params["hc_head"], params["norm"], params["head"], cfg)
         return x

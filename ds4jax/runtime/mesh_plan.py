@@ -124,7 +124,8 @@ def format_bytes(n: float) -> str:
 
 def markdown(plans: list[Plan]) -> str:
     head = ("| model / layout | step | devices | stages | params / device | pools / device | peak / device "
-            "| collectives per step (count, bytes) | programs | compile s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| collectives per step (count, bytes) | programs | compile s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for p in plans:
         coll = ", ".join(f"{op} {c} ({format_bytes(b)})" for op, (c, b) in sorted(p.collectives.items())) or "none"
