@@ -17,6 +17,8 @@ XLA reference's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -30,19 +32,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm.auto import tqdm  # noqa: E402
 
 import ds4jax  # noqa: E402
-from ds4jax.model.sharding import spec_axes  # noqa: E402
+from ds4jax.model.sharding import default_rules, spec_axes  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh  # noqa: E402
-from ds4jax.runtime.mesh_plan import markdown, plan_step, target_spec  # noqa: E402
+from ds4jax.runtime.mesh_plan import Plan, markdown, plan_step, target_spec  # noqa: E402
 
 # name -> (config, mesh, decode slots, context, prefill rows, prefill chunk)
 PLANS = {
     "flash-ep8": ("flash", dict(expert=8), 64, 8192, 1, 2048),
     "flash-tp2-ep4": ("flash", dict(tensor=2, expert=4), 64, 8192, 1, 2048),
-    "flash-split2-ep4": ("flash", dict(layer_split=2, expert=4), 64, 8192, 1, 2048),
     "pro-ep16": ("pro", dict(expert=16), 64, 8192, 1, 2048),
+    "pro-dp4-ep16": ("pro", dict(data=4, expert=16, rules="experts_over_data"), 256, 8192, 4, 2048),
+}
+EXTRA = {  # more layouts: --only NAME
+    "flash-split2-ep4": ("flash", dict(layer_split=2, expert=4), 64, 8192, 1, 2048),
     "pro-tp2-ep8": ("pro", dict(tensor=2, expert=8), 64, 8192, 1, 2048),
     "pro-ep64": ("pro", dict(expert=64), 256, 8192, 1, 2048),
-    "pro-dp4-ep16": ("pro", dict(data=4, expert=16), 256, 8192, 4, 2048),
 }
 SMOKE = {"tiny-ep8": ("tiny", dict(expert=8), 8, 64, 1, 16),
          "tiny-dp2-tp2-ep2": ("tiny", dict(data=2, tensor=2, expert=2), 8, 64, 2, 16)}
@@ -50,6 +54,13 @@ SMOKE = {"tiny-ep8": ("tiny", dict(expert=8), 8, 64, 1, 16),
 
 def config(name):
     return {"flash": ds4jax.flash, "pro": ds4jax.pro, "tiny": lambda: ds4jax.tiny(num_heads=8, o_groups=4)}[name]()
+
+
+def mesh_args(mesh: dict) -> dict:
+    kw = dict(mesh)
+    if kw.pop("rules", None) == "experts_over_data":  # DP ranks split the experts too
+        kw["rules"] = tuple((k, ("data", "expert")) if k == "experts" else (k, v) for k, v in default_rules())
+    return kw
 
 
 def gpu_strategy(cfg, layout, tokens: int) -> str:
@@ -60,44 +71,65 @@ def gpu_strategy(cfg, layout, tokens: int) -> str:
     return "gather" if tokens * cfg.num_experts_per_tok <= local // 2 else "tiles"
 
 
-def run(names, table):
+def run(names, table, results=None, on_plan=None):
+    """Plan `names`; with a `results` JSON-lines file, finished plans are appended as they finish and skipped
+    when the script is run again (an interrupted run loses nothing)."""
+    done = {}
+    if results and os.path.exists(results):
+        with open(results) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    done[(rec["key"], rec["step"])] = Plan(**{k: v for k, v in rec.items() if k != "key"})
     plans = []
     for name in tqdm(names, desc="plans", unit="plan"):
         model, mesh, slots, context, rows, chunk = table[name]
         cfg = config(model)
-        layout = make_mesh(**mesh)
+        layout = make_mesh(**mesh_args(mesh))
         spec = target_spec(cfg, slots=slots, context=context)
         for n, c in ((slots, 1), (rows, chunk)):
+            step = f"{'decode' if c == 1 else f'prefill {c}'} x {n}"
+            if (name, step) in done:
+                plans.append(done[(name, step)])
+                continue
             os.environ["DS4JAX_MOE"] = gpu_strategy(cfg, layout, n * c)
-            plans.append(plan_step(layout, cfg, spec, rows=n, chunk=c, name=f"{name} ({layout.describe()})"))
-        tqdm.write(markdown(plans[-2:]).splitlines()[-2])
-        tqdm.write(markdown(plans[-1:]).splitlines()[-1])
+            plan = plan_step(layout, cfg, spec, rows=n, chunk=c, name=f"{name} ({layout.describe()})")
+            plans.append(plan)
+            tqdm.write(markdown([plan]).splitlines()[-1])
+            if results:
+                with open(results, "a") as f:
+                    f.write(json.dumps({"key": name, **dataclasses.asdict(plan)}) + "\n")
+            if on_plan:
+                on_plan(plans)
     return plans
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", choices=sorted(PLANS) + sorted(SMOKE))
+    ap.add_argument("--only", nargs="*", choices=sorted(PLANS) + sorted(EXTRA) + sorted(SMOKE))
     ap.add_argument("--smoke", action="store_true", help="tiny config on 8 devices")
     ap.add_argument("--out", default=None, help="markdown file (default: docs/benchmarks/mesh_plan.md for a full run)")
     args = ap.parse_args(argv)
-    table = {**PLANS, **SMOKE}
+    table = {**PLANS, **EXTRA, **SMOKE}
     names = args.only or (list(SMOKE) if args.smoke else list(PLANS))
-    t0 = time.perf_counter()
-    plans = run(names, table)
-    text = markdown(plans)
-    print(text)
     out = args.out or (None if args.only or args.smoke else os.path.join("docs", "benchmarks", "mesh_plan.md"))
-    if out:
-        with open(out, "w") as f:
-            f.write(HEADER.format(seconds=time.perf_counter() - t0, devices=DEVICES) + text + FOOTER)
-        print(f"wrote {out}")
+    t0 = time.perf_counter()
+
+    def write(plans):
+        if out:
+            with open(out, "w") as f:
+                f.write(HEADER.format(devices=DEVICES) + markdown(plans) + FOOTER)
+
+    plans = run(names, table, results=out and os.path.splitext(out)[0] + ".jsonl", on_plan=write)
+    write(plans)
+    print(markdown(plans))
+    print(f"{time.perf_counter() - t0:.0f} s" + (f"; wrote {out}" if out else ""))
     return plans
 
 
 HEADER = """# Mesh plans: DeepSeek-V4 Flash on 8 devices, Pro on 16 and 64 (ahead of time, nothing allocated)
 
-Written by `python scripts/plan_mesh.py` ({seconds:.0f} s on this machine's CPU, {devices} forced host devices). Each
+Written by `python scripts/plan_mesh.py` (CPU, {devices} forced host devices; per-plan results in mesh_plan.jsonl). Each
 row lowers and compiles one sharded step on abstract, sharded shapes; nothing is allocated. Columns:
 
 * **params / pools per device**: bytes of each device's shards (bf16 weights, bf16 KV pools, fp32 compressor state),

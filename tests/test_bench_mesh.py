@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_mesh_smoke(tmp_path):
     out = tmp_path / "mesh.md"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

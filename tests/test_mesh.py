@@ -35,6 +35,7 @@ def layouts():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.LAYOUTS))
 def test_layout_matches_single_device(layouts, name):
     res = layouts[name]

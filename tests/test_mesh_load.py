@@ -96,3 +96,18 @@ def test_bad_layer_split_fails_before_reading(saved):
     _, directory = saved
     with pytest.raises(MeshError, match="exactly once"):
         ds4jax.load(directory, jnp.float32, mesh=make_mesh(layer_split=[(0, 2), (3, 5)]))
+
+
+def test_orbax_restores_into_shards(saved, tmp_path):
+    from ds4jax.io import orbax_checkpoint
+
+    cfg, directory = saved
+    model = checkpoint.load(directory, jnp.float32)
+    orbax_checkpoint.save(model, tmp_path / "orbax")
+    layout = make_mesh(expert=2, tensor=2)
+    placed = ds4jax.load(tmp_path / "orbax", jnp.float32, mesh=layout)
+    assert placed.layout is layout
+    assert_same(placed.params, model.params)
+    w1 = placed.params["layers"][0]["ffn"]["experts"]["w1"]
+    assert w1.sharding == layout.param_shardings(cfg)["layers"][0]["ffn"]["experts"]["w1"]
+    assert {s.data.shape[0] for s in w1.addressable_shards} == {cfg.num_routed_experts // 2}
