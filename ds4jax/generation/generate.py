@@ -135,12 +135,17 @@ def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: S
     for c in prompt_chunks(prompts, chunk):
         book.check_extend(slots, c.tokens, c.n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
-        out, pool = steps.prefill(model.params, pool, batch, cfg=model.config, spec=spec,
-                                  need_logits=bool(c.finishing))
+        out, pool = runner(model).prefill(model.params, pool, batch, cfg=model.config, spec=spec,
+                                          need_logits=bool(c.finishing))
         book.commit(slots, c.n)
         if c.finishing:
             last_logits = keep_rows(last_logits, out.logits, c.finishing)
     return last_logits, pool
+
+
+def runner(model: Model):
+    """The pooled steps: `ds4jax.runtime.steps`, or their mesh twin when the model is placed on a mesh."""
+    return steps if model.layout is None else model.layout.steps(model.config)
 
 
 def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> jax.Array:
@@ -170,6 +175,9 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     if check_int(speculative, "speculative", low=0):
+        if model.layout is not None:
+            raise ArgumentError("speculative decoding on a mesh is not implemented yet (the draft steps are "
+                                "single-device); generate without speculative=", name="speculative", value=speculative)
         from ds4jax.generation.speculative import speculative_generate  # imports this module
 
         return speculative_generate(model, prompts, params, k=speculative, prefill_chunk=prefill_chunk).tokens
@@ -178,11 +186,12 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     max_context = longest + params.max_new_tokens
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(prompts), max_context=max_context,
                              page_size=page, dtype=pool_dtype(model))
-    book = PoolBook(spec, cfg.vocab_size)
+    run = runner(model)
+    book = run.book(spec, cfg.vocab_size) if model.layout is not None else PoolBook(spec, cfg.vocab_size)
     slots = [book.admit() for _ in prompts]
     for s, p in zip(slots, prompts):
         book.reserve(s, len(p) + params.max_new_tokens)
-    pool = book.sync(zeros(spec))
+    pool = book.sync(zeros(spec)) if model.layout is None else run.sync(book, run.zeros(spec), spec)
     logits, pool = chunked_prefill(model, pool, book, spec, slots, prompts, prefill_chunk or longest)
 
     rows = len(prompts)
@@ -210,7 +219,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
         tok = np.where(done, 0, token)[:, None].astype(np.int32)
         book.check_extend(slots, tok, n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n))
-        res, pool = steps.decode(model.params, pool, batch, cfg=cfg, spec=spec)
+        res, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec)
         book.commit(slots, n)
         logits = res.logits
     return out
