@@ -22,6 +22,7 @@ from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
 from ds4jax.generation.engine import Engine, EngineStats
 from ds4jax.generation.requests import Budget, ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
+from ds4jax.runtime.mesh import MeshError, MeshLayout, init_distributed, make_mesh, place_model
 from ds4jax.io.default_model import default_model
 from ds4jax.io.convert import convert
 
@@ -30,5 +31,6 @@ __all__ = [
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
     "Engine", "EngineStats", "Budget", "ErrorCode", "FinishReason", "GenerateResult", "Request", "TokenEvent",
+    "MeshError", "MeshLayout", "init_distributed", "make_mesh", "place_model",
     "default_model", "convert",
 ]

@@ -150,6 +150,14 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     k = check_int(speculative, "speculative", low=0)
+    if getattr(model, "layout", None) is not None:  # placed on a device mesh: the mesh steps' plain loop
+        if k:
+            raise ArgumentError("speculative decoding on a mesh is not implemented yet (the draft steps are "
+                                "single-device); generate without speculative=", name="speculative", value=speculative)
+        from ds4jax.generation.mesh_generate import mesh_generate
+
+        return mesh_generate(model, prompts, params, prefill_chunk=prefill_chunk, check_finite=check_finite,
+                             on_token=on_token)
     if k and not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
     return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,

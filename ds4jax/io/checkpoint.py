@@ -581,7 +581,8 @@ def check_dtype(dtype: Any) -> Any:
     return dt
 
 
-def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False) -> Model:
+def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False, mesh=None,
+         rules=None) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
     format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
@@ -589,14 +590,18 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
     Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config,
     non-finite scale, and (with `check_finite`, one pass over the host data) any NaN / Inf weight, naming the
     tensor and its file; `ArgumentError` for a `dtype` that is not floating point.
+    With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
+    straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
     """
     dtype = check_dtype(dtype)
     ckpt_dir = os.fspath(path)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError("is not a directory" if os.path.exists(ckpt_dir) else "does not exist",
                               source=ckpt_dir)
+    if mesh is not None and rules is not None:
+        mesh = dataclasses.replace(mesh, rules=tuple(rules))
     if orbax_checkpoint.is_orbax(ckpt_dir):
-        model = orbax_checkpoint.load(ckpt_dir, dtype)
+        model = orbax_checkpoint.load(ckpt_dir, dtype, layout=mesh)
         if check_finite:
             for key_path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
                 a = np.asarray(leaf)
@@ -604,6 +609,10 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
                     raise CheckpointError("non-finite value in the Orbax params", source=ckpt_dir,
                                           name=jax.tree_util.keystr(key_path))
         return model
+    if mesh is not None:
+        from ds4jax.io.sharded_load import load_sharded
+
+        return load_sharded(ckpt_dir, dtype, mesh)
     cfg, block = _read_config(ckpt_dir)
     with ExitStack() as stack:
         where = _open_shards(ckpt_dir, stack)

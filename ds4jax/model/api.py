@@ -30,6 +30,8 @@ def forward_logits(model: Model, token_ids) -> jax.Array:
         if ids.shape[-1] > model.config.max_position_embeddings:
             raise ArgumentError(f"more positions than max_position_embeddings ({model.config.max_position_embeddings})",
                                 name="token_ids", value=ids.shape)
+    if model.layout is not None:  # placed on a mesh (runtime floor; duck-typed to keep imports downward)
+        return model.layout.forward_logits(model, ids)
     if ids.ndim == 1:
         return _forward(model.config, model.params, ids[None])[0]
     return _forward(model.config, model.params, ids)
