@@ -25,13 +25,16 @@ class BlockAux(NamedTuple):
     attention: Any  # indexer selection [b, t, n] for CSA layers, else None (or step-specific extras)
 
 
-def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn):
-    """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux)."""
+def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn,
+          routed=None):
+    """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux).
+
+    `routed` replaces the routed-experts computation (see `moe.moe`); None = the model's own."""
     post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
     y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
     x = hc_post(y, x, post, comb)
     post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
-    y, routing = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
+    y, routing = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
 
 

@@ -18,6 +18,8 @@ import os
 import jax
 
 import pallas_kernels
+from ds4jax.model.layers import moe
+from ds4jax.runtime.routed_experts import routed_experts_grouped
 
 
 class Impl(enum.Enum):
@@ -55,3 +57,11 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
     if impl is Impl.REFERENCE:
         return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
     return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k, interpret=impl is Impl.PALLAS_INTERPRET)
+
+
+def routed_experts(x, routing, p, cfg, *, impl: Impl):
+    """[n, e] tokens -> [n, e] f32 sum of their selected experts: `moe.routed_experts` (its strategies) or the
+    grouped-matmul kernel over expert-sorted tiles."""
+    if impl is Impl.REFERENCE:
+        return moe.routed_experts(x, routing, p, cfg)
+    return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)

@@ -111,10 +111,15 @@ def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strateg
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
-def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType) -> tuple[jax.Array, Routing]:
-    """x: [..., e]; token_ids: [...]. Returns (output [..., e], routing over the flattened tokens)."""
+def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType,
+        routed=None) -> tuple[jax.Array, Routing]:
+    """x: [..., e]; token_ids: [...]. Returns (output [..., e], routing over the flattened tokens).
+
+    `routed(x, routing, p, cfg)` computes the routed experts (default `routed_experts`; the steps pass the
+    kernel dispatcher's)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     routing = route(flat, token_ids.reshape(-1), p, cfg, kind)
-    out = routed_experts(flat, routing, p["experts"], cfg) + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
+    routed = routed or routed_experts
+    out = routed(flat, routing, p["experts"], cfg) + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
     return out.astype(x.dtype).reshape(shape), routing
