@@ -52,6 +52,9 @@ def parse(argv=None):
     ap.add_argument("--before-label", default="before", help="what the before tree is (e.g. a commit)")
     ap.add_argument("--commit", default=None, help="git commit of this tree (recorded)")
     ap.add_argument("--skip", default="", help="comma-separated case names to skip")
+    ap.add_argument("--reuse", default=None, help="a parts directory of an earlier invocation: sides not run now "
+                    "(e.g. hf, before) and their check logits are taken from it, and marked so in the output")
+    ap.add_argument("--reuse-note", default="", help="where the reused sides were measured")
     ap.add_argument("--smoke", action="store_true", help="tiny config, short sequences (CPU check of the script)")
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side in this process
     ap.add_argument("--label", default="after", help=argparse.SUPPRESS)
@@ -100,6 +103,9 @@ def check(parts: str) -> dict:
                 path = os.path.join(parts, f"check_{what}_{label}.npy")
                 if os.path.exists(path):
                     got = np.load(path)
+                    if got.shape != ref.shape:
+                        out[f"{what}_{label}"] = f"not compared: shapes {got.shape} vs {ref.shape}"
+                        continue
                     cos = float(np.dot(got, ref) / (np.linalg.norm(got) * np.linalg.norm(ref)))
                     out[f"{what}_{label}"] = {
                         "cosine": cos, "max_rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()),
@@ -112,11 +118,12 @@ def check(parts: str) -> dict:
 def merge(args, sides: dict, parts: str) -> dict:
     ours, hf, before = sides.get("ds4jax", {}), sides.get("hf", {}), sides.get("before", {})
     res = {"commit": args.commit, "command": " ".join(["python"] + sys.argv), "layers": args.layers,
+           "reused": {k: v["reused_from"] for k, v in sides.items() if "reused_from" in v},
            "kernels": args.kernels, "before_tree": args.before_label if before else None,
            "sides": {k: {a: b for a, b in v.items() if a != "cases"} for k, v in sides.items()},
            "check": check(parts), "cases": {}}
     for case in common.cases(args):
-        if case.name in args.skip:
+        if case.name in args.skip and not any(case.name in v.get("cases", {}) for v in sides.values()):
             continue
         r = dict(ours.get("cases", {}).get(case.name, {}))
         h = hf.get("cases", {}).get(case.name)
@@ -124,11 +131,16 @@ def merge(args, sides: dict, parts: str) -> dict:
         if h is not None and key in h and key in r:
             r["hf_" + key] = h[key]
             r["hf_measured"] = True
+            r["hf_same_invocation"] = "reused_from" not in hf
             r["speedup_vs_hf"] = h[key] / r[key]
             if "profile" in h:
                 r["hf_profile"] = h["profile"]
             if "peak_gib" in h:
                 r["hf_peak_gib"] = h["peak_gib"]
+        elif h is not None and key in h:  # HF only (ds4jax skipped this case in this invocation)
+            r["hf_" + key] = h[key]
+            r["hf_measured"] = True
+            r["hf_same_invocation"] = "reused_from" not in hf
         else:
             r["hf_measured"] = False
             r["hf_note"] = case.note or (h or {}).get("error", hf.get("error", "HF side not run"))[:300]
@@ -153,8 +165,11 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
              f"params (MTP included, not run); HF: transformers {h.get('transformers')}, torch {h.get('torch')}, "
              f"eager attention, {h.get('params_b', 0):.2f} B params. Measured in this run: copy bandwidth "
              f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s, bf16 matmul {s.get('matmul_tflop_s') or 0:.0f} TFLOP/s.",
-             "", f"Commit `{res['commit']}`; command: `{res['command']}`", "",
-             "| case | ds4jax | tokens/s | roofline | fraction of roofline | HF (same run) | speedup vs HF | "
+             "", f"Commit `{res['commit']}`; command: `{res['command']}`", ""]
+    for side, where in res.get("reused", {}).items():
+        lines += [f"**The `{side}` column was not measured by this invocation**: {where}.", ""]
+    lines += [
+             "| case | ds4jax | tokens/s | roofline | fraction of roofline | HF transformers | speedup vs HF | "
              f"before ({res['before_tree'] or '-'}) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in res["cases"].items():
         unit = "ms" if name.startswith("prefill") else "ms/step"
@@ -165,11 +180,18 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
         ms, hf_ms = _ms(r, key), _ms(r, "hf_" + key)
         b = r.get("before", {})
         bms = _ms(b, key)
-        lines.append(
-            f"| {name} | {ms:.2f} {unit} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.2f} ms | "
-            f"{100 * r['fraction_of_roofline']:.1f} % | "
-            + (f"{hf_ms:.2f} {unit} | {r['speedup_vs_hf']:.2f}x" if r.get("hf_measured") else "not run | ")
-            + (f" | {bms:.2f} {unit} |" if bms is not None else f" | {b.get('error', '-')[:60]} |"))
+        hf_h = r.get("hf_" + key)
+        cells = [name]
+        if ms is None:
+            cells += ["not run in this invocation", "", "", ""]
+        else:
+            cells += [f"{ms:.2f} {unit}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.2f} ms",
+                      f"{100 * r['fraction_of_roofline']:.1f} %"]
+        cells += [f"{hf_ms:.2f} {unit}" if hf_ms is not None else "not run",
+                  f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "",
+                  f"{bms:.2f} {unit}" if bms is not None else b.get("error", "-")[:60]]
+        del hf_h
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Decode profiles (8 steps traced; per step):", "",
               "| case | side | device busy | kernels | kernels per layer | heaviest kernels (us) |", "|---|---|---|---|---|---|"]
     for name, r in res["cases"].items():
@@ -178,7 +200,14 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
             if not p:
                 continue
             per_layer = p.get("kernels_per_layer_per_step")
-            per_layer = ", ".join(f"{v:.0f}" for v in per_layer.values()) if per_layer else "-"
+            hlo = r.get("hlo_launches", {}) if side == "ds4jax" else {}
+            if per_layer:
+                per_layer = ", ".join(f"{v:.0f}" for v in per_layer.values())
+            elif hlo.get("per_layer"):  # static count from the compiled step's HLO
+                per_layer = (", ".join(str(v) for v in hlo["per_layer"].values())
+                             + f" (+{hlo['outside_layers']} outside layers; HLO ops)")
+            else:
+                per_layer = "-"
             top = "; ".join(f"{k} {v}" for k, v in list(p["top_kernels_us_per_step"].items())[:4])
             lines.append(f"| {name} | {side} | {p['device_busy_ms_per_step']:.2f} ms | {p['kernels_per_step']:.0f} | "
                          f"{per_layer} | {top} |")
@@ -231,6 +260,16 @@ def main(argv=None) -> int:
     os.makedirs(parts, exist_ok=True)
     args.out = os.path.abspath(args.out)
     sides = {}
+    if args.reuse:
+        import shutil
+
+        for name in os.listdir(args.reuse):
+            side = name[: -len(".json")]
+            if name.endswith(".json") and side not in args.sides.split(","):
+                sides[side] = json.load(open(os.path.join(args.reuse, name)))
+                sides[side]["reused_from"] = args.reuse_note or args.reuse
+            elif name.endswith(".npy"):
+                shutil.copy(os.path.join(args.reuse, name), parts)
     for side in filter(None, args.sides.split(",")):
         sides[side] = run_side(args, side, parts)
         res = merge(args, sides, parts)

@@ -84,3 +84,24 @@ def profile(run, steps: int, layers: int) -> dict:
         finally:
             jax.profiler.stop_trace()
         return summarize(gpu_events(log_dir), steps, layers)
+
+
+_SKIP_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id"}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*\S+\s+([a-z][a-z0-9\-]*)\(")
+
+
+def launches_per_layer(hlo_text: str) -> dict:
+    """Static count of the ops of a compiled program's entry computation that launch device work (fusions,
+    custom calls, copies, ...), attributed to model layers by the `layer<i>_` name scope in their metadata."""
+    counts = collections.Counter()
+    entry = hlo_text[hlo_text.find("\nENTRY"):]
+    for line in entry.splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if not m or m.group(1) in _SKIP_OPS:
+            continue
+        layer = _LAYER.search(line.split("metadata=", 1)[-1]) if "metadata=" in line else None
+        counts[int(layer.group(1)) if layer else -1] += 1
+    return {"per_layer": {str(k): v for k, v in sorted(counts.items()) if k >= 0}, "outside_layers": counts[-1],
+            "total": sum(counts.values())}

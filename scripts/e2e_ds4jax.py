@@ -73,6 +73,16 @@ class Bench:
 
         return run
 
+    def decode_hlo(self, rows: int) -> str:
+        """Optimised HLO of the decode step (its ops and their layer name scopes)."""
+        cfg = self.model.config
+        batch = steps.StepBatch(jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1), jnp.int32),
+                                jnp.ones((rows,), jnp.int32))
+        lowered = steps._target_step.lower(self.model.params, zeros(self.spec), batch, cfg=cfg, spec=self.spec,
+                                           role=Role.TARGET, logits=steps.Logits.LAST,
+                                           kernels=steps.resolve(self.kernels))
+        return lowered.compile().as_text()
+
     def decode(self, rows: int, ctx: int, new: int):
         """(run: `new` greedy steps at context ctx, rolled back after each run; logits of the first step)."""
         cfg = self.model.config
@@ -150,6 +160,11 @@ def main(args) -> int:
                      **r0}
                 if gpu:
                     r["profile"] = device_trace.profile(lambda: jax.block_until_ready(fn(8)), 8, cfg.num_layers)
+                if case.name == common.CHECK_DECODE and hasattr(steps, "_target_step"):
+                    try:  # one more compile of the decode step, for its HLO
+                        r["hlo_launches"] = device_trace.launches_per_layer(bench.decode_hlo(case.rows))
+                    except Exception as e:
+                        r["hlo_launches"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         except Exception as e:  # a failed case is recorded; the others still run
             r = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}
         res["cases"][case.name] = r
