@@ -98,3 +98,21 @@ def test_routed_experts_dispatch_runs_the_grouped_kernel():
         got = kernels.routed_experts(x, routing, p["experts"], cfg, impl=Impl.PALLAS_INTERPRET)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert re_mod.tile_rows(6) == 16 and re_mod.tile_rows(400) == 64
+
+
+def test_gpu_decode_step_has_no_device_loops():
+    """The decode step lowered for a GPU (Pallas kernels) holds no `while` loop: on a GPU each iteration of one
+    costs a few small kernel launches (the Sinkhorn fori_loop and a binary-search searchsorted were most of a
+    decode step's ~1000 kernels on the H200)."""
+    cfg = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
+                      mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
+    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
+                             dtype="bfloat16")
+    params = jax.eval_shape(lambda k: P.init(cfg, k, jnp.bfloat16), jax.random.key(0))
+    s = jax.ShapeDtypeStruct
+    batch = steps.StepBatch(s((2,), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
+    text = steps._target_step.trace(
+        params, pools.abstract(spec), batch, cfg=cfg, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
+        kernels=Impl.PALLAS).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") >= 3  # the Pallas kernels are in (lowered for the GPU)
+    assert "stablehlo.while" not in text

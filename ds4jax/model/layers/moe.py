@@ -45,7 +45,8 @@ def moe_strategy(rows: int, num_experts: int) -> str:
     * ``gather``: each selection gathers its expert's weights (decode/verify: reads exactly the experts used).
     * ``tiles``: selections sorted by expert and padded to row tiles, one gathered weight block per tile
       (prefill on GPU, where XLA lowers ragged_dot to a dense product over every expert).
-    Override with the environment variable ``DS4JAX_MOE``."""
+    Override with the environment variable ``DS4JAX_MOE``. These are the reference path; the pooled steps with
+    Pallas kernels run routed experts through the grouped-matmul kernel instead (`ds4jax.runtime.kernels`)."""
     forced = os.environ.get("DS4JAX_MOE")
     if forced:
         if forced not in ("ragged", "gather", "tiles"):
