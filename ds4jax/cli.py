@@ -54,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt",
-                         description="Generate text. Without --checkpoint, runs the embedded default model "
-                                     "(tiny, random weights, byte-level tokenizer): the output is gibberish.")
+                         description="Generate text. Without --checkpoint, runs the default model (checkpoints/default: "
+                                     "a small DeepSeek-V4 trained on the Python standard library).")
     gen.add_argument("--prompt", required=True, help="prompt text")
-    gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded model)")
+    gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: checkpoints/default)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T", help="0 = greedy")
     gen.add_argument("--top-p", type=_probability, default=1.0, metavar="P")
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="C",
                      help="prefill the prompt in chunks of C tokens (default: one chunk)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                     help="compute dtype (default: bfloat16 for a checkpoint, float32 for the embedded model)")
+                     help="compute dtype (default: bfloat16 for a checkpoint, float32 for the default model)")
     gen.add_argument("--speculative", type=_positive_int, default=None, metavar="K",
                      help="speculative decoding: the checkpoint's MTP block drafts K tokens per round "
                           "(greedy output is identical to plain decoding); prints acceptance stats to stderr")

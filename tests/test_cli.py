@@ -17,7 +17,10 @@ import pytest
 from ds4jax import greedy_generate
 from ds4jax.io import checkpoint
 from ds4jax.cli import main, printable
-from ds4jax.io.default_model import default_config, default_model, default_tokenizer
+from ds4jax.io import default_model as default_module
+from ds4jax.io.default_model import random_config as default_config
+from ds4jax.io.default_model import random_model as default_model
+from ds4jax.io.default_model import random_tokenizer as default_tokenizer
 from ds4jax.io.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 PROMPT = "Hello"  # BOS + 5 bytes
@@ -27,6 +30,15 @@ PROMPT = "Hello"  # BOS + 5 bytes
 def no_persistent_cache(monkeypatch):
     """`main` would otherwise turn on JAX's on-disk compilation cache for the rest of the test process."""
     monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")
+
+
+@pytest.fixture(autouse=True)
+def random_default(monkeypatch):
+    """These tests check the command's plumbing on the seeded random tiny model (fast to compile); the trained
+    default model is tested through the command in test_default_model.py."""
+    monkeypatch.setattr(default_module, "default_model", default_model)
+    monkeypatch.setattr(default_module, "default_tokenizer", default_tokenizer)
+    monkeypatch.setattr(default_module, "default_config", default_config)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -40,7 +52,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_generate_default_is_greedy_generate(capsys):
     code, out, err = run(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "12")
     assert code == 0, err
-    assert "embedded default model" in err
+    assert "random weights" in err
     tok = default_tokenizer()
     ids = greedy_generate(default_model(jnp.float32), tok.encode(PROMPT, add_bos=True), 12, stop_ids=[tok.eos_id])
     assert ids and ids[-1] != tok.eos_id  # the default model does not stop at once (else this test shows little)

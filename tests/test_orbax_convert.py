@@ -118,3 +118,9 @@ def test_orbax_without_mtp_loads_without_mtp(model, tmp_path):
     orbax_checkpoint.save(model, tmp_path / "o", overwrite=True)
     assert ds4jax.load(tmp_path / "o", dtype=jnp.float32).has_mtp
     assert sorted(os.listdir(tmp_path)) == ["o"]  # no temporary directories left behind
+
+
+def test_orbax_loads_from_a_relative_path(model, tmp_path, monkeypatch):
+    orbax_checkpoint.save(model, tmp_path / "o")
+    monkeypatch.chdir(tmp_path)
+    assert ds4jax.load("o", dtype=jnp.float32).has_mtp

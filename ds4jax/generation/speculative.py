@@ -28,6 +28,7 @@ from ds4jax.runtime import steps
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
 from ds4jax.model.handle import Model
+from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolBook, PoolError, zeros
 from ds4jax.runtime.roles import Role
@@ -66,7 +67,7 @@ def _rows(state_stream: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(state_stream, index[:, None, None, None], axis=1)[:, 0]
 
 
-def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg, tspec, dspec, k, greedy):
+def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg, tspec, dspec, k, greedy, kernels):
     b = st.cur.shape[0]
     slots = jnp.arange(b, dtype=jnp.int32)
     active = ~st.done
@@ -88,7 +89,7 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
     for j in range(1, k):
         batch = steps.StepBatch(slots, d[:, None], one)
         out, dpool = steps._step(params, dpool, batch, stream[:, None], cfg=cfg, spec=dspec, role=Role.DRAFT,
-                                 logits=steps.Logits.LAST)
+                                 logits=steps.Logits.LAST, kernels=kernels)
         stream = out.streams[:, 0]
         d, logq = propose(out.logits, j)
         drafts.append(d)
@@ -100,7 +101,7 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
     target_len = st.target_pool.lengths
     tokens = jnp.concatenate([st.cur[:, None], drafts], axis=1)
     verify, tpool = steps._step(params, st.target_pool, steps.StepBatch(slots, tokens, one * (k + 1)), None,
-                                cfg=cfg, spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL)
+                                cfg=cfg, spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
     if greedy:
         acc = accept_greedy(drafts, verify.logits)
     else:
@@ -115,7 +116,7 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
     shifted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     ext_ids = jnp.where(j < a[:, None], shifted, acc.next_token[:, None])
     ext, dpool = steps._step(params, dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
-                             cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST)
+                             cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
 
     # ---- emit [d1..da, next], truncated at stop ids and the token budget ----------------------------------------
     emitted = ext_ids  # row j < a: d_{j+1}; row a: the target's token
@@ -131,17 +132,20 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
                      done, accepted, st.rounds + 1, st.keys)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "greedy"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "greedy", "kernels"),
+                   donate_argnames=("state",))
 def speculative_loop(params, state: LoopState, temperature, top_p, max_new, stop_ids, *, cfg, tspec, dspec, k,
-                     greedy):
-    """Run rounds until every request is done (or the rounds buffer is full). Returns the final LoopState."""
+                     greedy, kernels: Impl = Impl.REFERENCE):
+    """Run rounds until every request is done (or the rounds buffer is full). Returns the final LoopState.
+    `kernels`: the steps' kernel implementation (`speculative_generate` passes the dispatcher's default)."""
     max_rounds = state.accepted.shape[1]
 
     def cond(st):
         return (st.rounds < max_rounds) & jnp.any(~st.done)
 
     body = functools.partial(_round, params, temperature=temperature, top_p=top_p, max_new=max_new,
-                             stop_ids=stop_ids, cfg=cfg, tspec=tspec, dspec=dspec, k=k, greedy=greedy)
+                             stop_ids=stop_ids, cfg=cfg, tspec=tspec, dspec=dspec, k=k, greedy=greedy,
+                             kernels=kernels)
     return jax.lax.while_loop(cond, lambda st: body(st), state)
 
 
@@ -205,7 +209,8 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     state = LoopState(tpool, dpool, t0, draft_logits, draft_stream, out, jnp.ones((rows,), jnp.int32), done,
                       jnp.full((rows, new_bucket), -1, jnp.int32), jnp.zeros((), jnp.int32), keys)
     state = speculative_loop(model.params, state, temperature, top_p, jnp.int32(max_new), stop, cfg=cfg,
-                             tspec=tspec, dspec=dspec, k=k, greedy=params.temperature == 0)
+                             tspec=tspec, dspec=dspec, k=k, greedy=params.temperature == 0,
+                             kernels=resolve(None))
     out = np.asarray(state.out)
     seconds = time.perf_counter() - start
     accepted = np.asarray(state.accepted)

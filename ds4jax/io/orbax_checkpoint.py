@@ -58,6 +58,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint gets ordinary permissions
     try:
         yield tmp
         if os.path.exists(final):
@@ -94,7 +97,7 @@ def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Flat {"layers.0.attn.wq_a": ArrayMetadata-like (shape, dtype)} read from the Orbax metadata (no data)."""
     import orbax.checkpoint as ocp
 
-    params = os.path.join(os.fspath(path), PARAMS_DIR)
+    params = os.path.join(os.path.abspath(os.fspath(path)), PARAMS_DIR)  # Orbax wants absolute paths
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(params)

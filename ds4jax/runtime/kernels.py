@@ -8,6 +8,9 @@
 
 Override with the `kernels=` argument of the steps or the environment variable ``DS4JAX_KERNELS``
 (``reference`` / ``pallas`` / ``pallas_interpret``). The choice is static: each compiles its own program.
+
+Tiles: the Pallas kernels get the `BlockSizes` default of the device's architecture (`block_sizes`), e.g. MI300's
+64 KB LDS and 64-wide wavefronts take other tiles than an H200 (`docs/benchmarks/rocm_kernels.md`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 
 import pallas_kernels
 from ds4jax.model.layers import moe
+from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
 
 
@@ -44,11 +48,24 @@ def resolve(impl: Impl | str | None) -> Impl:
     return impl if isinstance(impl, Impl) else Impl(impl)
 
 
+def kernel_arch(impl: Impl) -> str | None:
+    """The architecture whose tiles the kernels use: the device's when compiled, None (generic) when interpreted."""
+    return _target.device_target().arch if impl is Impl.PALLAS else None
+
+
+def block_sizes(op: str, dtype, arch: str | None):
+    """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk") on `arch`."""
+    cls = {"sparse_attention": pallas_kernels.SparseAttentionBlockSizes,
+           "indexer_topk": pallas_kernels.IndexerTopkBlockSizes}[op]
+    return cls.get_default(dtype, arch=arch)
+
+
 def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: Impl):
     """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d]."""
     if impl is Impl.REFERENCE:
         return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
     return pallas_kernels.sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale,
+                                           block_sizes=block_sizes("sparse_attention", q.dtype, kernel_arch(impl)),
                                            interpret=impl is Impl.PALLAS_INTERPRET)
 
 
@@ -56,12 +73,14 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
     """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id."""
     if impl is Impl.REFERENCE:
         return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
-    return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k, interpret=impl is Impl.PALLAS_INTERPRET)
+    return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k,
+                                       block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
+                                       interpret=impl is Impl.PALLAS_INTERPRET)
 
 
 def routed_experts(x, routing, p, cfg, *, impl: Impl):
     """[n, e] tokens -> [n, e] f32 sum of their selected experts: `moe.routed_experts` (its strategies) or the
-    grouped-matmul kernel over expert-sorted tiles."""
+    grouped-matmul kernel over expert-sorted tiles (its default tiles fit every target's shared memory)."""
     if impl is Impl.REFERENCE:
         return moe.routed_experts(x, routing, p, cfg)
     return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)

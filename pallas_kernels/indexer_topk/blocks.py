@@ -37,14 +37,30 @@ class BlockSizes:
     prefetch: int = 0
 
     @classmethod
-    def get_default(cls, dtype=None) -> BlockSizes:
+    def get_default(cls, dtype=None, arch: str | None = None) -> BlockSizes:
         """bf16: 128-entry blocks, up to 16384 entries per program, 8 warps, 3 stages, no register prefetch
         (ptxas sm_90, Triton 3.6: 254 registers, no spills, 84 KB shared; on the H200 52 us at batch 1 / 8k
         against 55 us for the prefetch variant with 16 warps). f32 (IEEE dots, the correctness path):
-        16-entry blocks, 2048 entries per program, 2 stages (66 registers; larger f32 tiles spill)."""
-        if dtype is not None and jnp.dtype(dtype).itemsize == 4:
+        16-entry blocks, 2048 entries per program, 2 stages (66 registers; larger f32 tiles spill).
+        arch "gfx942" / "gfx950": ROCM_DEFAULTS (chosen from compile-time resources, not timed)."""
+        f32 = dtype is not None and jnp.dtype(dtype).itemsize == 4
+        if arch in ROCM_DEFAULTS:
+            return cls(**ROCM_DEFAULTS[arch]["float32" if f32 else "bfloat16"])
+        if f32:
             return cls(block_c=16, max_split=2048, num_stages=2)
         return cls()
+
+
+# Per AMD architecture and dtype (keyword arguments of BlockSizes), from scripts/rocm_kernels.py and a tile sweep:
+# the H200 tile with one stage: 117 VGPRs and 4 waves/SIMD on gfx942 (3 stages: 165 VGPRs, 2 waves/SIMD); the
+# pipeliner's buffers buy nothing on these index-dependent gathers. A 16384-entry split's selection passes its
+# [128, 128] f32 score tile through 64 KB of LDS: all of MI300's, so gfx942 takes 8192-entry splits (32 KB).
+# f32 keeps the H200 tile (one stage measured 165 VGPRs against 151 with two).
+_ROCM_F32 = dict(block_c=16, max_split=2048, num_warps=8, num_stages=2)
+ROCM_DEFAULTS = {
+    "gfx942": {"bfloat16": dict(block_c=128, max_split=8192, num_warps=8, num_stages=1), "float32": _ROCM_F32},
+    "gfx950": {"bfloat16": dict(block_c=128, max_split=16384, num_warps=8, num_stages=1), "float32": _ROCM_F32},
+}
 
 
 def choose_split_len(bs: BlockSizes, *, t: int, c: int, m: int, block_c: int) -> int:

@@ -6,6 +6,8 @@ softmax with the sink in the denominator; a reference for the Pallas kernel), `o
 RoPE at the query position, grouped low-rank projection). `attention_sequence` is the cache-free forward.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,11 +32,10 @@ def project_qkv(x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_fr
     return q_latent, q, kv
 
 
-def attend(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
-    """q [b, t, h, d], keys [b, s, d] (K = V), valid [b, t, s] bool, sink [h] -> [b, t, h, d].
+def attention_probs(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """float32 [b, t, h, s]: p_j = exp(l_j) / (sum_valid exp(l) + exp(sink_h)), 0 for invalid keys.
 
-    p_j = exp(l_j) / (sum_valid exp(l) + exp(sink_h)); a query with no valid key returns 0. Invalid keys must
-    hold finite values (callers zero them): masked logits are -inf, so they get probability 0."""
+    Each row sums to 1 minus the sink's share (0 for a query with no valid key)."""
     logits = jnp.einsum("bthd,bsd->bths", q, keys, preferred_element_type=jnp.float32,
                         precision=jax.lax.Precision.HIGHEST) * scale
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
@@ -42,7 +43,15 @@ def attend(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, sca
     peak = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [b, t, h]
     probs = jnp.exp(logits - peak[..., None])
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
-    probs = (probs / denom[..., None]).astype(keys.dtype)
+    return probs / denom[..., None]
+
+
+def attend(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """q [b, t, h, d], keys [b, s, d] (K = V), valid [b, t, s] bool, sink [h] -> [b, t, h, d].
+
+    Weights from `attention_probs`; a query with no valid key returns 0. Invalid keys must hold finite values
+    (callers zero them): masked logits are -inf, so they get probability 0."""
+    probs = attention_probs(q, keys, valid, sink, scale).astype(keys.dtype)
     out = jnp.einsum("bths,bsd->bthd", probs, keys, preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision.HIGHEST)
     return out.astype(q.dtype)
@@ -64,10 +73,27 @@ def sliding_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
     return (delta >= 0) & (delta < window)
 
 
+class SequenceKeys(NamedTuple):
+    """What each query of a cache-free sequence may attend to (keys = [the t positions ; n compressed entries])."""
+
+    positions: jax.Array  # [b, t] int32
+    q: jax.Array  # [b, t, h, d] rotated queries
+    keys: jax.Array  # [b, t + n, d] K = V rows: the sequence's own kv, then the compressed entries
+    valid: jax.Array  # [b, t, t + n] bool: sliding window, then causal entries (CSA: only the indexer's picks)
+    selection: jax.Array | None  # [b, t, k] int32 indexer picks (-1 = none) for CSA, else None
+
+
 def attention_sequence(x: jax.Array, p: dict, cfg: Config, kind: AttentionType):
     """Cache-free attention over a whole sequence starting at position 0.
 
     x [b, t, e] (normalised). Returns (y [b, t, e], indexer selection [b, t, n] int32 or None)."""
+    s = sequence_keys(x, p, cfg, kind)
+    o = attend(s.q, s.keys, s.valid, p["sink"], cfg.head_dim**-0.5)
+    return output_projection(o, s.positions, p, cfg, layer_inv_freq(cfg, kind)), s.selection
+
+
+def sequence_keys(x: jax.Array, p: dict, cfg: Config, kind: AttentionType) -> SequenceKeys:
+    """Queries, keys and the attention mask of `attention_sequence` (x [b, t, e] normalised)."""
     b, t, _ = x.shape
     inv_freq = layer_inv_freq(cfg, kind)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -89,8 +115,7 @@ def attention_sequence(x: jax.Array, p: dict, cfg: Config, kind: AttentionType):
             causal = causal & chosen
         keys = jnp.concatenate([keys, entries], axis=1)
         valid = jnp.concatenate([valid, causal], axis=-1)
-    o = attend(q, keys, valid, p["sink"], cfg.head_dim**-0.5)
-    return output_projection(o, positions, p, cfg, inv_freq), selection
+    return SequenceKeys(positions, q, keys, valid, selection)
 
 
 def csa_select(x, q_latent, positions, p, cfg: Config, inv_freq, causal) -> jax.Array:

@@ -20,7 +20,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m].
 
     Unrolled, with the m-term sums written as adds of slices: the whole projection is elementwise work on m*m
-    values per token, which XLA fuses into one kernel. (A `fori_loop` of reductions ran as a device while loop:
+    values per token, which XLA can fuse into few kernels. (A `fori_loop` of reductions runs as a device while loop:
     ~40 small kernels per call, 8 calls per layer pair, most of a decode step's kernel count on the H200.)"""
     m = logits.shape[-1]
     rows = lambda c: sum(c[..., :, j : j + 1] for j in range(m))  # [..., m, 1]: sum over the last axis
@@ -33,8 +33,8 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return comb
 
 
-def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e])."""
+def hc_weights(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The token's mixing weights, float32: (pre [..., m], post [..., m], comb [..., m, m] doubly stochastic)."""
     m = cfg.hc_mult
     mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
     scale, base = p["scale"].astype(jnp.float32), p["base"].astype(jnp.float32)
@@ -42,6 +42,12 @@ def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, ja
     post = 2 * jax.nn.sigmoid(mix[..., m : 2 * m] * scale[1] + base[m : 2 * m])
     comb_logits = mix[..., 2 * m :] * scale[2] + base[2 * m :]
     comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e])."""
+    pre, post, comb = hc_weights(x, p, cfg)
     collapsed = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
     return post, comb, collapsed
 

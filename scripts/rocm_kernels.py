@@ -1,0 +1,50 @@
+"""Compile every Pallas kernel of the Flash and Pro steps for MI300 (gfx942), MI355 (gfx950) and H200 (sm90) on a
+CPU host with the pip `triton` wheel, and write the resource report (no GPU needed).
+
+    JAX_PLATFORMS=cpu python scripts/rocm_kernels.py [--out docs/benchmarks] [--targets gfx942,gfx950,sm90]
+
+Writes rocm_kernels.md and rocm_kernels.json; exits 1 if a kernel exceeds a target's LDS / shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tqdm import tqdm
+
+from ds4jax.rocm_check.compile import TRITON_VERSION
+from ds4jax.rocm_check.lowering import CASES
+from ds4jax.rocm_check.report import check, render, rows_for, tile_comparison
+from ds4jax.rocm_check.targets import TARGETS
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    args = ap.parse_args(argv)
+    names = args.targets.split(",")
+    rows = {}
+    with tqdm(total=len(names) * len(CASES), desc="lower + compile") as bar:
+        for name in names:
+            rows[name] = []
+            for case in CASES:
+                rows[name] += rows_for(TARGETS[name], [case])
+                bar.update()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "rocm_kernels.md"), "w") as f:
+        f.write(render(rows, tile_comparison()))
+    with open(os.path.join(args.out, "rocm_kernels.json"), "w") as f:
+        json.dump(dict(triton=TRITON_VERSION, rows=[r.as_dict() for rs in rows.values() for r in rs]), f, indent=1)
+    problems = check([r for rs in rows.values() for r in rs])
+    for p in problems:
+        print("FAIL:", p, file=sys.stderr)
+    print(f"{sum(map(len, rows.values()))} kernels compiled; wrote {args.out}/rocm_kernels.md")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The shipped default model (checkpoints/default): loads from Orbax and from a converted safetensors copy with
+identical logits, reproduces its report's held-out loss, speculative greedy == plain greedy for k = 1..4, and
+is what ``ds4jax generate`` runs without --checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ds4jax
+from ds4jax.cli import main, printable
+from ds4jax.generation.generate import SamplingParams
+from ds4jax.io import convert, default_model as dm, orbax_checkpoint
+
+CKPT = dm.SHIPPED
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(CKPT, "config.json")),
+                                reason="checkpoints/default is not present")
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache(monkeypatch):
+    monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ds4jax.default_model(jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def report():
+    with open(os.path.join(CKPT, "train_report.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return np.load(os.path.join(CKPT, "heldout_eval.npy")).astype(np.int32)
+
+
+def test_shipped_checkpoint_is_orbax_small_and_documented(report):
+    assert orbax_checkpoint.is_orbax(CKPT)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
+    assert size <= 16 * 2**20, size
+    for name in ("tokenizer.json", "tokenizer_config.json", "corpus_manifest.json", "loss.png", "REPORT.md"):
+        assert os.path.exists(os.path.join(CKPT, name)), name
+    with open(os.path.join(CKPT, "corpus_manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["files"] and all(len(e["sha256"]) == 64 for e in manifest["files"])
+    assert {e["split"] for e in manifest["files"]} == {"train", "heldout"}
+    assert report["steps"] > 0 and report["tokens_seen"] > 0
+
+
+def test_orbax_and_converted_safetensors_give_identical_logits(model, heldout, tmp_path):
+    convert.convert(CKPT, tmp_path / "st", to="safetensors")
+    assert convert.source_format(str(tmp_path / "st")) == "safetensors"
+    copy = ds4jax.load(tmp_path / "st", dtype=jnp.float32)
+    ids = heldout[:2, :48]
+    np.testing.assert_array_equal(np.asarray(ds4jax.forward_logits(copy, ids)),
+                                  np.asarray(ds4jax.forward_logits(model, ids)))
+
+
+def test_heldout_loss_matches_the_report(model, heldout, report):
+    """The report's held-out figure is next-token cross-entropy over these windows (computed on the GPU)."""
+    x, y = heldout[:, :-3], heldout[:, 1:-2]
+    nats = 0.0
+    for i in range(0, len(x), 4):
+        logits = ds4jax.forward_logits(model, x[i:i + 4])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nats += float(-jnp.sum(jnp.take_along_axis(logp, jnp.asarray(y[i:i + 4])[..., None], axis=-1)))
+    loss = nats / y.size
+    assert loss == pytest.approx(report["heldout"]["loss"], rel=0.01)
+    assert loss < 3.0  # a trained model: far below ln(vocab) = 8.3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_speculative_greedy_equals_plain_greedy(model, heldout, k):
+    prompts = [list(heldout[0, :20]), list(heldout[1, :13])]
+    sp = SamplingParams(max_new_tokens=20)
+    plain = ds4jax.generate(model, prompts, sp)
+    spec = ds4jax.speculative_generate(model, prompts, sp, k=k)
+    assert spec.tokens == plain
+    assert np.mean(spec.mean_tokens_per_round) > 1.3  # the trained MTP head's drafts are accepted
+
+
+def test_generate_without_checkpoint_runs_the_default_model(model, capsys):
+    prompt = "def "
+    code = main(["generate", "--prompt", prompt, "--max-new-tokens", "16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "default model" in err
+    tok = dm.default_tokenizer()
+    ids = ds4jax.greedy_generate(model, tok.encode(prompt, add_bos=True), 16, stop_ids=[tok.eos_id])
+    assert out == printable(tok.decode([i for i in ids if i != tok.eos_id])) + "\n"
