@@ -147,7 +147,8 @@ def test_speculative_too_large_fails_before_loading(monkeypatch, capsys):
 
     monkeypatch.setattr("ds4jax.commands.generate.load_model", no_load)
     code, _, err = run(capsys, "generate", "--prompt", "x", "--speculative", "100")
-    assert code == 2 and "PoolSpec" in err and err.count("\n") == 2  # the tokenizer note, then the error
+    assert code == 2 and "--speculative=100: too many drafts" in err and "PoolSpec" in err
+    assert err.count("\n") == 2  # the tokenizer note, then the error
 
 
 # ---- bad files through the command ---------------------------------------------------------------------------------

@@ -114,10 +114,15 @@ def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:
     from ds4jax.runtime.pool_spec import PoolSpec
     from ds4jax.runtime.roles import Role
 
+    from ds4jax.errors import PoolSpecError, UsageError
+
     context = prompt_len + max_new + k + 1
-    for role in (Role.TARGET, Role.DRAFT):
-        PoolSpec.for_role(cfg, role=role, max_slots=1, max_context=context, draft_tokens=k + 1,
-                          page_size=default_page_size(cfg), dtype="float32")
+    try:
+        for role in (Role.TARGET, Role.DRAFT):
+            PoolSpec.for_role(cfg, role=role, max_slots=1, max_context=context, draft_tokens=k + 1,
+                              page_size=default_page_size(cfg), dtype="float32")
+    except PoolSpecError as e:
+        raise UsageError(f"too many drafts for this model ({e})", name="--speculative", value=k) from None
 
 
 # ---- output --------------------------------------------------------------------------------------------------------
