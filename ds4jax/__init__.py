@@ -20,6 +20,7 @@ from ds4jax.runtime.pool_spec import PoolSpec, configure
 from ds4jax.runtime.pools import KVPool, PoolBook, PoolError
 from ds4jax.runtime.roles import Role
 from ds4jax.generation.speculative import SpecResult, speculative_generate
+from ds4jax.runtime.mesh import MeshError, MeshLayout, init_distributed, make_mesh, place_model
 from ds4jax.io.default_model import default_model
 from ds4jax.io.convert import convert
 
@@ -27,5 +28,6 @@ __all__ = [
     "AttentionType", "CheckpointError", "Ds4jaxError", "InputError", "errors", "Config", "ConfigError", "KVPool", "MlpType", "Model", "PoolBook",
     "PoolError", "PoolSpec", "Role", "SamplingParams", "SpecResult", "speculative_generate", "configure", "flash", "flash_slice", "forward_logits",
     "from_hf_config", "generate", "greedy_generate", "load", "pro", "save", "tiny",
+    "MeshError", "MeshLayout", "init_distributed", "make_mesh", "place_model",
     "default_model", "convert",
 ]

@@ -86,7 +86,9 @@ def reference_forward(checkpoint_dir: str, token_ids: np.ndarray) -> tuple[np.nd
         checkpoint_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     problems = {k: info.get(k) for k in ("missing_keys", "mismatched_keys") if info.get(k)}
     if problems:  # HF would silently random-initialise these
-        raise RuntimeError(f"transformers could not load {checkpoint_dir} completely: {problems}")
+        from ds4jax.errors import CheckpointError
+
+        raise CheckpointError(f"transformers could not load it completely: {problems}", source=checkpoint_dir)
     model.eval()
     streams: list[Any] = []
     hooks = [layer.register_forward_hook(lambda _m, _i, out: streams.append(out[0] if isinstance(out, tuple) else out))
@@ -122,10 +124,11 @@ def run_compare(checkpoint_dir: str | os.PathLike, seq_len: int = 64, batch: int
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     _import_reference()  # fail early, before the (slower) ds4jax load
-    cfg = load_config(checkpoint_dir)
+    cfg = load_config(checkpoint_dir)  # ConfigError names the field
     token_ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len), dtype=np.int64)
-    ref_logits, ref_hidden = reference_forward(checkpoint_dir, token_ids)
+    # ds4jax first: its loader validates every tensor (CheckpointError naming it) before HF might guess around one
     logits, hidden = ds4jax_forward(checkpoint_dir, token_ids)
+    ref_logits, ref_hidden = reference_forward(checkpoint_dir, token_ids)
     if len(hidden) != len(ref_hidden):
         raise RuntimeError(f"ds4jax returned {len(hidden)} layer streams, transformers {len(ref_hidden)}")
     rows = [error_row("logits", logits, ref_logits)]
@@ -137,7 +140,8 @@ def run_compare(checkpoint_dir: str | os.PathLike, seq_len: int = 64, batch: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: exit status 0 when within tolerance, 1 otherwise, 2 when the reference cannot run."""
+    """CLI entry: exit status 0 when within tolerance, 1 otherwise, 2 when the checkpoint is bad or the reference
+    cannot run."""
     parser = argparse.ArgumentParser(prog="python -m ds4jax.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -148,11 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(os.path.join(args.checkpoint_dir, "config.json")):
         print(f"error: {args.checkpoint_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
+    from ds4jax.errors import Ds4jaxError
+
     try:
         report = run_compare(args.checkpoint_dir, args.seq_len, args.batch, args.tol, args.seed)
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Ds4jaxError as e:  # a bad checkpoint is not a failed comparison
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_status
     return 0 if report.ok else 1
 
 

@@ -64,14 +64,14 @@ def test_generate_default_is_greedy_generate(capsys):
 def test_generate_sampling_depends_on_seed_only(capsys):
     argv = ("generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "1.0", "--top-p", "0.95")
     first = run(capsys, *argv, "--seed", "1")
-    assert first[0] == 0 and first == run(capsys, *argv, "--seed", "1")
+    assert first[0] == 0 and first[:2] == run(capsys, *argv, "--seed", "1")[:2]  # stderr has timings
     assert run(capsys, *argv, "--seed", "2")[1] != first[1]
 
 
 def test_generate_passes_every_option(capsys, monkeypatch):
     seen = {}
 
-    def fake_generate(model, ids, sampling, *, prefill_chunk=None):
+    def fake_generate(model, ids, sampling, *, prefill_chunk=None, **_):
         seen.update(model=model, ids=ids, sampling=sampling, prefill_chunk=prefill_chunk)
         return [[ByteTokenizer.OFFSET + ord("o"), ByteTokenizer.OFFSET + ord("k"), ByteTokenizer.EOS]]
 
@@ -171,7 +171,7 @@ def test_info_default_preset(capsys):
     (["info", "--checkpoint", "/no/such/dir"], "does not exist"),
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
     (["generate", "--prompt", "x", "--top-p", "0"], "must be in (0, 1]"),
-    (["generate", "--prompt", "x", "--temperature", "-1"], "must be a finite number >= 0"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "must be >= 0"),
     (["generate", "--prompt", "x", "--dtype", "float16"], "invalid choice"),
     (["compare", "--checkpoint", "x", "--tol", "0"], "must be > 0"),
     (["info"], "one of the arguments"),

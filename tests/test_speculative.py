@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import ds4jax
 from ds4jax import SamplingParams, greedy_generate
+from ds4jax.errors import ArgumentError
 from ds4jax.runtime.pool_spec import PoolSpecError
 from ds4jax.runtime.pools import PoolError
 from ds4jax.generation.sampling import filter_logits
@@ -263,14 +264,14 @@ def test_errors(model):
         with pytest.raises(PoolError, match="MTP"):
             speculative_generate(no_mtp, PROMPTS, SamplingParams(max_new_tokens=4), k=2)
         for k in (0, -1):
-            with pytest.raises(PoolError, match="k must be"):
+            with pytest.raises(ArgumentError, match=f"k={k}: must be in"):
                 speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=4), k=k)
         with pytest.raises(PoolError, match="stop ids"):
             speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=4,
                                                                 stop_ids=tuple(range(MAX_STOP_IDS + 1))), k=2)
-        with pytest.raises(PoolError, match="max_new_tokens"):
+        with pytest.raises(ArgumentError, match="max_new_tokens"):
             speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=0), k=2)
-        with pytest.raises(PoolError, match="at least one token"):
+        with pytest.raises(ArgumentError, match="prompt_ids\\[1\\]=.*empty"):
             speculative_generate(model, [[1, 2], []], SamplingParams(max_new_tokens=4), k=2)
         # k must fit the compressor state rings' write pad (16-row C4 ring, 8-token window: pad 10 -> k + 1 <= 10)
         with pytest.raises(PoolSpecError, match="draft_tokens"):

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.runtime import steps
+from ds4jax.runtime.executable_cache import cached_jit
+from ds4jax.errors import ArgumentError
+from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
+from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolBook, PoolError, zeros
 from ds4jax.runtime.roles import Role
@@ -23,11 +27,63 @@ from ds4jax.generation.sampling import sample
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """Validated at construction (`ArgumentError` naming the field): max_new_tokens >= 1, temperature finite and
+    >= 0 (0 = greedy), top_p in (0, 1], seed a 64-bit integer, stop_ids non-negative integers."""
+
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        check_sampling(self)
+
+
+def check_sampling(p, where: str = "SamplingParams") -> None:
+    """Every sampling field of `p` (a SamplingParams or anything with the same attributes)."""
+    check_int(p.max_new_tokens, f"{where}.max_new_tokens", low=1)
+    if check_real(p.temperature, f"{where}.temperature") < 0:
+        raise ArgumentError("must be >= 0 (0 is greedy)", name=f"{where}.temperature", value=p.temperature)
+    if not 0 < check_real(p.top_p, f"{where}.top_p") <= 1:
+        raise ArgumentError("must be in (0, 1]", name=f"{where}.top_p", value=p.top_p)
+    check_int(p.seed, f"{where}.seed", low=INT64_MIN, high=INT64_MAX)
+    if not isinstance(p.stop_ids, (tuple, list)):
+        raise ArgumentError("must be a tuple of token ids", name=f"{where}.stop_ids", value=p.stop_ids)
+    for i, t in enumerate(p.stop_ids):
+        check_int(t, f"{where}.stop_ids[{i}]", low=0)
+
+
+def check_stop_ids(stop_ids, vocab_size: int) -> None:
+    for i, t in enumerate(stop_ids):
+        if t >= vocab_size:
+            raise ArgumentError(f"is outside the vocabulary [0, {vocab_size})", name=f"stop_ids[{i}]", value=t)
+
+
+def check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
+    """Ragged prompts as lists of ints: each non-empty, every id in the vocabulary, prompt + max_new_tokens within
+    max_position_embeddings."""
+    if not isinstance(prompt_ids, (list, tuple, np.ndarray, jax.Array)):
+        raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
+                            value=type(prompt_ids).__name__)
+    try:
+        flat = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and not isinstance(
+            prompt_ids[0], (list, tuple, np.ndarray, jax.Array))
+        prompts = [list(prompt_ids)] if flat else _as_prompts(prompt_ids)
+    except (TypeError, ValueError, KeyError):
+        raise ArgumentError("must be a list of token ids or a list of such lists", name="prompt_ids",
+                            value=type(prompt_ids).__name__) from None
+    if not prompts:
+        raise ArgumentError("is empty: at least one prompt is needed", name="prompt_ids", value=prompt_ids)
+    for r, p in enumerate(prompts):
+        name = "prompt_ids" if len(prompts) == 1 else f"prompt_ids[{r}]"
+        if not isinstance(p, (list, tuple)) or any(not is_int(t) for t in p):
+            raise ArgumentError("must be a sequence of integer token ids", name=name, value=p)
+        check_token_ids(np.asarray(p, np.int64), cfg.vocab_size, name)
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ArgumentError(f"{len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                                f"max_position_embeddings ({cfg.max_position_embeddings})", name=name, value=len(p))
+    return [[int(t) for t in p] for p in prompts]
 
 
 def _as_prompts(prompt_ids) -> list[list[int]]:
@@ -79,12 +135,17 @@ def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: S
     for c in prompt_chunks(prompts, chunk):
         book.check_extend(slots, c.tokens, c.n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
-        out, pool = steps.prefill(model.params, pool, batch, cfg=model.config, spec=spec,
-                                  need_logits=bool(c.finishing))
+        out, pool = runner(model).prefill(model.params, pool, batch, cfg=model.config, spec=spec,
+                                          need_logits=bool(c.finishing))
         book.commit(slots, c.n)
         if c.finishing:
             last_logits = keep_rows(last_logits, out.logits, c.finishing)
     return last_logits, pool
+
+
+def runner(model: Model):
+    """The pooled steps: `ds4jax.runtime.steps`, or their mesh twin when the model is placed on a mesh."""
+    return steps if model.layout is None else model.layout.steps(model.config)
 
 
 def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> jax.Array:
@@ -96,31 +157,41 @@ def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> ja
 
 
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
-             prefill_chunk: int | None = None, speculative: int = 0) -> list[list[int]]:
+             prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
+
+    Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
+    `NonFiniteError` naming the first layer when logits turn NaN/Inf; `on_token(row, token)` sees every token as
+    it is sampled (plain decoding only).
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block (`ds4jax.speculative`); greedy output
     is identical to plain decoding, sampled output follows the same distribution."""
-    if speculative:
+    cfg = model.config
+    if not isinstance(params, SamplingParams):
+        raise ArgumentError("must be a SamplingParams", name="params", value=params)
+    prompts = check_prompts(prompt_ids, cfg, params.max_new_tokens)
+    check_stop_ids(params.stop_ids, cfg.vocab_size)
+    if prefill_chunk is not None:
+        check_int(prefill_chunk, "prefill_chunk", low=1)
+    if check_int(speculative, "speculative", low=0):
+        if model.layout is not None:
+            raise ArgumentError("speculative decoding on a mesh is not implemented yet (the draft steps are "
+                                "single-device); generate without speculative=", name="speculative", value=speculative)
         from ds4jax.generation.speculative import speculative_generate  # imports this module
 
-        return speculative_generate(model, prompt_ids, params, k=speculative, prefill_chunk=prefill_chunk).tokens
-    cfg = model.config
-    prompts = _as_prompts(prompt_ids)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise PoolError("every prompt needs at least one token")
-    if params.max_new_tokens < 1:
-        raise PoolError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        return speculative_generate(model, prompts, params, k=speculative, prefill_chunk=prefill_chunk).tokens
     longest = max(len(p) for p in prompts)
     page = default_page_size(cfg)
     max_context = longest + params.max_new_tokens
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(prompts), max_context=max_context,
                              page_size=page, dtype=pool_dtype(model))
-    book = PoolBook(spec, cfg.vocab_size)
+    run = runner(model)
+    book = run.book(spec, cfg.vocab_size) if model.layout is not None else PoolBook(spec, cfg.vocab_size)
     slots = [book.admit() for _ in prompts]
     for s, p in zip(slots, prompts):
         book.reserve(s, len(p) + params.max_new_tokens)
-    pool = book.sync(zeros(spec))
+    pool = book.sync(zeros(spec)) if model.layout is None else run.sync(book, run.zeros(spec), spec)
     logits, pool = chunked_prefill(model, pool, book, spec, slots, prompts, prefill_chunk or longest)
 
     rows = len(prompts)
@@ -131,11 +202,16 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     out: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(rows, bool)
     for step in range(params.max_new_tokens):
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-        token = np.asarray(sample(logits, step_keys, temperature, top_p))
+        token, finite = _sample_step(logits, keys, step, temperature, top_p)
+        token = np.asarray(token)
+        if check_finite and not bool(finite):
+            bad = int(np.argmin(np.asarray(finite_rows(logits))))
+            raise nonfinite_error(model, prompts[bad] + out[bad], where=f"prompt {bad}, generated token {step}")
         for r in range(rows):
             if not done[r]:
                 out[r].append(int(token[r]))
+                if on_token is not None:
+                    on_token(r, int(token[r]))
                 done[r] = int(token[r]) in stop or len(out[r]) >= params.max_new_tokens
         if done.all():
             break
@@ -143,10 +219,24 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
         tok = np.where(done, 0, token)[:, None].astype(np.int32)
         book.check_extend(slots, tok, n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n))
-        res, pool = steps.decode(model.params, pool, batch, cfg=cfg, spec=spec)
+        res, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec)
         book.commit(slots, n)
         logits = res.logits
     return out
+
+
+@cached_jit
+@jax.jit
+def _sample_step(logits, keys, step, temperature, top_p):
+    """One sampling step as one program (eagerly it is a dozen small ones, each compiled at startup).
+    Also returns whether every logit is finite (the numerics guard's check costs no extra transfer)."""
+    tokens = sample(logits, jax.vmap(lambda k: jax.random.fold_in(k, step))(keys), temperature, top_p)
+    return tokens, jnp.isfinite(logits).all()
+
+
+@jax.jit
+def finite_rows(logits):
+    return jnp.isfinite(logits).all(axis=-1)
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,

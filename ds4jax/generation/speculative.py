@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.runtime import steps
+from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
-from ds4jax.generation.generate import SamplingParams, _as_prompts, default_page_size, keep_rows, pool_dtype, prompt_chunks
+from ds4jax.model.inputs import check_int
+from ds4jax.generation.generate import SamplingParams, check_prompts, check_stop_ids, default_page_size, keep_rows, pool_dtype, prompt_chunks
 from ds4jax.model.handle import Model
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -132,6 +134,7 @@ def _round(params, st: LoopState, temperature, top_p, max_new, stop_ids, *, cfg,
                      done, accepted, st.rounds + 1, st.keys)
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "greedy", "kernels"),
                    donate_argnames=("state",))
 def speculative_loop(params, state: LoopState, temperature, top_p, max_new, stop_ids, *, cfg, tspec, dspec, k,
@@ -167,13 +170,13 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
-    if k < 1:
-        raise PoolError(f"k must be >= 1, got {k}")
+    check_int(k, "k", low=1)
     if len(params.stop_ids) > MAX_STOP_IDS:
         raise PoolError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(params.stop_ids)}")
-    prompts = _as_prompts(prompt_ids)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise PoolError("every prompt needs at least one token")
+    prompts = check_prompts(prompt_ids, cfg, params.max_new_tokens + k + 1)
+    check_stop_ids(params.stop_ids, cfg.vocab_size)
+    if prefill_chunk is not None:
+        check_int(prefill_chunk, "prefill_chunk", low=1)
     rows = _bucket(len(prompts))
     max_new = params.max_new_tokens
     if max_new < 1:

@@ -39,10 +39,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ds4jax.io import orbax_checkpoint
-from ds4jax.model.config import Config, ConfigError, load_config
+from ds4jax.model.config import Config, ConfigError, load_config, read_json
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
-from ds4jax.errors import CheckpointError  # noqa: F401 (re-exported: importable from here too)
+from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -286,12 +286,25 @@ class _Shard:
         return self._offsets
 
 
+def _read_index(index_path: str) -> dict[str, str]:
+    """``weight_map`` of an index file: tensor name -> a shard file name in the same directory."""
+    index = read_json(index_path, CheckpointError)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError('must be a JSON object with a "weight_map" object', source=index_path,
+                              name="weight_map", value=weight_map)
+    for key, fname in weight_map.items():
+        if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
+            raise CheckpointError("must name a .safetensors file in the checkpoint directory", source=index_path,
+                                  name=f"weight_map[{key!r}]", value=fname)
+    return weight_map
+
+
 def _open_shards(ckpt_dir: str, stack: ExitStack) -> dict[str, _Shard]:
     """Raw tensor name -> shard. With an index, only its shards are used and every listed shard must exist."""
     index_path = os.path.join(ckpt_dir, INDEX_FILE)
     if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+        weight_map = _read_index(index_path)
         files = sorted(set(weight_map.values()))
         for fname in files:
             if not os.path.exists(os.path.join(ckpt_dir, fname)):
@@ -470,20 +483,40 @@ def _validate(raw: _Raw, block: tuple[int, int]) -> None:
 
 # ---- reading ------------------------------------------------------------------------------------------------------
 
+def _read(shard: _Shard, key: str, expert: int | None) -> np.ndarray:
+    try:
+        return shard.read(key, expert)
+    except Exception as e:  # truncated data, I/O errors: safetensors raises its own types
+        raise CheckpointError(f"cannot read the tensor data ({type(e).__name__}: {e})", source=shard.path,
+                              name=key) from None
+
+
+def _check_finite(a: np.ndarray, shard: _Shard, key: str, what: str = "value") -> None:
+    finite = np.isfinite(a)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}", source=shard.path, name=key)
+
+
 def _read_scale(shard: _Shard, key: str, expert: int | None) -> np.ndarray:
     dtype, _ = shard.info(key)
-    s = shard.read(key, expert)
-    return e8m0_to_float(s) if dtype in ("F8_E8M0", "U8") else s.astype(np.float32)
+    s = _read(shard, key, expert)
+    s = e8m0_to_float(s) if dtype in ("F8_E8M0", "U8") else s.astype(np.float32)
+    _check_finite(s, shard, key, "scale")  # E8M0 255 is NaN: it would poison the whole block
+    return s
 
 
-def _read_source(loc: _Loc, block: tuple[int, int]) -> np.ndarray:
+def _read_source(loc: _Loc, block: tuple[int, int], check_finite: bool = False) -> np.ndarray:
     """A source in checkpoint orientation: native dtype if unquantized, float32 if dequantized."""
     dtype, _ = loc.shard.info(loc.key)
-    w = loc.shard.read(loc.key, loc.expert)
+    w = _read(loc.shard, loc.key, loc.expert)
     if loc.scale is not None:
         s = _read_scale(*loc.scale, loc.expert)
         w = dequant_fp8(w, s, block) if dtype == _FP8_WEIGHT else dequant_fp4(w, s)
-    return w if loc.rows is None else w[loc.rows]
+    w = w if loc.rows is None else w[loc.rows]
+    if check_finite and not np.issubdtype(w.dtype, np.integer):
+        _check_finite(w, loc.shard, loc.key)
+    return w
 
 
 def _to_layout(a: np.ndarray, layout: str, target: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -502,15 +535,16 @@ def _check_tid2eid(a: np.ndarray, loc: _Loc, cfg: Config) -> None:
                               f"[0, {cfg.num_routed_experts}), found {int(a[bad].flat[0])}")
 
 
-def _load_leaf(leaf: _Leaf, locs: dict[str, _Loc], cfg: Config, block: tuple[int, int]) -> jax.Array:
+def _load_leaf(leaf: _Leaf, locs: dict[str, _Loc], cfg: Config, block: tuple[int, int],
+               check_finite: bool = False) -> jax.Array:
     np_dtype = np.dtype(leaf.target.dtype)
     if leaf.layout == EXPERTS:
         out = np.empty(leaf.target.shape, np_dtype)  # filled expert by expert: one expert's raw data at a time
         for x, name in enumerate(leaf.sources):
-            out[x] = _read_source(locs[name], block).T.astype(np_dtype)
+            out[x] = _read_source(locs[name], block, check_finite).T.astype(np_dtype)
     else:
         loc = locs[leaf.sources[0]]
-        a = _read_source(loc, block)
+        a = _read_source(loc, block, check_finite)
         if leaf.integer:
             _check_tid2eid(a, loc, cfg)
         out = np.ascontiguousarray(_to_layout(a, leaf.layout, leaf.target).astype(np_dtype))
@@ -523,33 +557,69 @@ def _read_config(ckpt_dir: str) -> tuple[Config, tuple[int, int]]:
         raise CheckpointError(f"bad config: {path} does not exist")
     try:
         cfg = load_config(path)
-        with open(path) as f:
-            quant = json.load(f).get("quantization_config") or {}
-        block = tuple(int(b) for b in quant.get("weight_block_size") or (128, 128))
-    except (ConfigError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"bad config {path}: {type(e).__name__}: {e}") from None
-    if len(block) != 2 or min(block) <= 0:
-        raise CheckpointError(f"bad config {path}: quantization_config.weight_block_size must be 2 positive ints")
-    return cfg, block
+    except ConfigError as e:
+        raise CheckpointError(f"bad config: {e}") from None
+    quant = read_json(path, CheckpointError).get("quantization_config") or {}
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    block = (128, 128) if block is None and isinstance(quant, dict) else block
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 20 for b in block)):
+        raise CheckpointError("must be 2 positive ints", source=path, name="quantization_config.weight_block_size",
+                              value=block)
+    return cfg, (block[0], block[1])
 
 
-def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
+def check_dtype(dtype: Any) -> Any:
+    """The compute dtype, validated: a floating-point dtype (float32, bfloat16, float16, ...)."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ArgumentError("not a dtype", name="dtype", value=dtype) from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ArgumentError("the compute dtype must be floating point (float32, bfloat16, float16); the "
+                            "checkpoint's own dtypes are converted to it", name="dtype", value=dt.name)
+    return dt
+
+
+def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False, mesh=None,
+         rules=None) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
     format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
     Compute-dtype leaves come back in `dtype`; norms, mHC, sinks, ape and router bias in float32; tid2eid int32.
-    Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config.
+    Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config,
+    non-finite scale, and (with `check_finite`, one pass over the host data) any NaN / Inf weight, naming the
+    tensor and its file; `ArgumentError` for a `dtype` that is not floating point.
+    With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
+    straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
     """
+    dtype = check_dtype(dtype)
     ckpt_dir = os.fspath(path)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError("is not a directory" if os.path.exists(ckpt_dir) else "does not exist",
+                              source=ckpt_dir)
+    if mesh is not None and rules is not None:
+        mesh = dataclasses.replace(mesh, rules=tuple(rules))
     if orbax_checkpoint.is_orbax(ckpt_dir):
-        return orbax_checkpoint.load(ckpt_dir, dtype)
+        model = orbax_checkpoint.load(ckpt_dir, dtype, layout=mesh)
+        if check_finite:
+            for key_path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+                a = np.asarray(leaf)
+                if not np.issubdtype(a.dtype, np.integer) and not np.isfinite(a).all():
+                    raise CheckpointError("non-finite value in the Orbax params", source=ckpt_dir,
+                                          name=jax.tree_util.keystr(key_path))
+        return model
+    if mesh is not None:
+        from ds4jax.io.sharded_load import load_sharded
+
+        return load_sharded(ckpt_dir, dtype, mesh)
     cfg, block = _read_config(ckpt_dir)
     with ExitStack() as stack:
         where = _open_shards(ckpt_dir, stack)
         leaves, locs, raws = _resolve(cfg, _plan(cfg, dtype), where, ckpt_dir)
         for raw in raws:
             _validate(raw, block)
-        arrays = {leaf.path: _load_leaf(leaf, locs, cfg, block) for leaf in leaves}
+        arrays = {leaf.path: _load_leaf(leaf, locs, cfg, block, check_finite) for leaf in leaves}
     tree = abstract(cfg, dtype)
     if not any(p[0] == "mtp" for p in arrays):
         tree.pop("mtp", None)
@@ -593,6 +663,24 @@ def _nbytes(array: Any, expert: int | None) -> int:
     return n // array.shape[0] if expert is not None else n
 
 
+def _check_savable(model: Model) -> None:
+    """Every leaf the config declares is present with its shape (an MTP block may be absent), and nothing else."""
+    if not isinstance(model, Model) or not isinstance(model.params, dict):
+        raise ArgumentError("must be a ds4jax Model (config + params dict)", name="model", value=type(model).__name__)
+    expected = {leaf.path: leaf.target.shape for leaf in _plan(model.config, jnp.float32)}
+    got = {_path_of(kp): getattr(a, "shape", None) for kp, a in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    if not any(p[0] == "mtp" for p in got):
+        expected = {p: v for p, v in expected.items() if p[0] != "mtp"}
+    for path in sorted(set(expected) | set(got), key=str):
+        name = "params" + "".join(f"[{k!r}]" for k in path)
+        if path not in got:
+            raise ArgumentError("is missing", name=name)
+        if path not in expected:
+            raise ArgumentError("is not a parameter of this config", name=name)
+        if tuple(got[path] or ()) != tuple(expected[path]):
+            raise ArgumentError(f"has shape {got[path]}, the config needs {tuple(expected[path])}", name=name)
+
+
 def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> None:
     """Write `model` as an upstream-named checkpoint: ``config.json`` + safetensors in the params' dtypes.
 
@@ -602,6 +690,7 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     safetensors files unless `overwrite` (which deletes them first).
     """
     out_dir = os.fspath(path)
+    _check_savable(model)  # before anything is created or deleted
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))
     if stale and not overwrite:

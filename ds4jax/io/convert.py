@@ -87,8 +87,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint between safetensors and our Orbax format",
                        description="Convert SRC (safetensors in any accepted naming, or Orbax) to DST. The default "
                                    "target format is the other one. DST appears only once complete.")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory to read (safetensors or Orbax)")
+    p.add_argument("dst", metavar="DST", help="directory to write (appears only once complete)")
     p.add_argument("--to", choices=FORMATS, default=None, help="target format (default: the other one)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="weight dtype (auto: float32 if the source embedding is float32, else bfloat16)")

@@ -21,6 +21,7 @@ from ds4jax.io.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ds4jax.model import params as _params
 from ds4jax.model.config import Config, load_config, tiny
 from ds4jax.model.handle import Model
+from ds4jax.runtime.executable_cache import cached_jit
 
 SEED = 0
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -70,11 +71,18 @@ def random_config() -> Config:
     return tiny(vocab_size=ByteTokenizer.VOCAB_SIZE, bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS)
 
 
+@cached_jit
+@functools.partial(jax.jit, static_argnames="cfg")
+def _init(key, *, cfg: Config):
+    """One program for all leaves (drawn eagerly, each leaf compiles its own few programs at startup)."""
+    return _params.init(cfg, key, jnp.float32)
+
+
 @functools.lru_cache(maxsize=4)
 def random_model(dtype: Any = jnp.float32) -> Model:
     """Weights are drawn once in float32 and cast, so every dtype holds the same model (up to rounding)."""
     cfg = random_config()
-    weights = _params.init(cfg, jax.random.key(SEED), jnp.float32)
+    weights = _init(jax.random.key(SEED), cfg=cfg)
     target = _params.abstract(cfg, dtype)  # per-leaf dtypes: norms/mHC/sinks stay float32, tid2eid int32
     return Model(config=cfg, params=jax.tree.map(lambda w, t: w.astype(t.dtype), weights, target))
 

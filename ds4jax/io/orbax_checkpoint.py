@@ -108,8 +108,11 @@ def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return _flat(tree)
 
 
-def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
-    """Read an Orbax checkpoint directory into a `Model` (same dtype rules as the safetensors loader)."""
+def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Model:
+    """Read an Orbax checkpoint directory into a `Model` (same dtype rules as the safetensors loader).
+
+    With a `layout` (`ds4jax.make_mesh`), each leaf is restored with its mesh sharding: Orbax reads only the
+    chunks of each device's block (host-local when several processes share the mesh)."""
     from ds4jax.io.checkpoint import _read_config
 
     import orbax.checkpoint as ocp
@@ -127,6 +130,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
         raise _error(f"{ckpt_dir}: params tree does not match config.json: missing {missing[:5]}, "
                      f"unexpected {unexpected[:5]}")
     device = jax.local_devices()[0]
+    placed = {} if layout is None else _flat(layout.param_shardings(cfg, target))
     restore_as = {}
     for name, want in wanted.items():
         meta = stored[name]
@@ -135,7 +139,8 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
             raise _error(f"{ckpt_dir}: tensor {name} has shape {shape}, config.json implies {tuple(want.shape)}")
         if jnp.issubdtype(want.dtype, jnp.integer) != jnp.issubdtype(have, jnp.integer):
             raise _error(f"{ckpt_dir}: tensor {name} has dtype {have}, expected {np.dtype(want.dtype)}")
-        restore_as[name] = jax.ShapeDtypeStruct(shape, have, sharding=jax.sharding.SingleDeviceSharding(device))
+        sharding = placed.get(name) or jax.sharding.SingleDeviceSharding(device)
+        restore_as[name] = jax.ShapeDtypeStruct(shape, have, sharding=sharding)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     restore_tree = jax.tree_util.tree_unflatten(treedef, [restore_as[_keystr(kp)] for kp, _ in flat])
     try:
@@ -144,4 +149,4 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16) -> Model:
     except Exception as e:
         raise _error(f"cannot restore {ckpt_dir}/{PARAMS_DIR}: {type(e).__name__}: {e}") from None
     params = jax.tree.map(lambda a, t: jnp.asarray(a).astype(t.dtype), raw, target)
-    return Model(config=cfg, params=params)
+    return Model(config=cfg, params=params, layout=layout)

@@ -6,7 +6,6 @@ same rule holds whatever post-processor a ``tokenizer.json`` declares.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Protocol, Sequence
 
@@ -71,13 +70,19 @@ class HFTokenizer:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    """An optional JSON object file ({} when absent); anything else in it raises `TokenizerError` naming it."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    from ds4jax.model.config import read_json
+
+    d = read_json(path, TokenizerError)
+    if not isinstance(d, dict):
+        raise TokenizerError("must be a JSON object", source=path, value=type(d).__name__)
+    return d
 
 
-def _special_id(tok: HFTokenizer, tok_cfg: dict, model_cfg: dict, which: str) -> int | None:
+def _special_id(tok: HFTokenizer, tok_cfg: dict, model_cfg: dict, which: str, vocab_size: int | None,
+                directory: str) -> int | None:
     """``<which>_token`` of tokenizer_config.json (a string or {"content": ...}), else config.json's id."""
     token = tok_cfg.get(f"{which}_token")
     if isinstance(token, dict):
@@ -87,7 +92,12 @@ def _special_id(tok: HFTokenizer, tok_cfg: dict, model_cfg: dict, which: str) ->
     value = model_cfg.get(f"{which}_token_id")
     if isinstance(value, (list, tuple)):  # HF allows several eos ids; the first one stops generation here
         value = value[0] if value else None
-    return int(value) if value is not None else None
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (vocab_size and value >= vocab_size):
+        raise TokenizerError(f"must be a token id in [0, {vocab_size or 'vocab'})",
+                             source=os.path.join(directory, "config.json"), name=f"{which}_token_id", value=value)
+    return value
 
 
 def load_tokenizer(checkpoint_dir: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer:
@@ -100,8 +110,8 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike, vocab_size: int | None = N
         tok = HFTokenizer(path, None, None)
         tok_cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
         model_cfg = _read_json(os.path.join(directory, "config.json"))
-        tok.bos_id = _special_id(tok, tok_cfg, model_cfg, "bos")
-        tok.eos_id = _special_id(tok, tok_cfg, model_cfg, "eos")
+        tok.bos_id = _special_id(tok, tok_cfg, model_cfg, "bos", vocab_size, directory)
+        tok.eos_id = _special_id(tok, tok_cfg, model_cfg, "eos", vocab_size, directory)
         return tok
     if vocab_size is not None and vocab_size < ByteTokenizer.VOCAB_SIZE:
         raise TokenizerError(f"{directory} has no tokenizer.json and its vocabulary ({vocab_size}) is too small "

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.model import forward as _model
+from ds4jax.errors import ArgumentError
 from ds4jax.model.handle import Model
+from ds4jax.model.inputs import check_token_ids
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -15,8 +17,21 @@ def _forward(cfg, params, token_ids):
 
 
 def forward_logits(model: Model, token_ids) -> jax.Array:
-    """Full-sequence forward without a cache: token_ids [b, t] (or [t]) -> float32 logits [b, t, v] (or [t, v])."""
-    ids = jnp.asarray(token_ids, jnp.int32)
+    """Full-sequence forward without a cache: token_ids [b, t] (or [t]) -> float32 logits [b, t, v] (or [t, v]).
+
+    Ids are checked on the host (`ArgumentError` for a float, empty, out-of-vocabulary or negative id, a rank
+    other than 1 or 2, or more positions than ``max_position_embeddings``); traced ids (inside jit) are not."""
+    if isinstance(token_ids, jax.core.Tracer):
+        ids = jnp.asarray(token_ids, jnp.int32)
+    else:
+        ids = jnp.asarray(check_token_ids(token_ids, model.config.vocab_size))
+        if ids.ndim not in (1, 2):
+            raise ArgumentError("must be [tokens] or [batch, tokens]", name="token_ids", value=ids.shape)
+        if ids.shape[-1] > model.config.max_position_embeddings:
+            raise ArgumentError(f"more positions than max_position_embeddings ({model.config.max_position_embeddings})",
+                                name="token_ids", value=ids.shape)
+    if model.layout is not None:  # placed on a mesh (runtime floor; duck-typed to keep imports downward)
+        return model.layout.forward_logits(model, ids)
     if ids.ndim == 1:
         return _forward(model.config, model.params, ids[None])[0]
     return _forward(model.config, model.params, ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -179,17 +180,20 @@ def validate(cfg: Config) -> None:
         _fail("num_shared_experts", f"DeepSeek-V4 has exactly one shared expert, got {cfg.num_shared_experts}")
     if cfg.csa_ratio == cfg.hca_ratio:
         _fail("hca_ratio", f"must differ from csa_ratio ({cfg.csa_ratio})")
-    if cfg.routed_scaling_factor <= 0:
-        _fail("routed_scaling_factor", f"must be > 0, got {cfg.routed_scaling_factor}")
-    for name in ("hc_eps", "rms_norm_eps", "swiglu_limit", "rope_theta", "compress_rope_theta"):
-        if not getattr(cfg, name) > 0:
-            _fail(name, f"must be > 0, got {getattr(cfg, name)!r}")
+    for name in ("routed_scaling_factor", "hc_eps", "rms_norm_eps", "swiglu_limit", "rope_theta",
+                 "compress_rope_theta"):
+        value = getattr(cfg, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            _fail(name, f"must be a finite number > 0, got {value!r}")
     if cfg.num_mtp_layers not in (0, 1):
         _fail("num_mtp_layers", f"only depth 0 or 1 is defined for DeepSeek-V4, got {cfg.num_mtp_layers}")
-    if cfg.yarn is not None and (cfg.yarn.factor <= 0 or cfg.yarn.original_max_position_embeddings <= 0):
+    if cfg.yarn is not None and not (0 < cfg.yarn.factor < math.inf and cfg.yarn.original_max_position_embeddings > 0
+                                     and math.isfinite(cfg.yarn.beta_fast) and math.isfinite(cfg.yarn.beta_slow)):
         _fail("yarn", f"factor and original_max_position_embeddings must be > 0, got {cfg.yarn!r}")
-    if not (0 <= cfg.bos_token_id < cfg.vocab_size and 0 <= cfg.eos_token_id < cfg.vocab_size):
-        _fail("eos_token_id", f"bos/eos ids must be inside the vocabulary ({cfg.vocab_size})")
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < cfg.vocab_size:
+            _fail(name, f"must be a token id inside the vocabulary [0, {cfg.vocab_size}), got {value!r}")
 
 
 # ---- presets ------------------------------------------------------------------------------------
@@ -265,19 +269,64 @@ PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 # ---- HF config.json conversion -------------------------------------------------------------------
 
 _LEGACY_RATIO = {0: AttentionType.SLIDING}
+MAX_LAYERS = 1024  # DeepSeek-V4 Pro has 61; a larger count in a config.json is a corrupt file
+
+
+class _Fields(dict):
+    """A config.json object whose typed reads raise `ConfigError` naming the key (JSON has no int/float split,
+    so integral floats are ints; booleans and strings are never numbers)."""
+
+    _MISSING = object()
+
+    def int(self, key: str, default: Any = _MISSING) -> int:
+        value = self._get(key, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError("must be an integer", source="config.json", name=key, value=value)
+        return value
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self._get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError("must be a number", source="config.json", name=key, value=value)
+        return float(value)
+
+    def first(self, *keys: str) -> str:
+        """The first of `keys` present (upstream and HF spell some fields differently), else the first."""
+        return next((k for k in keys if k in self), keys[0])
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.get(key, default)
+        if value is self._MISSING:
+            raise ConfigError("required field is missing", source="config.json", name=key)
+        return value
 
 
 def from_hf_config(d: Mapping[str, Any]) -> Config:
-    """Convert an HF / official ``config.json`` dict (modern or legacy keys) to a `Config`."""
+    """Convert an HF / official ``config.json`` dict (modern or legacy keys) to a `Config`.
+
+    Anything wrong (a missing or mistyped field, an inconsistent value) raises `ConfigError` naming the field."""
+    if not isinstance(d, Mapping):
+        raise ConfigError("must be a JSON object", source="config.json", value=type(d).__name__)
+    try:
+        return _from_hf_config(_Fields(d))
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:  # nested odd shapes
+        raise ConfigError(f"malformed value ({type(e).__name__}: {e})", source="config.json") from None
+
+
+def _from_hf_config(d: _Fields) -> Config:
     model_type = d.get("model_type", "deepseek_v4")
     if model_type != "deepseek_v4":
         raise ConfigError(f"Config.model_type: expected 'deepseek_v4', got {model_type!r}")
-    num_layers = d.get("num_hidden_layers", d.get("n_layers"))
-    if num_layers is None:
-        _fail("num_layers", "config.json has no num_hidden_layers")
-    rates = dict(d.get("compress_rates") or {})
-    csa_ratio = int(d.get("compress_rate_csa", rates.get(AttentionType.CSA.value, 4)))
-    hca_ratio = int(d.get("compress_rate_hca", rates.get(AttentionType.HCA.value, 128)))
+    num_layers = d.int(d.first("num_hidden_layers", "n_layers"))
+    if not 0 < num_layers <= MAX_LAYERS:  # bounds the per-layer tuples built below
+        _fail("num_layers", f"must be in [1, {MAX_LAYERS}], got {num_layers}")
+    rates = _Fields(d.get("compress_rates") or {})
+    csa_ratio = d.int("compress_rate_csa", rates.int(AttentionType.CSA.value, 4))
+    hca_ratio = d.int("compress_rate_hca", rates.int(AttentionType.HCA.value, 128))
     if d.get("layer_types") is not None:
         try:
             attention = tuple(AttentionType(t) for t in d["layer_types"])
@@ -298,16 +347,17 @@ def from_hf_config(d: Mapping[str, Any]) -> Config:
         except ValueError as e:
             raise ConfigError(f"Config.mlp_types: {e}") from None
     else:
-        mlp = _hash_first(num_layers, int(d.get("num_hash_layers", 3)))
-    head_dim = int(d.get("head_dim", 512))
+        mlp = _hash_first(num_layers, d.int("num_hash_layers", 3))
+    head_dim = d.int("head_dim", 512)
     if "qk_rope_head_dim" in d:
-        rope_head_dim = int(d["qk_rope_head_dim"])
+        rope_head_dim = d.int("qk_rope_head_dim")
     else:
         factor = d.get("partial_rotary_factor")
         rope_params = d.get("rope_parameters") or {}
         if factor is None and isinstance(rope_params.get("main"), dict):
             factor = rope_params["main"].get("partial_rotary_factor")
-        rope_head_dim = int(round(head_dim * (factor if factor is not None else 0.125)))
+        factor = _Fields(partial_rotary_factor=0.125 if factor is None else factor).float("partial_rotary_factor")
+        rope_head_dim = int(round(head_dim * factor)) if math.isfinite(factor) else -1
     yarn = _yarn_from(d)
     rope_theta = d.get("rope_theta")
     compress_theta = d.get("compress_rope_theta")
@@ -317,47 +367,47 @@ def from_hf_config(d: Mapping[str, Any]) -> Config:
     if compress_theta is None and isinstance(rope_params.get("compress"), dict):
         compress_theta = rope_params["compress"].get("rope_theta")
     eos = d.get("eos_token_id", 1)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0]
+    if isinstance(eos, (list, tuple)):  # HF allows several; the first one stops generation
+        eos = eos[0] if eos else None
     if d.get("num_key_value_heads", 1) != 1:
         _fail("num_key_value_heads", f"DeepSeek-V4 has one shared K=V head, got {d.get('num_key_value_heads')}")
     if d.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
         _fail("scoring_func", f"only sqrtsoftplus is supported, got {d.get('scoring_func')!r}")
     return Config(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d.get("hidden_size", d.get("dim", 0))),
-        num_layers=int(num_layers),
-        num_heads=int(d.get("num_attention_heads", d.get("n_heads", 0))),
+        vocab_size=d.int("vocab_size"),
+        hidden_size=d.int(d.first("hidden_size", "dim")),
+        num_layers=num_layers,
+        num_heads=d.int(d.first("num_attention_heads", "n_heads")),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=int(d["q_lora_rank"]),
-        o_groups=int(d["o_groups"]),
-        o_lora_rank=int(d["o_lora_rank"]),
-        index_num_heads=int(d["index_n_heads"]),
-        index_head_dim=int(d["index_head_dim"]),
-        index_topk=int(d["index_topk"]),
-        sliding_window=int(d.get("sliding_window", d.get("window_size", 128))),
+        q_lora_rank=d.int("q_lora_rank"),
+        o_groups=d.int("o_groups"),
+        o_lora_rank=d.int("o_lora_rank"),
+        index_num_heads=d.int("index_n_heads"),
+        index_head_dim=d.int("index_head_dim"),
+        index_topk=d.int("index_topk"),
+        sliding_window=d.int(d.first("sliding_window", "window_size"), 128),
         attention_types=attention,
         mlp_types=mlp,
         csa_ratio=csa_ratio,
         hca_ratio=hca_ratio,
-        num_routed_experts=int(d["n_routed_experts"]),
-        num_shared_experts=int(d.get("n_shared_experts", 1)),
-        num_experts_per_tok=int(d["num_experts_per_tok"]),
-        moe_intermediate_size=int(d["moe_intermediate_size"]),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-        swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-        hc_mult=int(d.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(d.get("hc_eps", 1e-6)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-        compress_rope_theta=float(compress_theta if compress_theta is not None else 160000.0),
+        num_routed_experts=d.int("n_routed_experts"),
+        num_shared_experts=d.int("n_shared_experts", 1),
+        num_experts_per_tok=d.int("num_experts_per_tok"),
+        moe_intermediate_size=d.int("moe_intermediate_size"),
+        routed_scaling_factor=d.float("routed_scaling_factor", 1.5),
+        swiglu_limit=d.float("swiglu_limit", 10.0),
+        hc_mult=d.int("hc_mult", 4),
+        hc_sinkhorn_iters=d.int("hc_sinkhorn_iters", 20),
+        hc_eps=d.float("hc_eps", 1e-6),
+        rms_norm_eps=d.float("rms_norm_eps", 1e-6),
+        rope_theta=_Fields(rope_theta=rope_theta or 10000.0).float("rope_theta"),
+        compress_rope_theta=_Fields(compress_rope_theta=compress_theta or 160000.0).float("compress_rope_theta"),
         yarn=yarn,
-        max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        num_mtp_layers=int(d.get("num_nextn_predict_layers", 1)),
-        bos_token_id=int(d.get("bos_token_id", 0) or 0),
-        eos_token_id=int(eos if eos is not None else 1),
+        max_position_embeddings=d.int("max_position_embeddings", 1048576),
+        num_mtp_layers=d.int("num_nextn_predict_layers", 1),
+        bos_token_id=_Fields(bos_token_id=d.get("bos_token_id") or 0).int("bos_token_id"),
+        eos_token_id=_Fields(eos_token_id=1 if eos is None else eos).int("eos_token_id"),
     )
 
 
@@ -376,19 +426,45 @@ def _yarn_from(d: Mapping[str, Any]) -> YarnScaling | None:
         return None
     if kind != "yarn":
         _fail("yarn", f"only yarn rope scaling is supported, got {kind!r}")
+    scaling = _Fields(scaling)
     return YarnScaling(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        beta_fast=float(scaling.get("beta_fast", 32.0)),
-        beta_slow=float(scaling.get("beta_slow", 1.0)),
+        factor=scaling.float("factor"),
+        original_max_position_embeddings=scaling.int("original_max_position_embeddings"),
+        beta_fast=scaling.float("beta_fast", 32.0),
+        beta_slow=scaling.float("beta_slow", 1.0),
     )
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    """Read ``config.json`` from a checkpoint directory (or the file itself); `ConfigError` names the file and the
+    field (or the JSON line and column) at fault."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return from_hf_config(json.load(f))
+    d = read_json(path, ConfigError)
+    try:
+        return from_hf_config(d)
+    except ConfigError as e:
+        if e.source in (None, "config.json"):
+            raise ConfigError(e.message, source=path, name=e.name, value=e.value) from None
+        raise
+
+
+def read_json(path: str, error: type[Exception]) -> Any:
+    """A JSON file's content; a missing, unreadable, non-UTF-8 or malformed file raises `error` naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise error("does not exist", source=path) from None
+    except OSError as e:
+        raise error(f"cannot be read ({e.strerror})", source=path) from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"is not UTF-8 (byte {e.start})", source=path) from None
+    except json.JSONDecodeError as e:
+        raise error(f"is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}", source=path) from None
+    except RecursionError:
+        raise error("is not valid JSON: nested too deeply", source=path) from None
 

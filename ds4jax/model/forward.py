@@ -9,10 +9,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ds4jax.model import sharding
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.model.layers.attention import attention_sequence
 from ds4jax.model.layers.linear import linear
 from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre
+from ds4jax.model.layers import moe_sharded
 from ds4jax.model.layers.moe import Routing, moe
 from ds4jax.model.layers.norms import rms_norm
 
@@ -34,8 +36,18 @@ def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType
     y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
     x = hc_post(y, x, post, comb)
     post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
+<<<<<<< HEAD
     y, routing = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
+=======
+    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
+>>>>>>> main
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
+
+
+def _moe(x, token_ids, p, cfg: Config, mlp: MlpType):
+    """`moe`, or its expert-parallel twin when traced under a mesh (`ds4jax.model.sharding.active`)."""
+    act = sharding.active()
+    return moe(x, token_ids, p, cfg, mlp) if act is None else moe_sharded.moe(x, token_ids, p, cfg, mlp, act)
 
 
 def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:

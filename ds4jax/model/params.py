@@ -23,6 +23,11 @@ Layout (linears are stored ``[in, out]``, the JAX/Flax kernel convention; the lo
            experts {w1, w3 [x, e, f], w2 [x, f, e]}   shared {w1, w3 [e, f], w2 [f, e]}
     mtp: enorm, hnorm, norm [e]  e_proj, h_proj [e, e]  hc_head {...}  block (a sliding, top-k layer as above)
 
+Logical axes: every dimension of every parameter is named from `PARAM_AXES` (one name per dimension, no
+``None``); `ds4jax.runtime.mesh` maps the names onto mesh axes with Flax logical-axis rules. Names say what
+the dimension is, so one rule moves every parameter that shares it (e.g. ``heads`` = wq_b's head-major
+columns and the per-head sinks; ``o_groups`` = wo_a's groups and wo_b's group-major rows).
+
 Norm weights, mHC parameters, sinks, positional biases and router biases are always float32 (spec §5.2);
 `tid2eid` is int32; everything else takes the requested compute dtype.
 """
@@ -42,13 +47,28 @@ from ds4jax.model.config import AttentionType, Config, MlpType
 Initializer = Callable[..., jax.Array]
 
 
+# The logical-axis vocabulary of parameters (what each name denotes is in the layout table above).
+PARAM_AXES = frozenset({
+    "vocab", "embed", "mtp_in", "hc_embed", "hc_mix", "hc_scale",
+    "q_lora", "heads", "head_dim", "o_groups", "o_group_in", "o_lora",
+    "compress_ratio", "compress_width", "index_heads", "index_head_dim",
+    "router", "experts", "expert_mlp", "mlp", "hash_vocab", "top_k",
+})
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
+    axes: tuple[str, ...]  # one logical axis name (from PARAM_AXES) per dimension
     init: Initializer
     fp32: bool = False  # kept in float32 whatever the compute dtype
     integer: bool = False  # int32 table (tid2eid)
+
+    def __post_init__(self):
+        named = len(self.axes) == len(self.shape) and set(self.axes) <= PARAM_AXES
+        if not named or len(set(self.axes)) != len(self.axes):
+            raise ValueError(f"parameter of shape {self.shape} has logical axes {self.axes}: need one distinct name "
+                             f"from PARAM_AXES per dimension")
 
     def dtype(self, compute_dtype: Any) -> Any:
         if self.integer:
@@ -69,31 +89,31 @@ def _small_normal(std: float) -> Initializer:
     return initializers.normal(std)
 
 
-def _linear(fan_in: int, fan_out: int, axes: tuple[str | None, str | None]) -> ParamInfo:
+def _linear(fan_in: int, fan_out: int, axes: tuple[str, str]) -> ParamInfo:
     return ParamInfo((fan_in, fan_out), axes, _normal)
 
 
-def _norm(dim: int, axis: str | None = "norm") -> ParamInfo:
+def _norm(dim: int, axis: str) -> ParamInfo:
     return ParamInfo((dim,), (axis,), _ones, fp32=True)
 
 
 def _hc(cfg: Config, outputs: int, scales: int) -> dict[str, ParamInfo]:
     m, e = cfg.hc_mult, cfg.hidden_size
     return {
-        "fn": ParamInfo((m * e, outputs), ("hc_in", None), _normal, fp32=True),
-        "base": ParamInfo((outputs,), (None,), _small_normal(0.1), fp32=True),
-        "scale": ParamInfo((scales,), (None,), _ones, fp32=True),
+        "fn": ParamInfo((m * e, outputs), ("hc_embed", "hc_mix"), _normal, fp32=True),
+        "base": ParamInfo((outputs,), ("hc_mix",), _small_normal(0.1), fp32=True),
+        "scale": ParamInfo((scales,), ("hc_scale",), _ones, fp32=True),
     }
 
 
-def _compressor(cfg: Config, width: int, ratio: int, overlap: bool) -> dict[str, ParamInfo]:
+def _compressor(cfg: Config, width: int, ratio: int, overlap: bool, width_axis: str) -> dict[str, ParamInfo]:
     c = 2 if overlap else 1
     e = cfg.hidden_size
     return {
-        "wkv": _linear(e, c * width, ("embed", None)),
-        "wgate": _linear(e, c * width, ("embed", None)),
-        "ape": ParamInfo((ratio, c * width), (None, None), _small_normal(0.5), fp32=True),
-        "norm": _norm(width),
+        "wkv": _linear(e, c * width, ("embed", "compress_width")),
+        "wgate": _linear(e, c * width, ("embed", "compress_width")),
+        "ape": ParamInfo((ratio, c * width), ("compress_ratio", "compress_width"), _small_normal(0.5), fp32=True),
+        "norm": _norm(width, width_axis),
     }
 
 
@@ -102,23 +122,24 @@ def _attention(cfg: Config, kind: AttentionType) -> dict[str, Any]:
     g, o = cfg.o_groups, cfg.o_lora_rank
     p: dict[str, Any] = {
         "wq_a": _linear(e, l, ("embed", "q_lora")),
-        "q_norm": _norm(l),
-        "wq_b": _linear(l, h * d, ("q_lora", "q_heads")),
-        "wkv": _linear(e, d, ("embed", None)),
-        "kv_norm": _norm(d),
-        "wo_a": ParamInfo((g, h * d // g, o), ("o_groups", None, None), _normal),
-        "wo_b": _linear(g * o, e, ("o_lora", "embed")),
+        "q_norm": _norm(l, "q_lora"),
+        "wq_b": _linear(l, h * d, ("q_lora", "heads")),  # head-major: sharding it splits whole heads
+        "wkv": _linear(e, d, ("embed", "head_dim")),
+        "kv_norm": _norm(d, "head_dim"),
+        "wo_a": ParamInfo((g, h * d // g, o), ("o_groups", "o_group_in", "o_lora"), _normal),
+        "wo_b": _linear(g * o, e, ("o_groups", "embed")),  # group-major rows: splits like wo_a's groups
         "sink": ParamInfo((h,), ("heads",), _small_normal(1.0), fp32=True),
     }
     if kind is AttentionType.CSA:
-        p["compressor"] = _compressor(cfg, d, cfg.csa_ratio, overlap=True)
+        p["compressor"] = _compressor(cfg, d, cfg.csa_ratio, overlap=True, width_axis="head_dim")
         p["indexer"] = {
-            "wq_b": _linear(l, cfg.index_num_heads * cfg.index_head_dim, ("q_lora", None)),
-            "weights_proj": _linear(e, cfg.index_num_heads, ("embed", None)),
-            "compressor": _compressor(cfg, cfg.index_head_dim, cfg.csa_ratio, overlap=True),
+            "wq_b": _linear(l, cfg.index_num_heads * cfg.index_head_dim, ("q_lora", "index_heads")),
+            "weights_proj": _linear(e, cfg.index_num_heads, ("embed", "index_heads")),
+            "compressor": _compressor(cfg, cfg.index_head_dim, cfg.csa_ratio, overlap=True,
+                                      width_axis="index_head_dim"),
         }
     elif kind is AttentionType.HCA:
-        p["compressor"] = _compressor(cfg, d, cfg.hca_ratio, overlap=False)
+        p["compressor"] = _compressor(cfg, d, cfg.hca_ratio, overlap=False, width_axis="head_dim")
     return p
 
 
@@ -134,11 +155,11 @@ def _tid2eid_init(num_experts: int) -> Initializer:
 def _ffn(cfg: Config, kind: MlpType) -> dict[str, Any]:
     e, x, f, k = cfg.hidden_size, cfg.num_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     p: dict[str, Any] = {
-        "gate": _linear(e, x, ("embed", None)),
+        "gate": _linear(e, x, ("embed", "router")),  # every device scores every expert
         "experts": {
-            "w1": ParamInfo((x, e, f), ("experts", "embed", "mlp"), _normal),
-            "w3": ParamInfo((x, e, f), ("experts", "embed", "mlp"), _normal),
-            "w2": ParamInfo((x, f, e), ("experts", "mlp", "embed"), _normal),
+            "w1": ParamInfo((x, e, f), ("experts", "embed", "expert_mlp"), _normal),
+            "w3": ParamInfo((x, e, f), ("experts", "embed", "expert_mlp"), _normal),
+            "w2": ParamInfo((x, f, e), ("experts", "expert_mlp", "embed"), _normal),
         },
         "shared": {
             "w1": _linear(e, f, ("embed", "mlp")),
@@ -147,17 +168,17 @@ def _ffn(cfg: Config, kind: MlpType) -> dict[str, Any]:
         },
     }
     if kind is MlpType.HASH:
-        p["tid2eid"] = ParamInfo((cfg.vocab_size, k), ("vocab", None), _tid2eid_init(x), integer=True)
+        p["tid2eid"] = ParamInfo((cfg.vocab_size, k), ("hash_vocab", "top_k"), _tid2eid_init(x), integer=True)
     else:
-        p["bias"] = ParamInfo((x,), (None,), _small_normal(0.1), fp32=True)
+        p["bias"] = ParamInfo((x,), ("router",), _small_normal(0.1), fp32=True)
     return p
 
 
 def _block(cfg: Config, attention: AttentionType, mlp: MlpType) -> dict[str, Any]:
     m = cfg.hc_mult
     return {
-        "attn_norm": _norm(cfg.hidden_size),
-        "ffn_norm": _norm(cfg.hidden_size),
+        "attn_norm": _norm(cfg.hidden_size, "embed"),
+        "ffn_norm": _norm(cfg.hidden_size, "embed"),
         "hc_attn": _hc(cfg, (2 + m) * m, 3),
         "hc_ffn": _hc(cfg, (2 + m) * m, 3),
         "attn": _attention(cfg, attention),
@@ -171,17 +192,17 @@ def declare(cfg: Config) -> dict[str, Any]:
     tree: dict[str, Any] = {
         "embed": ParamInfo((v, e), ("vocab", "embed"), _normal),
         "head": _linear(e, v, ("embed", "vocab")),
-        "norm": _norm(e),
+        "norm": _norm(e, "embed"),
         "hc_head": _hc(cfg, m, 1),
         "layers": [_block(cfg, a, f) for a, f in zip(cfg.attention_types, cfg.mlp_types)],
     }
     if cfg.num_mtp_layers:
         tree["mtp"] = {
-            "enorm": _norm(e),
-            "hnorm": _norm(e),
-            "norm": _norm(e),
-            "e_proj": _linear(e, e, ("embed", None)),
-            "h_proj": _linear(e, e, ("embed", None)),
+            "enorm": _norm(e, "embed"),
+            "hnorm": _norm(e, "embed"),
+            "norm": _norm(e, "embed"),
+            "e_proj": _linear(e, e, ("mtp_in", "embed")),
+            "h_proj": _linear(e, e, ("mtp_in", "embed")),
             "hc_head": _hc(cfg, m, 1),
             "block": _block(cfg, AttentionType.SLIDING, MlpType.TOPK),
         }

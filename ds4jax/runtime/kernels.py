@@ -21,7 +21,11 @@ import os
 import jax
 
 import pallas_kernels
+<<<<<<< HEAD
 from ds4jax.model.layers import moe
+=======
+from ds4jax.runtime import sharded_kernels
+>>>>>>> main
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
 
@@ -64,15 +68,18 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: I
     """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d]."""
     if impl is Impl.REFERENCE:
         return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
-    return pallas_kernels.sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale,
-                                           block_sizes=block_sizes("sparse_attention", q.dtype, kernel_arch(impl)),
-                                           interpret=impl is Impl.PALLAS_INTERPRET)
+    kernel = lambda q, kv_a, idx_a, kv_b, idx_b, sink: pallas_kernels.sparse_attention(
+        q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale,
+        block_sizes=block_sizes("sparse_attention", q.dtype, kernel_arch(impl)),
+        interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.per_head(kernel, q, kv_a, idx_a, kv_b, idx_b, sink=sink)  # shard_map under a mesh
 
 
 def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
     """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id."""
     if impl is Impl.REFERENCE:
         return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
+<<<<<<< HEAD
     return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k,
                                        block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
                                        interpret=impl is Impl.PALLAS_INTERPRET)
@@ -84,3 +91,9 @@ def routed_experts(x, routing, p, cfg, *, impl: Impl):
     if impl is Impl.REFERENCE:
         return moe.routed_experts(x, routing, p, cfg)
     return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)
+=======
+    kernel = lambda q, w, keys, key_rows, n_valid: pallas_kernels.indexer_topk(
+        q, w, keys, key_rows, n_valid, k=k, block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
+        interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid)  # shard_map under a mesh
+>>>>>>> main

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, resolve, routed_experts
 from ds4jax.runtime import pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
@@ -183,6 +184,7 @@ def _draft_view(cfg: Config) -> Config:
 _STATIC = ("cfg", "spec", "role", "logits", "kernels")
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
 def _target_step(params, pool, batch, *, cfg, spec, role, logits, kernels):
     if role is not Role.TARGET:
@@ -190,6 +192,7 @@ def _target_step(params, pool, batch, *, cfg, spec, role, logits, kernels):
     return _step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
 def _draft_step(params, pool, batch, streams, *, cfg, spec, role, logits, kernels):
     if role is not Role.DRAFT:

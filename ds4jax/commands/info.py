@@ -1,0 +1,67 @@
+"""``ds4jax info``: a config summary and parameter counts, from the config alone (no weights are read)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+NAME = "info"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(NAME, help="print a config summary and parameter counts (reads no weights)",
+                       description="Print the architecture and parameter counts of a checkpoint's config.json or "
+                                   "of a preset. No weights are read.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (its config.json)")
+    which.add_argument("--preset", choices=("default", "tiny", "flash", "pro"), help="a built-in configuration")
+    return p
+
+
+def run(args) -> int:
+    from ds4jax.commands.generate import require_checkpoint
+    from ds4jax.io.default_model import default_config
+    from ds4jax.model import config as _config
+
+    if args.checkpoint is not None:
+        cfg, name = _config.load_config(require_checkpoint(args.checkpoint)), args.checkpoint
+    else:
+        cfg, name = (default_config() if args.preset == "default" else _config.PRESETS[args.preset]()), args.preset
+    print(describe(cfg, name))
+    return 0
+
+
+def describe(cfg, name: str) -> str:
+    """Config summary plus parameter counts from the abstract parameter tree (nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ds4jax.model import params as _params
+
+    tree = _params.abstract(cfg, jnp.bfloat16)
+    size = lambda t: sum(math.prod(x.shape) for x in jax.tree.leaves(t))
+    mtp = size(tree.pop("mtp", {}))
+    total = size(tree)
+    routed = sum(size(layer["ffn"]["experts"]) for layer in tree["layers"])
+    # active per token: everything but the routed experts a token does not use (embedding and head included)
+    active = total - routed + routed * cfg.num_experts_per_tok // cfg.num_routed_experts
+    codes = lambda seq: "".join(t.name[0] for t in seq)  # one letter per layer keeps Flash/Pro on one line
+    y = cfg.yarn
+    yarn = "off" if y is None else f"factor {y.factor:g}, original {y.original_max_position_embeddings}"
+    lines = [
+        f"{name}: DeepSeek-V4, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        f"  attention   {codes(cfg.attention_types)} (S sliding, C CSA, H HCA)",
+        f"              {cfg.num_heads} heads x {cfg.head_dim} (rope {cfg.rope_head_dim}), q_lora {cfg.q_lora_rank}, "
+        f"output {cfg.o_groups} groups x {cfg.o_lora_rank}, window {cfg.sliding_window}",
+        f"              CSA ratio {cfg.csa_ratio} (indexer {cfg.index_num_heads} x {cfg.index_head_dim}, "
+        f"top {cfg.index_topk}), HCA ratio {cfg.hca_ratio}",
+        f"  moe         {codes(cfg.mlp_types)} (H hash, T top-k)",
+        f"              {cfg.num_routed_experts} experts (top {cfg.num_experts_per_tok}) + {cfg.num_shared_experts} "
+        f"shared, ffw {cfg.moe_intermediate_size}, scale {cfg.routed_scaling_factor:g}, "
+        f"swiglu limit {cfg.swiglu_limit:g}",
+        f"  mHC         {cfg.hc_mult} streams, {cfg.hc_sinkhorn_iters} Sinkhorn iterations",
+        f"  rope        theta {cfg.rope_theta:g}, compressed layers {cfg.compress_rope_theta:g} with YaRN {yarn}",
+        f"  mtp         {cfg.num_mtp_layers} layer(s)",
+        f"parameters    {total:,} (+ {mtp:,} MTP), {active:,} active per token; routed experts {routed:,}",
+    ]
+    return "\n".join(lines)

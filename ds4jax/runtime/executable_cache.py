@@ -1,0 +1,133 @@
+"""A disk cache of compiled executables that skips tracing and lowering, for short command-line runs.
+
+JAX's persistent compilation cache saves the XLA compile, but its key is the lowered program, so every process
+still traces and lowers each step before it can look the entry up: on the tiny default model that is most of
+a cached ``ds4jax generate`` (seconds of Python per step function). `cached_jit` keys a serialized executable by
+what determines the program instead: the function, its static arguments, the shapes / dtypes / shardings of the
+dynamic ones, and a fingerprint of everything else that can change the trace (ds4jax's and pallas_kernels'
+source, the jax / jaxlib versions, the devices, ``DS4JAX_*`` / ``JAX_*`` / ``XLA_FLAGS`` variables, x64).
+
+Off unless `enable(directory)` was called (the CLI does; library users and tests get plain ``jax.jit``
+behaviour). Entries are pickles written by this process' user into its own cache directory: the same trust
+as JAX's cache, whose entries are native code run as is. A corrupt or incompatible entry is a miss.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+from typing import Any, Callable
+
+import jax
+
+_directory: str | None = None
+_memory: dict[str, Any] = {}
+
+
+def enable(directory: str | None) -> None:
+    """Cache executables under `directory` (None disables)."""
+    global _directory
+    _directory = directory
+    _memory.clear()
+
+
+def enabled() -> bool:
+    return _directory is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _fingerprint() -> str:
+    """Everything outside the call that can change a trace."""
+    import jaxlib
+
+    h = hashlib.sha256()
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # the ds4jax package
+    try:
+        import pallas_kernels
+
+        roots.append(os.path.dirname(os.path.abspath(pallas_kernels.__file__)))
+    except ImportError:
+        pass
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    devices = jax.devices()
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("DS4JAX_", "JAX_", "XLA_")))
+    h.update(repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
+                   devices[0].device_kind, env, jax.config.jax_enable_x64,
+                   jax.config.jax_default_matmul_precision)).encode())
+    return h.hexdigest()
+
+
+def _signature(args: tuple, static: dict) -> str:
+    leaves, treedef = jax.tree.flatten(args)
+    avals = [(str(jax.typeof(x)), repr(getattr(x, "sharding", None))) for x in leaves]
+    return repr((treedef, avals, sorted(static.items(), key=lambda kv: kv[0])))
+
+
+def cached_jit(jitted: Callable) -> "CachedJit":
+    """Wrap a ``jax.jit`` function whose keyword arguments are all static (and positional ones dynamic)."""
+    return CachedJit(jitted)
+
+
+class CachedJit:
+    """Calls `uncached` (the jitted function) when the cache is off; other attributes are the jitted function's."""
+
+    def __init__(self, jitted: Callable):
+        self.uncached = jitted
+        self._name = f"{jitted.__module__}.{getattr(jitted, '__qualname__', getattr(jitted, '__name__', 'fn'))}"
+        functools.update_wrapper(self, jitted)
+
+    def __call__(self, *args, **static):
+        if _directory is None:
+            return self.uncached(*args, **static)
+        key = hashlib.sha256(f"{self._name}|{_fingerprint()}|{_signature(args, static)}".encode()).hexdigest()
+        compiled = _memory.get(key)
+        if compiled is None:
+            compiled = _memory[key] = _load(key) or _compile_and_store(self.uncached, key, args, static)
+        return compiled(*args)
+
+    def __getattr__(self, name: str):  # _cache_size, lower, trace, ... of the jitted function
+        return getattr(self.uncached, name)
+
+
+def _path(key: str) -> str:
+    return os.path.join(_directory, key[:2], key + ".exe")
+
+
+def _load(key: str):
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        with open(_path(key), "rb") as f:
+            payload, in_tree, out_tree, device_ids = pickle.load(f)
+        by_id = {d.id: d for d in jax.devices()}
+        return deserialize_and_load(payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+    except Exception:  # absent, truncated, or written by an incompatible build: recompile
+        return None
+
+
+def _compile_and_store(jitted: Callable, key: str, args: tuple, static: dict):
+    from jax.experimental.serialize_executable import serialize
+
+    compiled = jitted.trace(*args, **static).lower().compile()
+    try:
+        device_ids = [d.id for d in compiled._executable.xla_executable.local_devices()]
+        blob = pickle.dumps((*serialize(compiled), device_ids))
+        path = _path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))  # write then rename: readers never see half a file
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except Exception:  # unserializable (closed-over constants; sort comparators at
+        pass  # XLA:CPU optimization level 0) or a read-only cache: runs, uncached
+    return compiled

@@ -1,0 +1,171 @@
+"""Run by tests/test_mesh.py in a subprocess with 8 forced host devices (XLA_FLAGS must be set before jax starts,
+and the rest of the suite runs with 4): every layout against the single-device run, results as JSON on stdout.
+
+Per layout: prefill (all logits of a ragged 2-row batch in chunks of 8), 3 greedy decode steps (logits and
+tokens), and every pool array at the positions each request has committed (rings, states, paged entries read
+through each run's own page table). Usage: python tests/mesh_worker.py LAYOUT_NAME... (default: all).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds4jax
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import ds4jax  # noqa: E402
+from ds4jax.model import params as params_lib  # noqa: E402
+from ds4jax.model.config import AttentionType  # noqa: E402
+from ds4jax.model.handle import Model  # noqa: E402
+from ds4jax.runtime import steps  # noqa: E402
+from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
+from ds4jax.runtime.mesh_steps import POOL_AXES, gather_pools  # noqa: E402
+from ds4jax.runtime.pool_spec import PoolSpec  # noqa: E402
+from ds4jax.runtime.pools import PoolBook, zeros  # noqa: E402
+from ds4jax.runtime.roles import Role  # noqa: E402
+
+LAYOUTS = {
+    "ep8": dict(expert=8),
+    "tp2_ep4": dict(tensor=2, expert=4),
+    "dp2_ep4": dict(data=2, expert=4),
+    "tp8": dict(tensor=8),
+    "split2_ep4": dict(layer_split=2, expert=4),
+    "split4_tp2": dict(layer_split=4, tensor=2),
+    # DP attention whose ranks also split the experts (tokens all-gathered over data inside the step's shard_map),
+    # with the Pallas kernels (interpreted) in shard_map per head
+    "dp2_tp2_ep2_pallas": dict(data=2, tensor=2, expert=2, rules="experts_over_data", kernels="pallas_interpret"),
+}
+FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
+CHUNK, DECODE = 8, 3
+PROMPTS = (19, 11)
+
+
+def config():
+    # tiny with 8 heads / 8 output groups so TP 8 splits real heads; 8 experts so EP 8 holds one each.
+    return ds4jax.tiny(num_heads=8, o_groups=8)
+
+
+def experts_over_data():
+    from ds4jax.model.sharding import default_rules
+
+    return tuple((k, ("data", "expert")) if k == "experts" else (k, v) for k, v in default_rules())
+
+
+def make(name):
+    kw = dict(LAYOUTS[name])
+    kernels = kw.pop("kernels", None)
+    if kw.pop("rules", None) == "experts_over_data":
+        kw["rules"] = experts_over_data()
+    return make_mesh(**kw), kernels
+
+
+def run(model, mesh_steps=None, kernels=None):
+    cfg = model.config
+    spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(PROMPTS), max_context=max(PROMPTS) + DECODE,
+                             page_size=8, dtype="float32")
+    run = steps if mesh_steps is None else mesh_steps
+    book = PoolBook(spec, cfg.vocab_size) if mesh_steps is None else run.book(spec, cfg.vocab_size)
+    slots = [book.admit() for _ in PROMPTS]
+    for s, n in zip(slots, PROMPTS):
+        book.reserve(s, n + DECODE)
+    pool = book.sync(zeros(spec)) if mesh_steps is None else run.sync(book, run.zeros(spec), spec)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in PROMPTS]
+    prefill_logits, last = [], None
+    for c in range(0, max(PROMPTS), CHUNK):
+        n = [max(0, min(CHUNK, len(p) - c)) for p in prompts]
+        tok = np.zeros((len(prompts), CHUNK), np.int32)
+        for r, p in enumerate(prompts):
+            tok[r, : n[r]] = p[c : c + n[r]]
+        book.check_extend(slots, tok, n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
+        out, pool = run.prefill(model.params, pool, batch, cfg=cfg, spec=spec, all_logits=True, kernels=kernels)
+        book.commit(slots, n)
+        logits = np.asarray(out.logits)
+        prefill_logits.append(logits)
+        for r in range(len(prompts)):
+            if n[r] and c + n[r] == len(prompts[r]):
+                last = logits[r, n[r] - 1] if last is None else np.where(np.arange(len(prompts))[:, None] == r,
+                                                                         logits[:, n[r] - 1], last)
+    tokens, decode_logits = [], []
+    token = np.argmax(last, axis=-1)
+    for _ in range(DECODE):
+        tokens.append(token.tolist())
+        n = [1] * len(prompts)
+        book.check_extend(slots, token[:, None], n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(token[:, None], jnp.int32),
+                                jnp.asarray(n, jnp.int32))
+        out, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec, kernels=kernels)
+        book.commit(slots, n)
+        logits = np.asarray(out.logits)
+        decode_logits.append(logits)
+        token = np.argmax(logits, axis=-1)
+    if mesh_steps:
+        arrays = gather_pools(pool, mesh_steps, spec)
+    else:
+        arrays = {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
+    return dict(prefill=np.stack(prefill_logits), decode=np.stack(decode_logits), tokens=tokens,
+                pools=committed(arrays, spec, cfg))
+
+
+def committed(a: dict, spec: PoolSpec, cfg) -> dict:
+    """Each slot's committed rows of every pool array, in logical order (independent of page placement)."""
+    out = {}
+    for slot, length in enumerate(a["lengths"]):
+        length = int(length)
+        ring = lambda arr, rows: arr[:, slot, [p % rows for p in range(max(0, length - rows), length)]]
+        out[f"{slot}/lengths"] = np.array([length])
+        out[f"{slot}/swa_kv"] = ring(a["swa_kv"], spec.swa_rows)
+        for name, rows in (("c4_state_kv", spec.c4_state_rows), ("c4_state_gate", spec.c4_state_rows),
+                           ("indexer_state_kv", spec.indexer_state_rows),
+                           ("indexer_state_gate", spec.indexer_state_rows),
+                           ("c128_state_kv", spec.c128_state_rows), ("c128_state_gate", spec.c128_state_rows)):
+            out[f"{slot}/{name}"] = ring(a[name], rows)
+        for name, ratio in (("c4_kv", cfg.csa_ratio), ("indexer_kv", cfg.csa_ratio), ("c128_kv", cfg.hca_ratio)):
+            per_page = spec.page_size // ratio
+            rows = [a["page_table"][slot, j // per_page] * per_page + j % per_page for j in range(length // ratio)]
+            out[f"{slot}/{name}"] = a[name][:, rows]
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def main(names):
+    cfg = config()
+    model = Model(cfg, params_lib.init(cfg, jax.random.key(0)))
+    ref = run(model)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
+    results = {}
+    for name in names:
+        layout, kernels = make(name)
+        placed = place_model(model, layout)
+        got = run(placed, layout.steps(cfg), kernels)
+        res = dict(prefill=rel(got["prefill"], ref["prefill"]), decode=rel(got["decode"], ref["decode"]),
+                   tokens_equal=got["tokens"] == ref["tokens"], tokens=got["tokens"],
+                   pools={k: rel(v, ref["pools"][k]) for k, v in got["pools"].items()},
+                   devices=len({d for leaf in jax.tree.leaves(placed.params) for d in leaf.devices()}))
+        if name in FORWARD:
+            res["forward"] = rel(ds4jax.forward_logits(placed, ids), ref_fwd)
+        results[name] = res
+        print(name, json.dumps(res), file=sys.stderr, flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(LAYOUTS))
