@@ -36,18 +36,15 @@ def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType
     y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
     x = hc_post(y, x, post, comb)
     post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
-<<<<<<< HEAD
-    y, routing = moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
-=======
-    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
->>>>>>> main
+    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
 
 
-def _moe(x, token_ids, p, cfg: Config, mlp: MlpType):
-    """`moe`, or its expert-parallel twin when traced under a mesh (`ds4jax.model.sharding.active`)."""
+def _moe(x, token_ids, p, cfg: Config, mlp: MlpType, routed=None):
+    """`moe` (routed experts by `routed` when given), or its expert-parallel twin when traced under a mesh
+    (`ds4jax.model.sharding.active`; it has its own routed-experts path)."""
     act = sharding.active()
-    return moe(x, token_ids, p, cfg, mlp) if act is None else moe_sharded.moe(x, token_ids, p, cfg, mlp, act)
+    return moe(x, token_ids, p, cfg, mlp, routed) if act is None else moe_sharded.moe(x, token_ids, p, cfg, mlp, act)
 
 
 def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:

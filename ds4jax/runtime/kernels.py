@@ -21,11 +21,8 @@ import os
 import jax
 
 import pallas_kernels
-<<<<<<< HEAD
 from ds4jax.model.layers import moe
-=======
 from ds4jax.runtime import sharded_kernels
->>>>>>> main
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
 
@@ -79,10 +76,10 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
     """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id."""
     if impl is Impl.REFERENCE:
         return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
-<<<<<<< HEAD
-    return pallas_kernels.indexer_topk(q, w, keys, key_rows, n_valid, k=k,
-                                       block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
-                                       interpret=impl is Impl.PALLAS_INTERPRET)
+    kernel = lambda q, w, keys, key_rows, n_valid: pallas_kernels.indexer_topk(
+        q, w, keys, key_rows, n_valid, k=k, block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
+        interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid)  # shard_map under a mesh
 
 
 def routed_experts(x, routing, p, cfg, *, impl: Impl):
@@ -91,9 +88,3 @@ def routed_experts(x, routing, p, cfg, *, impl: Impl):
     if impl is Impl.REFERENCE:
         return moe.routed_experts(x, routing, p, cfg)
     return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)
-=======
-    kernel = lambda q, w, keys, key_rows, n_valid: pallas_kernels.indexer_topk(
-        q, w, keys, key_rows, n_valid, k=k, block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
-        interpret=impl is Impl.PALLAS_INTERPRET)
-    return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid)  # shard_map under a mesh
->>>>>>> main
