@@ -5,6 +5,8 @@ Each op: `op(...)` (kernel), `op_reference(...)` (pure jnp, same signature: the 
 This package never imports ds4jax.
 """
 
+from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.indexer_topk import BlockSizes as IndexerTopkBlockSizes
 from pallas_kernels.indexer_topk import (
     indexer_topk,
@@ -23,6 +25,9 @@ from pallas_kernels.sparse_attention import (
 )
 
 __all__ = [
+    "GroupedMatmulBlockSizes",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "IndexerTopkBlockSizes",
     "SparseAttentionBlockSizes",
     "finalize_partials",

@@ -1,11 +1,24 @@
-"""End-to-end prefill / decode benchmark of the pooled steps on a Flash-shaped slice (random bf16 weights).
+"""End-to-end prefill / decode benchmark: ds4jax's pooled steps and HF transformers, measured in one invocation.
 
-Same workload as the HF transformers anchor in shared/research/hf_gpu_baseline.md: `flash_slice(4)`, prefill of
-2048 (and 8192) tokens with last-token logits, greedy decode of 32 tokens after a 2048-token prompt at batch 1
-and 8. Reports ms/step, tokens/s, the HBM roofline (bytes a step must read / measured copy bandwidth) and the
-ratio to HF's numbers. Writes JSON + markdown under --out (each result is written as soon as it exists).
+Same model on both sides: `flash_slice(--layers)` with ds4jax's seeded random bf16 weights (HF gets the very same
+tensors). Each side runs in its own process, one after the other, on the same GPU:
 
-    python scripts/bench_e2e.py --out docs/benchmarks [--layers 4] [--kernels pallas|reference]
+* ``ds4jax`` — this tree (the `after` column);
+* ``before`` — the same script against another ds4jax tree (`--before-tree`, e.g. the last main commit before
+  a change), so a before/after pair comes from one run;
+* ``hf`` — `DeepseekV4ForCausalLM` (eager attention, bf16).
+
+Cases: prefill of 2048 / 8192 tokens at batch 1 and 2048 at batch 8 (last-token logits), greedy decode at batch 1
+and 8 after 2048-token prompts (and 32768 for ds4jax). Per case: time, tokens/s, roofline (decode: bytes a step
+must read / measured copy bandwidth; prefill: max(weight-read, FLOP time at the measured bf16 matmul rate)),
+fraction of it, HF's time from this run and the speedup; for decode a profile of each side (device busy time and
+kernels per step, kernels per layer, heaviest kernels). The logits of both sides are compared (last prompt token
+and first decode step at batch 1, bf16 tolerance), so a fast wrong kernel cannot pass.
+
+    PYTHONPATH=. python scripts/bench_e2e.py --out docs/benchmarks --commit $(git rev-parse HEAD) \
+        [--before-tree PATH] [--layers 4] [--sides before,ds4jax,hf] [--smoke]
+
+Writes OUT/NAME.json (rewritten as results arrive), OUT/NAME.md and OUT/NAME.png.
 """
 
 from __future__ import annotations
@@ -13,207 +26,260 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import subprocess
 import sys
 import time
-import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
-import ds4jax
-from ds4jax.model import params as P
-from ds4jax.runtime import steps
-from ds4jax.model.handle import Model
-from ds4jax.runtime.pool_spec import PoolSpec
-from ds4jax.runtime.pools import PoolBook, zeros
-from ds4jax.runtime.roles import Role
+import e2e_common as common  # noqa: E402
 
-# HF transformers 5.17, same GPU, same config (hf_gpu_baseline.md): seconds per prefill, ms per decode step
-HF = {"prefill_b1_s2048": 0.089, "prefill_b1_s8192": 0.590, "prefill_b8_s2048": 0.527,
-      "decode_b1_ctx2048": 32.5, "decode_b8_ctx2048": 24.1}
+# bf16 agreement: cosine similarity of the logit vectors. Both sides hold bf16 weights but round activations at
+# different places (ds4jax keeps norms, mHC and router in f32; HF casts the whole model to bf16), so elementwise
+# errors of ~10 % of max |logit| are normal on random weights; a wrong kernel gives an unrelated vector.
+CHECK_MIN_COSINE = 0.99
 
 
-def copy_bandwidth() -> float:
-    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
-    f = jax.jit(lambda a: a * 1.0000001)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / min(times)
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--name", default="e2e")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kernels", default="pallas", choices=["pallas", "reference", "pallas_interpret"])
+    ap.add_argument("--sides", default="ds4jax,hf", help="comma-separated: before, ds4jax, hf")
+    ap.add_argument("--before-tree", default=None, help="root of the ds4jax tree measured as `before`")
+    ap.add_argument("--before-label", default="before", help="what the before tree is (e.g. a commit)")
+    ap.add_argument("--commit", default=None, help="git commit of this tree (recorded)")
+    ap.add_argument("--skip", default="", help="comma-separated case names to skip")
+    ap.add_argument("--reuse", default=None, help="a parts directory of an earlier invocation: sides not run now "
+                    "(e.g. hf, before) and their check logits are taken from it, and marked so in the output")
+    ap.add_argument("--reuse-note", default="", help="where the reused sides were measured")
+    ap.add_argument("--smoke", action="store_true", help="tiny config, short sequences (CPU check of the script)")
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side in this process
+    ap.add_argument("--label", default="after", help=argparse.SUPPRESS)
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.skip = set(filter(None, args.skip.split(",")))
+    return args
 
 
-def decode_bytes(cfg, params, batch: int, ctx: int) -> float:
-    """Bytes one decode step must read: every non-routed weight, the routed experts the batch can touch, the
-    embedding rows, and each layer's KV (ring + compressed entries + indexer keys) of every request."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name = jax.tree_util.keystr(path)
-        if "mtp" in name or "embed" in name:
-            continue
-        if "experts" in name:
-            per_expert = leaf.nbytes / leaf.shape[0]
-            total += per_expert * min(leaf.shape[0], batch * cfg.num_experts_per_tok)
-        else:
-            total += leaf.nbytes
-    total += batch * cfg.hidden_size * 2
-    d, di = cfg.head_dim, cfg.index_head_dim
-    for kind in cfg.attention_types:
-        kv = cfg.sliding_window
-        if kind is ds4jax.AttentionType.CSA:
-            kv += min(cfg.index_topk, ctx // cfg.csa_ratio)
-            total += batch * (ctx // cfg.csa_ratio) * di * 2
-        elif kind is ds4jax.AttentionType.HCA:
-            kv += ctx // cfg.hca_ratio
-        total += batch * kv * d * 2
-    return float(total)
+def run_side(args, side: str, parts: str) -> dict:
+    part = os.path.join(parts, f"{side}.json")
+    env = dict(os.environ)
+    root = os.path.dirname(HERE)
+    label = "after"
+    skip = set(args.skip)
+    if side == "before":
+        if not args.before_tree:
+            return {"error": "no --before-tree given"}
+        root, label = os.path.abspath(args.before_tree), "before"
+        # device time: the before column covers the cases the changes target (decode, one prefill)
+        skip |= {"decode_b1_ctx32768", "decode_b8_ctx32768", "prefill_b8_s2048", "prefill_b1_s8192"}
+    if side == "hf":  # JAX only initialises the weights here; torch needs the memory afterwards
+        env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", "hf" if side == "hf" else "ds4jax",
+           "--label", label, "--part", part, "--out", args.out, "--layers", str(args.layers),
+           "--kernels", args.kernels, "--skip", ",".join(sorted(skip))] + (["--smoke"] if args.smoke else [])
+    t = time.perf_counter()
+    rc = subprocess.run(cmd, env=env, cwd=root).returncode
+    res = json.load(open(part)) if os.path.exists(part) else {}
+    res["wall_s"] = time.perf_counter() - t
+    if rc:
+        res.setdefault("error", f"side {side} exited with status {rc}")
+    return res
 
 
-def timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
+def check(parts: str) -> dict:
+    """Agreement of the sides' logits (bf16 tolerance)."""
+    import numpy as np
+
+    out = {"min_cosine": CHECK_MIN_COSINE}
+    for what in ("prefill", "decode"):
+        try:
+            ref = np.load(os.path.join(parts, f"check_{what}_hf.npy"))
+            for label in ("after", "before"):
+                path = os.path.join(parts, f"check_{what}_{label}.npy")
+                if os.path.exists(path):
+                    got = np.load(path)
+                    if got.shape != ref.shape:
+                        out[f"{what}_{label}"] = f"not compared: shapes {got.shape} vs {ref.shape}"
+                        continue
+                    cos = float(np.dot(got, ref) / (np.linalg.norm(got) * np.linalg.norm(ref)))
+                    out[f"{what}_{label}"] = {
+                        "cosine": cos, "max_rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()),
+                        "argmax_equal": bool(got.argmax() == ref.argmax()), "pass": cos >= CHECK_MIN_COSINE}
+        except FileNotFoundError as e:
+            out[what] = f"not compared: {e.filename} missing"
     return out
 
 
-class Bench:
-    def __init__(self, model: Model, kernels: str, max_context: int, max_slots: int):
-        self.model = model
-        self.kernels = kernels
-        self.spec = PoolSpec.for_role(model.config, role=Role.TARGET, max_slots=max_slots, max_context=max_context,
-                                      dtype="bfloat16")
+def merge(args, sides: dict, parts: str) -> dict:
+    ours, hf, before = sides.get("ds4jax", {}), sides.get("hf", {}), sides.get("before", {})
+    res = {"commit": args.commit, "command": " ".join(["python"] + sys.argv), "layers": args.layers,
+           "reused": {k: v["reused_from"] for k, v in sides.items() if "reused_from" in v},
+           "kernels": args.kernels, "before_tree": args.before_label if before else None,
+           "sides": {k: {a: b for a, b in v.items() if a != "cases"} for k, v in sides.items()},
+           "check": check(parts), "cases": {}}
+    for case in common.cases(args):
+        if case.name in args.skip and not any(case.name in v.get("cases", {}) for v in sides.values()):
+            continue
+        r = dict(ours.get("cases", {}).get(case.name, {}))
+        h = hf.get("cases", {}).get(case.name)
+        key = "seconds" if case.kind == "prefill" else "ms_per_step"
+        if h is not None and key in h and key in r:
+            r["hf_" + key] = h[key]
+            r["hf_measured"] = True
+            r["hf_same_invocation"] = "reused_from" not in hf
+            r["speedup_vs_hf"] = h[key] / r[key]
+            if "profile" in h:
+                r["hf_profile"] = h["profile"]
+            if "peak_gib" in h:
+                r["hf_peak_gib"] = h["peak_gib"]
+        elif h is not None and key in h:  # HF only (ds4jax skipped this case in this invocation)
+            r["hf_" + key] = h[key]
+            r["hf_measured"] = True
+            r["hf_same_invocation"] = "reused_from" not in hf
+        else:
+            r["hf_measured"] = False
+            r["hf_note"] = case.note or (h or {}).get("error", hf.get("error", "HF side not run"))[:300]
+        b = before.get("cases", {}).get(case.name)
+        if b is not None:
+            r["before"] = {k: v for k, v in b.items() if k not in ("trace",)}
+        res["cases"][case.name] = r
+    return res
 
-    def fresh(self, rows: int, lengths: list[int]):
-        book = PoolBook(self.spec, self.model.config.vocab_size)
-        for r in range(rows):
-            book.admit(r)
-            book.reserve(r, lengths[r])
-        return book, book.sync(zeros(self.spec))
 
-    def prefill(self, rows: int, seq: int, chunk: int):
-        cfg = self.model.config
-        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32)
+def _ms(r: dict, key: str) -> float | None:
+    if key not in r:
+        return None
+    return r[key] * 1e3 if key.endswith("seconds") else r[key]
 
-        def run():
-            book, pool = self.fresh(rows, [seq + 64] * rows)
-            out = None
-            for s in range(0, seq, chunk):
-                tok = ids[:, s : s + chunk]
-                n = [tok.shape[1]] * rows
-                batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
-                out, pool = steps.prefill(self.model.params, pool, batch, cfg=cfg, spec=self.spec,
-                                          need_logits=s + chunk >= seq, kernels=self.kernels)
-                book.commit(range(rows), n)
-            return out.logits, pool, book
 
-        return run
+def write_markdown(res: dict, path: str, notes: str | None) -> None:
+    s = res["sides"].get("ds4jax", {})
+    h = res["sides"].get("hf", {})
+    lines = [f"# End to end: ds4jax vs HF transformers, flash_slice({res['layers']}), bf16, random weights", "",
+             f"{s.get('device')}; ds4jax: jax {s.get('jax')}, kernels={res['kernels']}, {s.get('params_b', 0):.2f} B "
+             f"params (MTP included, not run); HF: transformers {h.get('transformers')}, torch {h.get('torch')}, "
+             f"eager attention, {h.get('params_b', 0):.2f} B params. Measured in this run: copy bandwidth "
+             f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s, bf16 matmul {s.get('matmul_tflop_s') or 0:.0f} TFLOP/s.",
+             "", f"Commit `{res['commit']}`; command: `{res['command']}`", ""]
+    for side, where in res.get("reused", {}).items():
+        lines += [f"**The `{side}` column was not measured by this invocation**: {where}.", ""]
+    lines += [
+             "| case | ds4jax | tokens/s | roofline | fraction of roofline | HF transformers | speedup vs HF | "
+             f"before ({res['before_tree'] or '-'}) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in res["cases"].items():
+        unit = "ms" if name.startswith("prefill") else "ms/step"
+        key = "seconds" if name.startswith("prefill") else "ms_per_step"
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'][:100]} | | | | | | |")
+            continue
+        ms, hf_ms = _ms(r, key), _ms(r, "hf_" + key)
+        b = r.get("before", {})
+        bms = _ms(b, key)
+        hf_h = r.get("hf_" + key)
+        cells = [name]
+        if ms is None:
+            cells += ["not run in this invocation", "", "", ""]
+        else:
+            cells += [f"{ms:.2f} {unit}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.2f} ms",
+                      f"{100 * r['fraction_of_roofline']:.1f} %"]
+        cells += [f"{hf_ms:.2f} {unit}" if hf_ms is not None else "not run",
+                  f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "",
+                  f"{bms:.2f} {unit}" if bms is not None else b.get("error", "-")[:60]]
+        del hf_h
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Decode profiles (8 steps traced; per step):", "",
+              "| case | side | device busy | kernels | kernels per layer | heaviest kernels (us) |", "|---|---|---|---|---|---|"]
+    for name, r in res["cases"].items():
+        for side, p in (("ds4jax", r.get("profile")), ("before", r.get("before", {}).get("profile")),
+                        ("HF", r.get("hf_profile"))):
+            if not p:
+                continue
+            per_layer = p.get("kernels_per_layer_per_step")
+            hlo = r.get("hlo_launches", {}) if side == "ds4jax" else {}
+            if per_layer:
+                per_layer = ", ".join(f"{v:.0f}" for v in per_layer.values())
+            elif hlo.get("per_layer"):  # static count from the compiled step's HLO
+                per_layer = (", ".join(str(v) for v in hlo["per_layer"].values())
+                             + f" (+{hlo['outside_layers']} outside layers; HLO ops)")
+            else:
+                per_layer = "-"
+            top = "; ".join(f"{k} {v}" for k, v in list(p["top_kernels_us_per_step"].items())[:4])
+            lines.append(f"| {name} | {side} | {p['device_busy_ms_per_step']:.2f} ms | {p['kernels_per_step']:.0f} | "
+                         f"{per_layer} | {top} |")
+    lines += ["", f"Logits agreement with HF (pass: cosine >= {res['check'].get('min_cosine')}; max_rel_err = "
+              "max |ours - HF| / max |HF|): `" + json.dumps({k: v for k, v in res["check"].items()
+                                                            if k != "min_cosine"}) + "`"]
+    if notes:
+        lines += ["", notes.strip()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
-    def decode(self, rows: int, ctx: int, new: int):
-        cfg = self.model.config
-        logits, pool, book = self.prefill(rows, ctx, min(ctx, 2048))()
-        jax.block_until_ready(pool)
-        state = {"pool": pool, "logits": logits}
 
-        def run():
-            pool, logits = state["pool"], state["logits"]
-            slots = jnp.arange(rows, dtype=jnp.int32)
-            ones = jnp.ones((rows,), jnp.int32)
-            for _ in range(new):
-                tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
-                out, pool = steps.decode(self.model.params, pool, steps.StepBatch(slots, tok, ones), cfg=cfg,
-                                         spec=self.spec, kernels=self.kernels)
-                logits = out.logits
-            # roll lengths back so every repeat decodes at the same context
-            pool = pool.replace(lengths=pool.lengths - new)
-            state["pool"], state["logits"] = pool, logits
-            return logits
+def plot(res: dict, path: str) -> None:
+    import matplotlib
 
-        return run
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, ctx in zip(axes, (2048, 32768)):
+        for label, get, style in (("ds4jax", lambda r: r.get("ms_per_step"), "o-"),
+                                  ("ds4jax before", lambda r: r.get("before", {}).get("ms_per_step"), "s--"),
+                                  ("HF transformers", lambda r: r.get("hf_ms_per_step"), "^-"),
+                                  ("HBM roofline", lambda r: r.get("roofline_ms"), "k:")):
+            pts = [(b, get(res["cases"].get(f"decode_b{b}_ctx{ctx}", {}))) for b in (1, 8)]
+            pts = [(b, v) for b, v in pts if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        ax.set(title=f"decode, context {ctx}", xlabel="batch", ylabel="ms per step", xticks=[1, 8])
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--kernels", default="pallas", choices=["pallas", "reference"])
-    ap.add_argument("--skip", default="", help="comma-separated case names to skip")
-    ap.add_argument("--smoke", action="store_true", help="tiny config and sizes (CPU check of the script)")
-    args = ap.parse_args(argv)
+    args = parse(argv)
+    if args.side == "ds4jax":
+        import e2e_ds4jax
+
+        args.part_dir = os.path.dirname(args.part)
+        return e2e_ds4jax.main(args)
+    if args.side == "hf":
+        import e2e_hf
+
+        args.part_dir = os.path.dirname(args.part)
+        return e2e_hf.main(args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"e2e_{args.kernels}.json")
-    cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
-    t = time.perf_counter()
-    params = jax.jit(lambda k: P.init(cfg, k, jnp.bfloat16))(jax.random.key(0))
-    jax.block_until_ready(params)
-    model = Model(cfg, params)
-    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": args.layers,
-               "kernels": args.kernels, "params_b": P.count(params) / 1e9, "init_s": time.perf_counter() - t,
-               "copy_bandwidth_tb_s": (1e-3 if args.smoke else copy_bandwidth() / 1e12), "cases": {}}
-    print(json.dumps({k: v for k, v in results.items() if k != "cases"}), flush=True)
-    bw = results["copy_bandwidth_tb_s"] * 1e12
-    scale = 32 if args.smoke else 1  # smoke: 64-token prompts
-    bench = Bench(model, args.kernels, max_context=8192 // scale + 256, max_slots=8)
-    skip = set(filter(None, args.skip.split(",")))
-    cases = [("prefill_b1_s2048", "prefill", 1, 2048, 2048), ("prefill_b8_s2048", "prefill", 8, 2048, 2048),
-             ("prefill_b1_s8192", "prefill", 1, 8192, 2048),
-             ("decode_b1_ctx2048", "decode", 1, 2048, 32), ("decode_b8_ctx2048", "decode", 8, 2048, 32)]
-    for name, kind, rows, size, extra in cases:
-        if name in skip:
-            continue
-        size, extra = max(size // scale, 8), (max(extra // scale, 4) if kind == "prefill" else extra)
-        try:
-            t = time.perf_counter()
-            if kind == "prefill":
-                fn = bench.prefill(rows, size, extra)
-                fn()  # compile
-                compile_s = time.perf_counter() - t
-                secs = statistics.median(timed(fn, 3))
-                res = {"seconds": secs, "tokens_per_s": rows * size / secs, "compile_s": compile_s,
-                       "hf_seconds": HF.get(name), "speedup_vs_hf": HF[name] / secs if name in HF else None}
-            else:
-                fn = bench.decode(rows, size, extra)
-                fn()
-                compile_s = time.perf_counter() - t
-                secs = statistics.median(timed(fn, 3)) / extra
-                need = decode_bytes(cfg, params, rows, size)
-                roof = need / bw
-                res = {"ms_per_step": secs * 1e3, "tokens_per_s": rows / secs, "compile_s": compile_s,
-                       "bytes_per_step": need, "roofline_ms": roof * 1e3, "fraction_of_roofline": roof / secs,
-                       "hf_ms_per_step": HF.get(name), "speedup_vs_hf": HF[name] / (secs * 1e3) if name in HF else None}
-        except Exception as e:  # a failed case is recorded, the others still run
-            res = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
-        results["cases"][name] = res
-        print(name, json.dumps(res)[:600], flush=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        write_markdown(results, path[: -len(".json")] + ".md")
+    parts = os.path.abspath(os.path.join(args.out, f"{args.name}_parts"))
+    os.makedirs(parts, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    sides = {}
+    if args.reuse:
+        import shutil
+
+        for name in os.listdir(args.reuse):
+            side = name[: -len(".json")]
+            if name.endswith(".json") and side not in args.sides.split(","):
+                sides[side] = json.load(open(os.path.join(args.reuse, name)))
+                sides[side]["reused_from"] = args.reuse_note or args.reuse
+            elif name.endswith(".npy"):
+                shutil.copy(os.path.join(args.reuse, name), parts)
+    for side in filter(None, args.sides.split(",")):
+        sides[side] = run_side(args, side, parts)
+        res = merge(args, sides, parts)
+        common.write_json(os.path.join(args.out, f"{args.name}.json"), res)
+    notes_path = os.path.join(args.out, f"{args.name}_notes.md")
+    notes = open(notes_path).read() if os.path.exists(notes_path) else None
+    write_markdown(res, os.path.join(args.out, f"{args.name}.md"), notes)
+    plot(res, os.path.join(args.out, f"{args.name}.png"))
+    print(open(os.path.join(args.out, f"{args.name}.md")).read())
     return 0
-
-
-def write_markdown(results: dict, path: str) -> None:
-    lines = [f"# End-to-end steps: flash_slice({results['layers']}), kernels={results['kernels']}", "",
-             f"{results['device']}, jax {results['jax']}, {results['params_b']:.2f} B params (bf16, random), "
-             f"measured copy bandwidth {results['copy_bandwidth_tb_s']:.2f} TB/s", "",
-             "| case | time | tokens/s | HF transformers | speedup vs HF | roofline | fraction of roofline |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in results["cases"].items():
-        if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][:120]} | | | | | |")
-        elif "ms_per_step" in r:
-            lines.append(f"| {name} | {r['ms_per_step']:.2f} ms/step | {r['tokens_per_s']:.0f} | "
-                         f"{r['hf_ms_per_step']} ms/step | {r['speedup_vs_hf']:.1f}x | {r['roofline_ms']:.3f} ms | "
-                         f"{100 * r['fraction_of_roofline']:.1f} % |")
-        else:
-            lines.append(f"| {name} | {r['seconds'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} | "
-                         f"{r['hf_seconds'] * 1e3:.0f} ms | {r['speedup_vs_hf']:.1f}x | | |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

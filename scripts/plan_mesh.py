@@ -129,26 +129,35 @@ def main(argv=None):
 
 HEADER = """# Mesh plans: DeepSeek-V4 Flash on 8 devices, Pro on 16 and 64 (ahead of time, nothing allocated)
 
-Written by `python scripts/plan_mesh.py` (CPU, {devices} forced host devices; per-plan results in mesh_plan.jsonl). Each
-row lowers and compiles one sharded step on abstract, sharded shapes; nothing is allocated. Columns:
+Written by `python scripts/plan_mesh.py` (CPU, {devices} forced host devices; per-plan results in mesh_plan.jsonl,
+resumed when rerun). Each step is lowered and compiled on abstract, sharded shapes; nothing is allocated. To bound
+compile time the step is compiled as per-layer programs (layer i alone, the first with the embedding, the last with
+the head) and layers of the same (attention, MoE) kind share one program, like iterations of a scan: 6 programs
+for Flash and for Pro instead of one 43- or 61-layer program. Columns:
 
-* **params / pools per device**: bytes of each device's shards (bf16 weights, bf16 KV pools, fp32 compressor state),
-  from the shardings the Flax logical-axis rules give (largest stage for a layer split);
-* **peak per device**: XLA's memory analysis of the compiled program (arguments + outputs + temporaries - donated
-  aliases), on the CPU backend with the reference attention (the Pallas kernels only compile for a GPU);
-* **collectives**: ops in the compiled HLO of one step (all stages), with the summed result bytes. Expert-parallel
-  MoE is one all-reduce per layer (or all-gather + reduce-scatter when tokens are split over the same axes as the
-  experts); the vocabulary-parallel embedding adds one all-reduce.
+* **params / pools per device**: bytes of the busiest device's shards (bf16 weights, bf16 KV pools, fp32
+  compressor state), from the shardings the Flax logical-axis rules give;
+* **peak per device**: params + pools + the largest per-layer program's temporaries from XLA's memory analysis
+  (CPU backend, reference attention: the Pallas kernels only compile for a GPU; routed experts with the strategy
+  a GPU picks for each device's experts);
+* **collectives**: ops in the compiled HLO of every layer of one step, with the summed result bytes.
 
-Decode: every slot one token at the given context capacity; prefill: one chunk.
+Decode: every slot one token with 8192 tokens of context capacity; prefill: one 2048-token chunk per data rank.
 
 """
 FOOTER = """
-Reading the table: an H200 holds about 139 GiB. Flash in bf16 is ~530 GiB of weights, so 8 devices need every
-expert split 8 ways (EP 8, or EP 4 x TP 2 on the experts' FFN columns) — a data-parallel layout that replicates the
-experts does not fit, and a layer split halves the devices each layer uses. Pro in bf16 (~3 TiB) does not fit
-16 H200s in bf16 (FP8 experts would); on 64 devices EP 64 leaves room for large pools.
+Reading the table (an H200 holds about 139 GiB):
+
+* Flash (bf16 weights) fits 8 devices with the experts split 8 ways: EP 8, or EP 4 x TP 2 (experts' FFN columns
+  and attention heads over `tensor`, which also splits the attention weights: 73 vs 78 GiB of params, at the
+  cost of 130 instead of 44 all-reduces per step). One all-reduce per layer is the expert-parallel MoE; TP adds
+  the attention output and shared-expert all-reduces.
+* Pro in bf16 does not fit 16 H200s (229 GiB of params per device with EP 16; FP8 experts would halve that).
+  On 64 devices, DP 4 x EP 16 with the experts split over data x expert (64 ways) needs 91 GiB of params per
+  device; its MoE all-gathers the tokens of the four data ranks (3 all-gathers per layer: activations, expert
+  ids, weights) and reduce-scatters the results back.
 """
+
 
 if __name__ == "__main__":
     main()

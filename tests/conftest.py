@@ -1,11 +1,55 @@
-"""Test-wide setup: CPU only, several virtual devices (so sharding code runs), deterministic seeds."""
+"""Test-wide setup: CPU by default, several virtual devices (so sharding code runs), deterministic seeds.
 
+Where a GPU and a JAX GPU plugin are present, JAX also initialises that GPU (CPU stays the default backend), and
+tests marked `device` run on it inside `jax.default_device(gpu)`; elsewhere they are skipped. No environment
+variable is needed either way (an explicit JAX_PLATFORMS is respected).
+"""
+
+import glob
+import importlib.metadata
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+
+def _gpu_platform() -> str | None:
+    """'cuda' / 'rocm' when this host has such a GPU and a JAX plugin for it (checked without starting JAX)."""
+    plugins = {d.metadata["Name"].lower().replace("_", "-") for d in importlib.metadata.distributions()}
+    has = lambda prefix: any(p.startswith(prefix) for p in plugins)
+    if glob.glob("/dev/nvidia[0-9]*") and (has("jax-cuda") or has("jaxlib-cuda")):
+        return "cuda"
+    if os.path.exists("/dev/kfd") and has("jax-rocm"):
+        return "rocm"
+    return None
+
+
+_GPU = _gpu_platform() if "JAX_PLATFORMS" not in os.environ else None
+os.environ.setdefault("JAX_PLATFORMS", f"cpu,{_GPU}" if _GPU else "cpu")
 # Tiny test models run in microseconds; XLA's LLVM optimisation only costs compile time here.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def gpu_device():
+    """The first GPU JAX can see (default backend or not), else None."""
+    for platform in ("cuda", "rocm", "gpu"):
+        try:
+            return jax.devices(platform)[0]
+        except RuntimeError:
+            continue
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _device_tests_on_the_gpu(request):
+    if request.node.get_closest_marker("device") is None:
+        yield
+        return
+    gpu = gpu_device()
+    if gpu is None:
+        pytest.skip("needs a GPU (none found, or no JAX GPU plugin installed)")
+    with jax.default_device(gpu):
+        yield

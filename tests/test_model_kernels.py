@@ -1,6 +1,7 @@
 """The whole model through the Pallas kernels (interpreted on CPU) equals the reference path."""
 
 import jax
+from jax.extend.core import jaxprs_in_params
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,3 +63,56 @@ def test_dispatcher_defaults(monkeypatch):
         assert "DS4JAX_KERNELS" in str(e)
     else:
         raise AssertionError("a bad DS4JAX_KERNELS value must raise")
+
+
+def test_routed_experts_dispatch_runs_the_grouped_kernel():
+    """Under pallas_interpret, a step's MoE goes through the grouped-matmul kernel (two launches per MoE layer),
+    and the kernel path equals the model's own routed experts for decode-sized and prefill-sized tile plans."""
+    from ds4jax.model.layers import moe
+    from ds4jax.runtime import kernels, routed_experts as re_mod
+
+    cfg = ds4jax.tiny(num_layers=2, attention_types=(AttentionType.SLIDING, AttentionType.SLIDING),
+                      mlp_types=(MlpType.HASH, MlpType.TOPK))
+    params = P.init(cfg, jax.random.key(0))
+    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=32, dtype="float32")
+    batch = steps.StepBatch(jnp.zeros((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32))
+    def kernel_launches(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params.get("name")
+            for sub in jaxprs_in_params(eqn.params):
+                yield from kernel_launches(sub)
+
+    for impl, launches in ((Impl.PALLAS_INTERPRET, 2 * cfg.num_layers), (Impl.REFERENCE, 0)):
+        closed = jax.make_jaxpr(lambda p, pool, b: steps._step(
+            p, pool, b, None, cfg=cfg, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
+            kernels=impl))(params, pools.zeros(spec), batch)
+        names = list(kernel_launches(closed.jaxpr))
+        assert names.count("grouped_matmul") == launches, (impl, names)
+
+    p = params["layers"][1]["ffn"]
+    for n in (3, 200):  # 6 selections (16-row tiles) and 400 selections (64-row tiles)
+        x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
+        routing = moe.route(x, jnp.zeros((n,), jnp.int32), p, cfg, MlpType.TOPK)
+        want = moe.routed_experts(x, routing, p["experts"], cfg, strategy="ragged")
+        got = kernels.routed_experts(x, routing, p["experts"], cfg, impl=Impl.PALLAS_INTERPRET)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert re_mod.tile_rows(6) == 16 and re_mod.tile_rows(400) == 64
+
+
+def test_gpu_decode_step_has_no_device_loops():
+    """The decode step lowered for a GPU (Pallas kernels) holds no `while` loop: on a GPU each iteration of one
+    costs a few small kernel launches (the Sinkhorn fori_loop and a binary-search searchsorted were most of a
+    decode step's ~1000 kernels on the H200)."""
+    cfg = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
+                      mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
+    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
+                             dtype="bfloat16")
+    params = jax.eval_shape(lambda k: P.init(cfg, k, jnp.bfloat16), jax.random.key(0))
+    s = jax.ShapeDtypeStruct
+    batch = steps.StepBatch(s((2,), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
+    text = steps._target_step.trace(
+        params, pools.abstract(spec), batch, cfg=cfg, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
+        kernels=Impl.PALLAS).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") >= 3  # the Pallas kernels are in (lowered for the GPU)
+    assert "stablehlo.while" not in text

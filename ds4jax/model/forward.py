@@ -27,20 +27,24 @@ class BlockAux(NamedTuple):
     attention: Any  # indexer selection [b, t, n] for CSA layers, else None (or step-specific extras)
 
 
-def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn):
-    """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux)."""
+def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn,
+          routed=None):
+    """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux).
+
+    `routed` replaces the routed-experts computation (see `moe.moe`); None = the model's own."""
     post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
     y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
     x = hc_post(y, x, post, comb)
     post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
-    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp)
+    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
 
 
-def _moe(x, token_ids, p, cfg: Config, mlp: MlpType):
-    """`moe`, or its expert-parallel twin when traced under a mesh (`ds4jax.model.sharding.active`)."""
+def _moe(x, token_ids, p, cfg: Config, mlp: MlpType, routed=None):
+    """`moe` (routed experts by `routed` when given), or its expert-parallel twin when traced under a mesh
+    (`ds4jax.model.sharding.active`; it has its own routed-experts path)."""
     act = sharding.active()
-    return moe(x, token_ids, p, cfg, mlp) if act is None else moe_sharded.moe(x, token_ids, p, cfg, mlp, act)
+    return moe(x, token_ids, p, cfg, mlp, routed) if act is None else moe_sharded.moe(x, token_ids, p, cfg, mlp, act)
 
 
 def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:

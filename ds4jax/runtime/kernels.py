@@ -21,8 +21,10 @@ import os
 import jax
 
 import pallas_kernels
+from ds4jax.model.layers import moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
+from ds4jax.runtime.routed_experts import routed_experts_grouped
 
 
 class Impl(enum.Enum):
@@ -78,3 +80,11 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
         q, w, keys, key_rows, n_valid, k=k, block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
         interpret=impl is Impl.PALLAS_INTERPRET)
     return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid)  # shard_map under a mesh
+
+
+def routed_experts(x, routing, p, cfg, *, impl: Impl):
+    """[n, e] tokens -> [n, e] f32 sum of their selected experts: `moe.routed_experts` (its strategies) or the
+    grouped-matmul kernel over expert-sorted tiles (its default tiles fit every target's shared memory)."""
+    if impl is Impl.REFERENCE:
+        return moe.routed_experts(x, routing, p, cfg)
+    return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)

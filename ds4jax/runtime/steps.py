@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
-from ds4jax.runtime.kernels import Impl, resolve
+from ds4jax.runtime.kernels import Impl, resolve, routed_experts
 from ds4jax.runtime import pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
@@ -125,7 +125,8 @@ def _pooled_block(x, token_ids, p, pool, rows, g, layer: int, kind: AttentionTyp
             max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window, impl=impl)
         return y, (new, selection)
 
-    x, aux = block(x, token_ids, p, cfg, mlp, attention)
+    routed = functools.partial(routed_experts, impl=impl)
+    x, aux = block(x, token_ids, p, cfg, mlp, attention, routed)
     new, selection = aux.attention
     return x, _store_layer(pool, new, rows, layer, cfg), selection
 

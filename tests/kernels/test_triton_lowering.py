@@ -1,4 +1,4 @@
-"""Pallas -> Triton IR lowering of both kernels at Flash dims, checked on a CPU host (no GPU needed).
+"""Pallas -> Triton IR lowering of the kernels at Flash dims, checked on a CPU host (no GPU needed).
 
 Lowering for platform 'cuda' / 'rocm' runs Pallas' Triton lowering rules, which interpret mode never
 touches: it catches unsupported primitives and operand forms (e.g. a jaxpr literal yielded from a
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import IndexerTopkBlockSizes, SparseAttentionBlockSizes, indexer_topk, sparse_attention
+from pallas_kernels import IndexerTopkBlockSizes, SparseAttentionBlockSizes, grouped_matmul, indexer_topk, sparse_attention
 
 S = jax.ShapeDtypeStruct
 T, H, D, HI, DI = 4, 64, 512, 64, 128
@@ -50,7 +50,15 @@ def _indexer(dtype, block_sizes):
     return fn, args
 
 
+def _grouped(rows, tiles, n_w, k, n):
+    """Routed experts at Flash dims (256 experts): decode (6 one-row tiles) and prefill (448 tiles of 64 rows)."""
+    return grouped_matmul, (S((rows, k), jnp.bfloat16), tuple(S((256, k, n), jnp.bfloat16) for _ in range(n_w)),
+                            S((tiles,), jnp.int32))
+
+
 CASES = {
+    "grouped_decode_gate_up": _grouped(96, 6, 2, 4096, 2048),
+    "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
     "sparse_bf16_split": _sparse(jnp.bfloat16, None),
     "sparse_bf16_h16_w4": _sparse(jnp.bfloat16, SparseAttentionBlockSizes(block_h=16, num_warps=4, num_splits=1)),
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),

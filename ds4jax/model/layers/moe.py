@@ -45,7 +45,8 @@ def moe_strategy(rows: int, num_experts: int) -> str:
     * ``gather``: each selection gathers its expert's weights (decode/verify: reads exactly the experts used).
     * ``tiles``: selections sorted by expert and padded to row tiles, one gathered weight block per tile
       (prefill on GPU, where XLA lowers ragged_dot to a dense product over every expert).
-    Override with the environment variable ``DS4JAX_MOE``."""
+    Override with the environment variable ``DS4JAX_MOE``. These are the reference path; the pooled steps with
+    Pallas kernels run routed experts through the grouped-matmul kernel instead (`ds4jax.runtime.kernels`)."""
     forced = os.environ.get("DS4JAX_MOE")
     if forced:
         if forced not in ("ragged", "gather", "tiles"):
@@ -111,10 +112,15 @@ def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strateg
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
-def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType) -> tuple[jax.Array, Routing]:
-    """x: [..., e]; token_ids: [...]. Returns (output [..., e], routing over the flattened tokens)."""
+def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType,
+        routed=None) -> tuple[jax.Array, Routing]:
+    """x: [..., e]; token_ids: [...]. Returns (output [..., e], routing over the flattened tokens).
+
+    `routed(x, routing, p, cfg)` computes the routed experts (default `routed_experts`; the steps pass the
+    kernel dispatcher's)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     routing = route(flat, token_ids.reshape(-1), p, cfg, kind)
-    out = routed_experts(flat, routing, p["experts"], cfg) + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
+    routed = routed or routed_experts
+    out = routed(flat, routing, p["experts"], cfg) + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
     return out.astype(x.dtype).reshape(shape), routing

@@ -1,0 +1,173 @@
+"""The ds4jax side of `bench_e2e.py` (run in its own process): pooled prefill / decode steps on `flash_slice(n)`
+with seeded random bf16 weights; per case the time, the roofline, and for decode a profile of the steps.
+
+Writes PART (JSON, rewritten after every case) and the logits used for the agreement check with HF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ds4jax
+from ds4jax.model import params as P
+from ds4jax.model.handle import Model
+from ds4jax.runtime import steps
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, zeros
+from ds4jax.runtime.roles import Role
+
+import device_trace
+import e2e_common as common
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    f = jax.jit(lambda a: a * 1.0000001)
+    f(x).block_until_ready()
+    return 2 * x.nbytes / min(common.timed(lambda: f(x), 5))
+
+
+def matmul_flops() -> float:
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    return 2 * 8192**3 / min(common.timed(lambda: f(a), 5))
+
+
+class Bench:
+    def __init__(self, model: Model, kernels: str, max_context: int, max_slots: int):
+        self.model, self.kernels = model, kernels
+        self.spec = PoolSpec.for_role(model.config, role=Role.TARGET, max_slots=max_slots, max_context=max_context,
+                                      dtype="bfloat16")
+
+    def fresh(self, rows: int, length: int):
+        book = PoolBook(self.spec, self.model.config.vocab_size)
+        for r in range(rows):
+            book.admit(r)
+            book.reserve(r, length)
+        return book, book.sync(zeros(self.spec))
+
+    def prefill(self, rows: int, seq: int, chunk: int):
+        cfg = self.model.config
+        ids = common.prompt_ids(rows, seq, cfg.vocab_size)
+
+        def run():
+            book, pool = self.fresh(rows, seq + 64)
+            out = None
+            for s in range(0, seq, chunk):
+                tok = ids[:, s : s + chunk]
+                n = [tok.shape[1]] * rows
+                batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
+                out, pool = steps.prefill(self.model.params, pool, batch, cfg=cfg, spec=self.spec,
+                                          need_logits=s + chunk >= seq, kernels=self.kernels)
+                book.commit(range(rows), n)
+            return out.logits, pool
+
+        return run
+
+    def decode_hlo(self, rows: int) -> str:
+        """Optimised HLO of the decode step (its ops and their layer name scopes)."""
+        cfg = self.model.config
+        batch = steps.StepBatch(jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1), jnp.int32),
+                                jnp.ones((rows,), jnp.int32))
+        lowered = steps._target_step.lower(self.model.params, zeros(self.spec), batch, cfg=cfg, spec=self.spec,
+                                           role=Role.TARGET, logits=steps.Logits.LAST,
+                                           kernels=steps.resolve(self.kernels))
+        return lowered.compile().as_text()
+
+    def decode(self, rows: int, ctx: int, new: int):
+        """(run: `new` greedy steps at context ctx, rolled back after each run; logits of the first step)."""
+        cfg = self.model.config
+        logits, pool = self.prefill(rows, ctx, min(ctx, 2048))()
+        slots = jnp.arange(rows, dtype=jnp.int32)
+        ones = jnp.ones((rows,), jnp.int32)
+        step = lambda pool, tok: steps.decode(self.model.params, pool, steps.StepBatch(slots, tok, ones), cfg=cfg,
+                                               spec=self.spec, kernels=self.kernels)
+        first_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        out, pool = step(pool, first_token)
+        first = np.asarray(out.logits[0], np.float32)
+        state = {"pool": pool.replace(lengths=pool.lengths - 1), "logits": logits}
+
+        def run(n=new):
+            pool, logits = state["pool"], state["logits"]
+            for _ in range(n):
+                out, pool = step(pool, jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
+                logits = out.logits
+            state["pool"] = pool.replace(lengths=pool.lengths - n)  # every run decodes at the same context
+            return logits
+
+        return run, first, int(first_token[0, 0])
+
+
+def main(args) -> int:
+    cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
+    t = time.perf_counter()
+    params = jax.jit(lambda k: P.init(cfg, k, jnp.bfloat16))(jax.random.key(common.SEED))
+    jax.block_until_ready(params)
+    model = Model(cfg, params)
+    gpu = jax.default_backend() != "cpu"
+    res = {"side": "ds4jax", "label": args.label, "device": str(jax.devices()[0]), "jax": jax.__version__,
+           "kernels": args.kernels, "moe": os.environ.get("DS4JAX_MOE", "auto"),
+           "params_b": P.count(params) / 1e9, "init_s": time.perf_counter() - t,
+           "copy_bandwidth_tb_s": copy_bandwidth() / 1e12 if gpu else None,
+           "matmul_tflop_s": matmul_flops() / 1e12 if gpu else None, "cases": {}}
+    print(json.dumps({k: v for k, v in res.items() if k != "cases"}), flush=True)
+    bench = Bench(model, args.kernels, max_context=common.max_context(args) + 256, max_slots=8)
+    pb, active = common.param_bytes(cfg, params), common.active_params(cfg, params)
+    bw = (res["copy_bandwidth_tb_s"] or 1.0) * 1e12
+    peak = (res["matmul_tflop_s"] or 1.0) * 1e12
+    for case in common.cases(args):
+        if case.name in args.skip or case.hf_only:
+            continue
+        try:
+            t = time.perf_counter()
+            if case.kind == "prefill":
+                fn = bench.prefill(case.rows, case.size, case.chunk)
+                logits, _ = fn()
+                jax.block_until_ready(logits)
+                if case.name == common.CHECK_CASE:
+                    np.save(os.path.join(args.part_dir, f"check_prefill_{args.label}.npy"),
+                            np.asarray(logits[0], np.float32))
+                compile_s = time.perf_counter() - t
+                secs = statistics.median(common.timed(fn, 3))
+                nbytes, flops = common.prefill_cost(cfg, pb, active, case.rows, case.size)
+                floor = max(nbytes / bw, flops / peak)
+                r = {"seconds": secs, "tokens_per_s": case.rows * case.size / secs, "compile_s": compile_s,
+                     "weight_bytes": nbytes, "flops": flops, "roofline_ms": floor * 1e3,
+                     "roofline_bound": "weights" if nbytes / bw >= flops / peak else "flops",
+                     "fraction_of_roofline": floor / secs}
+            else:
+                fn, first, token = bench.decode(case.rows, case.size, case.new)
+                if case.name == common.CHECK_DECODE:
+                    np.save(os.path.join(args.part_dir, f"check_decode_{args.label}.npy"), first)
+                    r0 = {"check_token": token}
+                else:
+                    r0 = {}
+                fn()
+                compile_s = time.perf_counter() - t
+                secs = statistics.median(common.timed(fn, 3)) / case.new
+                need = common.decode_bytes(cfg, pb, case.rows, case.size)
+                r = {"ms_per_step": secs * 1e3, "tokens_per_s": case.rows / secs, "compile_s": compile_s,
+                     "bytes_per_step": need, "roofline_ms": need / bw * 1e3, "fraction_of_roofline": need / bw / secs,
+                     **r0}
+                if gpu:
+                    r["profile"] = device_trace.profile(lambda: jax.block_until_ready(fn(8)), 8, cfg.num_layers)
+                if case.name == common.CHECK_DECODE and hasattr(steps, "_target_step"):
+                    try:  # one more compile of the decode step, for its HLO
+                        r["hlo_launches"] = device_trace.launches_per_layer(bench.decode_hlo(case.rows))
+                    except Exception as e:
+                        r["hlo_launches"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        except Exception as e:  # a failed case is recorded; the others still run
+            r = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}
+        res["cases"][case.name] = r
+        print(case.name, json.dumps(r)[:400], flush=True)
+        common.write_json(args.part, res)
+    return 0
