@@ -99,7 +99,8 @@ def _as_prompts(prompt_ids) -> list[list[int]]:
 
 def row_seed(seed: int, row: int) -> int:
     """Independent per-row seed of a batch call (rows of one call never share a sample stream)."""
-    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, row]).generate_state(2, np.uint32).view(np.uint64)[0])
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, row]).generate_state(2, np.uint32).view(np.uint64)[0]
+    return int(state) & 0x7FFFFFFFFFFFFFFF  # a non-negative int64 (Request.seed's range)
 
 
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
