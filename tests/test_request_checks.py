@@ -42,6 +42,7 @@ def test_valid_requests_pass():
     ("top_p", None, "finite number"),
     ("top_k", -1, "Request.top_k=-1"),
     ("seed", 2**64, "Request.seed"),
+    ("seed", -(2**63) - 1, "Request.seed"),
     ("stop_ids", 3, "sequence of token ids"),
     ("stop_ids", ("a",), "Request.stop_ids[0]='a'"),
     ("stop_strings", "stop", "non-empty strings"),

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.generation import loops, snapshots, spec_rounds
-from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
 from ds4jax.generation.request_checks import request_problem
+from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
@@ -275,8 +275,8 @@ class Engine:
 
         if not isinstance(req, Request):
             return fail(ErrorCode.INVALID_REQUEST, f"expected a ds4jax.Request, got {type(req).__name__}")
-        problem = request_problem(req)  # types and ranges first, so the checks below never meet a NaN or a str
-        if problem is not None:
+        problem = request_problem(req)  # types and ranges first: the checks below compare and index
+        if problem:
             return fail(ErrorCode.INVALID_REQUEST, problem)
         v = self.cfg.vocab_size
         prompt = req.prompt

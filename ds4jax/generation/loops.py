@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from ds4jax.generation.sampling import sample, token_keys
 from ds4jax.runtime import steps
 from ds4jax.runtime.roles import Role
+from ds4jax.runtime.executable_cache import cached_jit
 
 MAX_STOP_IDS = 8
 MAX_FORCED = 8  # most tokens the host can force into a row at once (a thinking budget's close ids)
@@ -66,6 +67,7 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 _PREFILL_STATIC = ("cfg", "tspec", "dspec", "kernels")
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("tpool", "dpool", "slot_state"))
 def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens, next_ids, finishing,
                  *, cfg, tspec, dspec, kernels):
@@ -104,6 +106,7 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     return first, tpool, dpool, slot_state
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=("cfg", "dspec", "kernels"), donate_argnames=("dpool", "slot_state"))
 def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, dspec, kernels):
     """After a prefix snapshot was written into a slot (target at length L, draft at L-1): the first token is
@@ -137,6 +140,7 @@ class DecodeOut(NamedTuple):
     bad: jax.Array  # [B] index of the first token whose logits were not finite (-1 = none)
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "kernels", "max_steps"), donate_argnames=("pool",))
 def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int):
     """Up to `max_steps` decode steps; stops after the step in which any active row finishes."""

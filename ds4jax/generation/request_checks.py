@@ -7,7 +7,7 @@ problem as a message naming the field and the value (the engine turns it into an
 from __future__ import annotations
 
 from ds4jax.errors import ArgumentError
-from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real
+from ds4jax.model.inputs import INT64_MIN, check_int, check_real
 
 
 def _ids(value, name: str, *, low: int = 0) -> None:
@@ -33,7 +33,7 @@ def check_request(req, where: str = "Request") -> None:
     if not 0 < top_p <= 1:
         raise ArgumentError("must be in (0, 1]", name=f"{where}.top_p", value=req.top_p)
     check_int(getattr(req, "top_k", 0), f"{where}.top_k", low=0)
-    check_int(req.seed, f"{where}.seed", low=INT64_MIN, high=INT64_MAX)
+    check_int(req.seed, f"{where}.seed", low=INT64_MIN, high=2**64 - 1)  # the engine derives uint64 row seeds
     _ids(req.stop_ids, f"{where}.stop_ids")
     stop_strings = getattr(req, "stop_strings", ())
     if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):

@@ -25,6 +25,7 @@ from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop
 from ds4jax.generation.sampling import filter_logits, token_keys
 from ds4jax.runtime import steps
 from ds4jax.runtime.roles import Role
+from ds4jax.runtime.executable_cache import cached_jit
 
 
 class SpecOut(NamedTuple):
@@ -145,6 +146,7 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
                   c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0))
 
 
+@cached_jit
 @functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds"),
                    donate_argnames=("tpool", "dpool", "slot_state"))
 def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *, cfg, tspec, dspec, k, kernels,
