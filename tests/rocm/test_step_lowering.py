@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ds4jax.generation import sampling, speculative
+from ds4jax.generation import loops, sampling, spec_rounds
 from ds4jax.model import params as model_params
 from ds4jax.model.layers import moe
 from ds4jax.rocm_check.extract import TRITON_TARGET, custom_call_targets
@@ -91,18 +91,22 @@ def test_step_lowers_for_rocm(step):
 
 
 def test_speculative_loop_lowers_for_rocm():
-    """Draft chain, verification, rejection sampling and the draft extend in one compiled loop."""
+    """Draft chain, verification, rejection sampling and the draft extend: the engine's rounds in one program."""
     tspec, dspec = _specs()
-    b, v = 4, CFG.vocab_size
-    state = speculative.LoopState(
-        pools.abstract(tspec), pools.abstract(dspec), S((b,), I32), S((b, v), jnp.float32),
-        S((b, CFG.hc_mult, CFG.hidden_size), jnp.bfloat16), S((b, 16), I32), S((b,), I32), S((b,), jnp.bool_),
-        S((b, 8), I32), S((), I32), jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b)))
-    f32 = S((b,), jnp.float32)
-    fn = functools.partial(speculative.speculative_loop, cfg=CFG, tspec=tspec, dspec=dspec, k=K, greedy=False,
-                           kernels=steps.Impl.PALLAS)
-    targets, _ = _lower(fn, model_params.abstract(CFG, jnp.bfloat16), state, f32, f32, S((), I32),
-                        S((speculative.MAX_STOP_IDS,), I32))
+    b, v, stream = 4, CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
+    per_row = lambda dtype, *shape: S((b, *shape), dtype)  # noqa: E731
+    rows = loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
+                      max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
+                      temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
+                      key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
+                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32))
+    slots = tspec.max_slots
+    state = loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16),
+                            S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16))
+    fn = functools.partial(spec_rounds.speculative_loop.uncached, cfg=CFG, tspec=tspec, dspec=dspec, k=K,
+                           kernels=steps.Impl.PALLAS, max_rounds=4)
+    targets, _ = _lower(fn, model_params.abstract(CFG, jnp.bfloat16), pools.abstract(tspec), pools.abstract(dspec),
+                        state, rows)
     _assert_rocm_clean(targets)
     assert TRITON_TARGET in targets
 
