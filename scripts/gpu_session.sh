@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One accelerator call that checks and measures what a session changed, most important first, each part under
+# its own time limit so a short device budget still brings back the parts that finished:
+#   1. every test marked `device` (Pallas kernels and the model's Pallas steps against the reference, on the GPU)
+#   2. speculative vs plain decoding on the trained default model, batch 1 and 8 (scripts/bench_default_speculative.py)
+#   3. end-to-end decode / prefill, ds4jax and HF transformers in the same invocation (scripts/bench_e2e.py)
+# Usage (on the device): OUT=/path bash scripts/gpu_session.sh [device_s spec_s e2e_s]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log=$OUT/session.log
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; git rev-parse HEAD 2>/dev/null; } >>"$log" 2>&1
+t0=$SECONDS
+timeout "${1:-120}" python3 -m pytest -q -m device -p no:cacheprovider tests/ >"$OUT/device_tests.log" 2>&1
+echo "device tests: exit $? after $((SECONDS - t0)) s" >>"$log"
+tail -5 "$OUT/device_tests.log" >>"$log"
+t1=$SECONDS
+timeout "${2:-150}" python3 scripts/bench_default_speculative.py --checkpoint checkpoints/default --out "$OUT" \
+    --ks 3,2,1,4 --batches 1,8 --deadline-s $(( ${2:-150} - 40 )) >"$OUT/speculative.log" 2>&1
+echo "speculative bench: exit $? after $((SECONDS - t1)) s" >>"$log"
+t2=$SECONDS
+timeout "${3:-150}" python3 scripts/bench_e2e.py --out "$OUT" --sides "${E2E_SIDES:-ds4jax,hf}" \
+    --skip "${E2E_SKIP:-prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768}" \
+    --commit "$(git rev-parse HEAD 2>/dev/null || echo unknown)" >"$OUT/e2e.log" 2>&1
+echo "e2e: exit $? after $((SECONDS - t2)) s" >>"$log"
+cat "$log"
