@@ -33,8 +33,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # the engine gets its own device copy of the weights: parking it deletes the buffers it was built with
-    own = ds4jax.Model(model.config, jax.tree.map(jnp.copy, model.params))
+    # the engine gets its own device copy of the weights: parking it deletes the buffers it was built with.
+    # Committed to the device, as loaded checkpoints are: programs then compile per committed-ness of their
+    # arguments, and the tripwire below sees any warmup call whose arguments differ from serving's.
+    own = ds4jax.Model(model.config, jax.device_put(jax.tree.map(jnp.copy, model.params), jax.devices()[0]))
     eng = Engine(own, **ENGINE)
     eng.warmup()
     return eng
@@ -256,5 +258,6 @@ def test_snapshots(model, engine, monkeypatch, tmp_path):
     check_lru(engine)
     check_budget(engine, fresh)
     assert engine_lib.compile_count() == before  # restores, snapshots and failures compiled nothing
+    assert engine.stats.compiles_after_warmup == 0
     check_disk_and_invalid(engine, model, fresh, tmp_path)
     check_park(engine, fresh)

@@ -194,19 +194,28 @@ class Engine:
         self._slots: dict[int, _Live] = {}  # slot -> live request
         self._to_reset: set[int] = set()
 
+    def _committed(self, tree):
+        """`tree` committed to the weights' device. A jitted program keys its executable on whether each argument
+        is committed; fresh arrays are not, a step's outputs are (when the weights are): without this, warmup
+        (on fresh pools) and serving (on step outputs) would compile the same program twice."""
+        sharding = getattr(self.model.params["embed"], "sharding", None)
+        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            return tree
+        return jax.device_put(tree, sharding)
+
     def _new_draft_state(self) -> None:
         self.dbook = PoolBook(self.dspec, self.cfg.vocab_size) if self.dspec else None
-        self.dpool = self.dbook.sync(pools.zeros(self.dspec)) if self.dspec else None
+        self.dpool = self.dbook.sync(self._committed(pools.zeros(self.dspec))) if self.dspec else None
 
     def _new_target_state(self) -> None:
         cfg, s = self.cfg, self.tspec.max_slots
         self.tbook = PoolBook(self.tspec, cfg.vocab_size)
-        self.tpool = self.tbook.sync(pools.zeros(self.tspec))
+        self.tpool = self.tbook.sync(self._committed(pools.zeros(self.tspec)))
         stream = jnp.dtype(self.tspec.dtype)  # the model's activation dtype
-        self.slot_state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
-                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream))
+        self.slot_state = self._committed(SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
+                                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
+                                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream)))
 
     # ---- public API ------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], *, on_result=None) -> list[GenerateResult]:
@@ -251,14 +260,9 @@ class Engine:
             for rows in self.prefill_row_buckets:
                 pad = self._padding_rows(rows, [])
                 self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
-            # snapshot programs: extract from and inject into slot 0 (no pages: every paged write is dropped)
-            t = snapshots.extract(self.tpool, np.int32(0), ratios=self._ratios)
-            self.tpool = snapshots.inject(self.tpool, np.int32(0), t, np.int32(0), np.int32(0), ratios=self._ratios)
-            if self.dpool is not None:
-                d = snapshots.extract(self.dpool, np.int32(0), ratios=())
-                self.dpool = snapshots.inject(self.dpool, np.int32(0), d, np.int32(0), np.int32(0), ratios=())
-            logits, stream = jax.device_get(_slot_rows(self.slot_state, np.int32(0)))
-            self.slot_state = _set_slot_rows(self.slot_state, np.int32(0), logits, stream)
+            # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
+            # pages: every paged write is dropped; slot 0 is reset below)
+            self._write_snapshot(0, self._snapshot_arrays(0, 0), pages=0, length=1)
         self._to_reset.add(0)
         self._apply_resets()
         jax.block_until_ready(self.tpool)
@@ -658,20 +662,41 @@ class Engine:
     def _save_snapshot(self, lv: _Live) -> Snapshot:
         """Snapshot `lv`'s slot right after prefilling its first lv.pos prompt tokens."""
         length = lv.pos
-        t = snapshots.extract(self.tpool, np.int32(lv.slot), ratios=self._ratios)
-        d = snapshots.extract(self.dpool, np.int32(lv.slot), ratios=()) if self.dpool is not None else {}
-        logits, stream = _slot_rows(self.slot_state, np.int32(lv.slot))
-        t, d, logits, stream = jax.device_get((t, d, logits, stream))
         pages = self.tbook.pages_needed(length)
+        snap = Snapshot(tuple(lv.ids[:length]), self.fingerprint(), self._snapshot_arrays(lv.slot, pages), pages)
+        self.snapshots.put(snap)
+        self.stats.snapshots_saved += 1
+        return snap
+
+    def _snapshot_arrays(self, slot: int, pages: int) -> dict[str, np.ndarray]:
+        """Host copies of `slot`'s state: its per-slot arrays, the rows of its first `pages` pages, last rows."""
+        t = snapshots.extract(self.tpool, np.int32(slot), ratios=self._ratios)
+        d = snapshots.extract(self.dpool, np.int32(slot), ratios=()) if self.dpool is not None else {}
+        logits, stream = _slot_rows(self.slot_state, np.int32(slot))
+        t, d, logits, stream = jax.device_get((t, d, logits, stream))
         arrays = {f"target/{k}": v for k, v in t.items()}
         for name, per_page in self._ratios:
             arrays[f"target/{name}"] = arrays[f"target/{name}"][:, : pages * per_page]
         arrays.update({f"draft/{k}": v for k, v in d.items()})
         arrays["last_logits"], arrays["last_stream"] = logits, stream
-        snap = Snapshot(tuple(lv.ids[:length]), self.fingerprint(), arrays, pages)
-        self.snapshots.put(snap)
-        self.stats.snapshots_saved += 1
-        return snap
+        return arrays
+
+    def _write_snapshot(self, slot: int, arrays: dict[str, np.ndarray], pages: int, length: int) -> None:
+        """Write a snapshot's host arrays into `slot` (its pages already assigned): target at `length`, the draft
+        at `length` - 1 (`restore_call` computes its pending row)."""
+        target = {k[len("target/"):]: v for k, v in arrays.items() if k.startswith("target/")}
+        for name, per_page in self._ratios:  # pad the held pages back to the slot's page capacity
+            a = target[name]
+            full = self.tspec.pages_per_slot * per_page
+            target[name] = np.concatenate([a, np.zeros((a.shape[0], full - a.shape[1]) + a.shape[2:], a.dtype)], 1)
+        self.tpool = snapshots.inject(self.tpool, np.int32(slot), target, np.int32(pages), np.int32(length),
+                                      ratios=self._ratios)
+        if self._live_dspec is not None:
+            draft = {k[len("draft/"):]: v for k, v in arrays.items() if k.startswith("draft/")}
+            self.dpool = snapshots.inject(self.dpool, np.int32(slot), draft, np.int32(0), np.int32(length - 1),
+                                          ratios=())
+        self.slot_state = _set_slot_rows(self.slot_state, np.int32(slot), arrays["last_logits"],
+                                         arrays["last_stream"])
 
     def snapshot(self, which, at: int | None = None) -> Snapshot:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
@@ -697,21 +722,10 @@ class Engine:
                          f"engine ({', '.join(bad) or 'draft'} differ)")
             return
         length = snap.length
-        slot = np.int32(lv.slot)
-        target = {k[len("target/"):]: v for k, v in snap.arrays.items() if k.startswith("target/")}
-        for name, per_page in self._ratios:  # pad the held pages back to the slot's page capacity
-            a = target[name]
-            full = self.tspec.pages_per_slot * per_page
-            target[name] = np.concatenate([a, np.zeros((a.shape[0], full - a.shape[1]) + a.shape[2:], a.dtype)], 1)
-        self.tpool = snapshots.inject(self.tpool, slot, target, np.int32(snap.pages), np.int32(length),
-                                      ratios=self._ratios)
+        self._write_snapshot(lv.slot, snap.arrays, snap.pages, length)
         self.tbook.lengths[lv.slot] = length
         if self._live_dspec is not None:
-            draft = {k[len("draft/"):]: v for k, v in snap.arrays.items() if k.startswith("draft/")}
-            self.dpool = snapshots.inject(self.dpool, slot, draft, np.int32(0), np.int32(length - 1), ratios=())
             self.dbook.lengths[lv.slot] = length - 1
-        self.slot_state = _set_slot_rows(self.slot_state, slot, snap.arrays["last_logits"],
-                                         snap.arrays["last_stream"])
         lv.pos, lv.restored = length, length
         lv.result.prefill_tokens = len(lv.ids) - length
         self.stats.snapshot_hits += 1
