@@ -41,6 +41,7 @@ from ds4jax.runtime.pool_spec import PoolSpec, configure
 from ds4jax.runtime.pools import PoolBook, PoolError
 from ds4jax.runtime.roles import Role
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]
 
@@ -486,9 +487,10 @@ class Engine:
             arr["n_out"][r] = len(lv.result.tokens)
             arr["max_new"][r] = q.max_new_tokens
             arr["stop_ids"][r] = lv.stop
-            arr["temperature"][r] = q.temperature
+            # valid values beyond the device's types saturate: top_k >= vocab is "off", temperature <= float32 max
+            arr["temperature"][r] = min(float(q.temperature), _FLOAT32_MAX)
             arr["top_p"][r] = q.top_p
-            arr["top_k"][r] = q.top_k
+            arr["top_k"][r] = min(int(q.top_k), self.cfg.vocab_size)
             arr["key_data"][r] = lv.key_data
             arr["k_cap"][r] = lv.k
             arr["forced"][r, : len(lv.forced)] = lv.forced

@@ -91,7 +91,7 @@ def mesh_generate(model: Model, prompts: list[list[int]], params, *, prefill_chu
 
     rows = len(prompts)
     keys = jax.random.split(jax.random.key(params.seed), rows)
-    temperature = jnp.full((rows,), params.temperature, jnp.float32)
+    temperature = jnp.full((rows,), min(params.temperature, float(np.finfo(np.float32).max)), jnp.float32)
     top_p = jnp.full((rows,), params.top_p, jnp.float32)
     stop = set(params.stop_ids)
     out: list[list[int]] = [[] for _ in prompts]

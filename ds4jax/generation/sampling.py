@@ -10,14 +10,17 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     """Scaled, top-k and nucleus-filtered log-probabilities [..., v] (float32).
 
     temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]."""
-    scaled = logits.astype(jnp.float32) / temperature[..., None]
+    # a tiny temperature overflows finite logits to +-inf (and inf - inf is NaN in log_softmax): saturate instead
+    big = jnp.finfo(jnp.float32).max
+    scaled = jnp.clip(logits.astype(jnp.float32) / temperature[..., None], -big, big)
     order = jnp.argsort(-scaled, axis=-1)
     sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
     sorted_logp = jax.nn.log_softmax(sorted_scaled, axis=-1)
     before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)  # mass strictly above each token
-    keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0)  # always keeps the most likely token
+    rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+    # the most likely token is always kept, also when a tiny top_p rounds to 0 in float32
+    keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0) | (rank == 0)
     if top_k is not None:
-        rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
         top_k = jnp.broadcast_to(top_k, scaled.shape[:-1])
         keep_sorted = keep_sorted & ((top_k[..., None] <= 0) | (rank < top_k[..., None]))
     keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if scaled.ndim == 1 else \
