@@ -7,8 +7,8 @@ from ds4jax import cli
 def test_speculative_option_is_wired(monkeypatch, capsys):
     calls = {}
 
-    def fake(model, ids, sampling, *, k, prefill_chunk):
-        calls.update(k=k, ids=ids, max_new=sampling.max_new_tokens, chunk=prefill_chunk)
+    def fake(model, ids, sampling, *, k, prefill_chunk, check_finite):
+        calls.update(k=k, ids=ids, max_new=sampling.max_new_tokens, chunk=prefill_chunk, check_finite=check_finite)
         return speculative.SpecResult(tokens=[[104, 105]], accepted_per_round=[[1]], rounds=[1], mean_accepted=[1.0],
                                        mean_tokens_per_round=[2.0], seconds=0.5, tokens_per_second=4.0)
 
@@ -19,6 +19,7 @@ def test_speculative_option_is_wired(monkeypatch, capsys):
     out = capsys.readouterr()
     assert code == 0
     assert calls["k"] == 3 and calls["max_new"] == 2 and calls["chunk"] == 4 and len(calls["ids"]) >= 2
+    assert calls["check_finite"] is True  # the numerics guard is on by default in the CLI
     assert "speculative k=3" in out.err and "mean accepted 1.00" in out.err
     assert out.out.strip() != ""
 

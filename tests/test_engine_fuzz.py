@@ -12,23 +12,17 @@ from __future__ import annotations
 import math
 
 import hypothesis.strategies as st
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import ds4jax
-from ds4jax import Budget, Engine, ErrorCode, FinishReason, GenerateResult, Request
-from ds4jax.io.tokenizer import ByteTokenizer
-from ds4jax.model import params as P
-from ds4jax.model.config import AttentionType, MlpType
-from ds4jax.model.handle import Model
+from ds4jax import Budget, ErrorCode, FinishReason, GenerateResult, Request
+from small_engine import MAX_CONTEXT, one_layer_model, small_engine
 
 CI = settings(derandomize=True, database=None, deadline=None, print_blob=False, max_examples=60,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                      HealthCheck.data_too_large])
 VOCAB = 256  # tiny()'s; the byte tokenizer's ids reach 258, so some text prompts leave the vocabulary
-MAX_CONTEXT = 64
 
 # The good requests every batch carries: greedy speculative, and seeded sampling on the plain path.
 GOOD = (Request(prompt=[5, 17, 200, 3, 9, 41, 77, 12, 250, 6, 8], max_new_tokens=9),
@@ -37,12 +31,8 @@ GOOD = (Request(prompt=[5, 17, 200, 3, 9, 41, 77, 12, 250, 6, 8], max_new_tokens
 
 @pytest.fixture(scope="module")
 def served():
-    """(engine, tokens of each GOOD request run alone). One sliding-window layer with its MTP block: the cheapest
-    model with both the plain and the speculative decode programs (validation does not depend on depth)."""
-    cfg = ds4jax.tiny(num_layers=1, attention_types=(AttentionType.SLIDING,), mlp_types=(MlpType.HASH,))
-    model = Model(cfg, jax.jit(P.init, static_argnums=0)(cfg, jax.random.key(3)))
-    engine = Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=1, prefill_chunk=8, chunk_buckets=(8,),
-                    row_buckets=(4,), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0)
+    """(engine, tokens of each GOOD request run alone)."""
+    engine = small_engine(one_layer_model())
     engine.warmup()
     alone = [engine.generate([g])[0] for g in GOOD]
     assert all(r.ok for r in alone), [r.message for r in alone]

@@ -22,3 +22,21 @@ def test_nan_logits_name_the_first_layer():
     assert e.value.name == "layer 1" and "generated token 0" in str(e.value)
     assert first_nonfinite(model, ids) is None
     assert len(generate(poisoned, ids, SamplingParams(max_new_tokens=2))[0]) == 2  # off: no check, no error
+
+
+def test_speculative_rounds_flag_nonfinite_logits():
+    """A token whose embedding overflows layer 0 is forced into a speculative round (a thinking budget's close
+    id): the round's verify logits are NaN/Inf and the result names the token; the cache-free forward names the
+    layer."""
+    from ds4jax import Budget, Request
+    from small_engine import one_layer_model, small_engine
+
+    model = one_layer_model()
+    poison = 77
+    params = dict(model.params, embed=model.params["embed"].at[poison].set(3e38))  # finite, but overflows
+    poisoned = Model(config=model.config, params=params)
+    budget = Budget(max_tokens=1, close_ids=(poison,))  # token 1 is forced; token 2 comes from its logits
+    res = small_engine(poisoned).generate([Request(prompt=[5, 6, 7], max_new_tokens=6, budget=budget)])[0]
+    assert res.accepted_per_round is not None and res.tokens[1] == poison
+    assert res.nonfinite_at == 2
+    assert first_nonfinite(poisoned, [5, 6, 7] + res.tokens[:2]) == "layer 0"

@@ -222,7 +222,8 @@ def run(args) -> int:
     if args.speculative:
         from ds4jax.generation.speculative import speculative_generate
 
-        result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk)
+        result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk,
+                                      check_finite=args.check_finite)
         new = result.tokens[0]
         progress(f"speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
                  f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round")

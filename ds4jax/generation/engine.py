@@ -569,18 +569,18 @@ class Engine:
         rows = self._padding_rows(self._bucket_rows(len(part)), part)
         if speculative:
             out = self._spec_call(rows)
-            tokens, rounds, accepted = jax.device_get((out.tokens, out.rounds, out.accepted))
+            tokens, rounds, accepted, bad = jax.device_get((out.tokens, out.rounds, out.accepted, out.bad))
             self.stats.spec_calls += 1
             self.stats.spec_rounds += int(rounds)
         else:
             out = self._decode_call(rows)
             tokens, steps_run, bad = jax.device_get((out.tokens, out.steps, out.bad))
-            for r, lv in enumerate(part):
-                if bad[r] >= 0 and lv.result.nonfinite_at is None:
-                    lv.result.nonfinite_at = int(bad[r])
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)
+        for r, lv in enumerate(part):
+            if bad[r] >= 0 and lv.result.nonfinite_at is None:
+                lv.result.nonfinite_at = int(bad[r])
         lengths = np.asarray(self.tpool.lengths)
         for r, lv in enumerate(part):
             self.tbook.lengths[lv.slot] = lengths[lv.slot]

@@ -93,7 +93,7 @@ class GenerateResult:
     accepted_per_round: list[int] | None = None  # speculative: accepted drafts of each round
     prefill_tokens: int = 0  # prompt tokens this request prefilled (0 after an exact snapshot hit)
     budget_forced_close: bool = False
-    nonfinite_at: int | None = None  # index of the first token whose logits held NaN/Inf (plain path and prefill)
+    nonfinite_at: int | None = None  # index of the first token whose logits held NaN/Inf (prefill, decode, rounds)
 
     @property
     def ok(self) -> bool:

@@ -34,6 +34,7 @@ class SpecOut(NamedTuple):
     done: jax.Array  # [B]
     accepted: jax.Array  # [B, M] accepted drafts per round (-1 = no round for this row)
     rounds: jax.Array  # [] rounds run
+    bad: jax.Array  # [B] index of the first emitted token whose target logits were not finite (-1 = none)
 
 
 class _Carry(NamedTuple):
@@ -50,6 +51,7 @@ class _Carry(NamedTuple):
     r: jax.Array
     finished: jax.Array
     fp: jax.Array  # [B] forced tokens consumed
+    bad: jax.Array  # [B] see SpecOut.bad
 
 
 def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
@@ -134,6 +136,9 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     write = jnp.where(j < count[:, None], emitted, -1)
     buf = jax.vmap(lambda o, w, n: jax.lax.dynamic_update_slice(o, w, (n,)))(c.buf, write, c.n_buf)
     n_out = c.n_out + count
+    # numerics guard: the verify logits that chose this round's tokens (positions 0..a) must be finite
+    broken = ~jnp.isfinite(verify.logits).all(axis=-1) & (j <= a[:, None])  # [b, k+1]
+    bad = jnp.where(active & (c.bad < 0) & broken.any(axis=1), c.n_out + jnp.argmax(broken, axis=1), c.bad)
     finished = active & ((n_out >= rows.max_new) | jnp.any(stop_hit & (j < count[:, None]), axis=1))
     paused = active & (n_out - rows.n_out >= rows.limit)
     now_done = finished | paused
@@ -143,7 +148,7 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
                              c.draft_stream)
     return _Carry(tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
                   c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
-                  c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0))
+                  c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad)
 
 
 @cached_jit
@@ -159,7 +164,7 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
     init = _Carry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
                   rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
                   jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
-                  jnp.zeros((b,), jnp.int32))
+                  jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32))
 
     def cond(c):
         return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)
@@ -172,4 +177,4 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
             jnp.where(real, c.draft_logits, slot_state.draft_logits[rows.slots])),
         draft_stream=slot_state.draft_stream.at[rows.slots].set(
             jnp.where(real[..., None], c.draft_stream, slot_state.draft_stream[rows.slots])))
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r), c.tpool, c.dpool, slot_state
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), c.tpool, c.dpool, slot_state

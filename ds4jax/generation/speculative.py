@@ -29,8 +29,11 @@ class SpecResult:
 
 
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
-                         prefill_chunk: int | None = None) -> SpecResult:
-    """Speculative generation with the model's MTP block as the draft (k draft tokens per round)."""
+                         prefill_chunk: int | None = None, check_finite: bool = False) -> SpecResult:
+    """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
+
+    `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf (as in
+    `generate`)."""
     cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
@@ -42,7 +45,7 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     start = time.perf_counter()
-    results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk)
+    results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]
