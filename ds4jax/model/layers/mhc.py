@@ -23,9 +23,14 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     kernels per call, 8 calls per layer pair: most of a decode step's kernel count on the H200). Traced for a GPU,
     the m-term sums are adds of slices, so the whole projection is elementwise work on m*m values per token that
     XLA fuses into one kernel; elsewhere they stay reductions, because the slice form is ~14 ops per sum and makes
-    CPU compiles ~3x slower (46 s against 13.5 s for the default model's decode step)."""
+    CPU compiles ~3x slower (46 s against 13.5 s for the default model's decode step).
+
+    Elsewhere (CPU) the iterations are a `fori_loop`: loops cost nothing there, and unrolled they were most of a
+    program's kernels (~2000 per decode step of the default model), which a cached ``ds4jax generate`` paid for
+    again when loading each executable (4-5 s per program on the 2-core CI machine)."""
     m = logits.shape[-1]
-    if _traced_for_gpu():
+    gpu = _traced_for_gpu()
+    if gpu:
         rows = lambda c: sum(c[..., :, j : j + 1] for j in range(m))  # [..., m, 1]: sum over the last axis
         cols = lambda c: sum(c[..., j : j + 1, :] for j in range(m))  # [..., 1, m]: sum over the row axis
     else:
@@ -33,9 +38,15 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         cols = lambda c: jnp.sum(c, axis=-2, keepdims=True)  # noqa: E731
     comb = jax.nn.softmax(logits, axis=-1) + eps
     comb = comb / (cols(comb) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (rows(comb) + eps)
-        comb = comb / (cols(comb) + eps)
+
+    def step(_, c):
+        c = c / (rows(c) + eps)
+        return c / (cols(c) + eps)
+
+    if not gpu:
+        return jax.lax.fori_loop(0, iters - 1, step, comb)
+    for i in range(iters - 1):
+        comb = step(i, comb)
     return comb
 
 
