@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-import flax.linen as nn
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -46,6 +45,8 @@ def mesh_spec(shape: Sequence[int], logical: Sequence[str], axis_sizes: Mapping[
               exclude: Sequence[str] = ()) -> P:
     """`nn.logical_to_mesh_axes`, then drop mesh axes that do not divide their dimension (or are `exclude`d,
     e.g. already manual) so every placement is even. Placement and shard_map specs both come from here."""
+    import flax.linen as nn  # here, not at the top: single-device runs (the CLI) never import flax
+
     spec = nn.logical_to_mesh_axes(tuple(logical), rules)
     out = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -87,4 +88,6 @@ def active() -> Active | None:
         return None
     # (also when only already-manual axes are larger than 1: inside a data-parallel step the experts may be
     # split over ``data`` while ``expert`` and ``tensor`` have size 1)
+    import flax.linen as nn
+
     return Active(mesh, tuple(nn.get_logical_axis_rules() or default_rules()))
