@@ -2,6 +2,8 @@
 
 import pickle
 
+import numpy as np
+
 import pytest
 
 import ds4jax
@@ -44,3 +46,20 @@ def test_pickle_keeps_fields():
     e = errors.TokenizerError("not JSON", source="tok.json", name="line 3", value="{")
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is errors.TokenizerError and str(back) == str(e) and back.value == "{"
+
+
+def test_a_failed_engine_step_is_a_runtime_failure(monkeypatch):
+    """generate() over the engine: a step that fails (here: before running) is exit status 3, not "bad input"."""
+    from ds4jax.generation import engine
+    from ds4jax.generation.generate import SamplingParams, generate
+    from ds4jax.io.default_model import random_config
+    from ds4jax.model.handle import Model
+
+    def broken(self, *args):
+        raise RuntimeError("NOT_FOUND: Function wrapped_slice not found")
+
+    monkeypatch.setattr(engine.Engine, "_prefill_call", broken)
+    hollow = Model(random_config(), {"embed": np.zeros((1, 1), np.float32)})  # the patched step never reads it
+    with pytest.raises(RuntimeFailure, match="wrapped_slice") as e:
+        generate(hollow, [1, 2], SamplingParams(max_new_tokens=2))
+    assert not isinstance(e.value, InputError) and e.value.exit_status == 3

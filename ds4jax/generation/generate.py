@@ -15,9 +15,9 @@ import numpy as np
 
 from typing import Callable
 
-from ds4jax.errors import ArgumentError
+from ds4jax.errors import ArgumentError, DeviceMemoryError, RuntimeFailure
 from ds4jax.generation.engine import Engine, bucket, default_page_size, pool_dtype  # noqa: F401 (re-exported)
-from ds4jax.generation.requests import GenerateResult, Request
+from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
 from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
 from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
@@ -106,7 +106,8 @@ def row_seed(seed: int, row: int) -> int:
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
               prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
               check_finite: bool = False) -> list[GenerateResult]:
-    """Run validated prompts through a one-shot engine sized for them; raises PoolError on a failed request and
+    """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
+    `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
     longest = max(len(p) for p in prompts)
     new_bucket = bucket(params.max_new_tokens)
@@ -122,6 +123,9 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
                 for r, p in enumerate(prompts)]
     results = engine.generate(requests)
     for res in results:
+        if res.error is ErrorCode.INTERNAL:  # a failed step, not a bad request: a runtime failure (CLI exit 3)
+            oom = "RESOURCE_EXHAUSTED" in res.message or "out of memory" in res.message.lower()
+            raise (DeviceMemoryError if oom else RuntimeFailure)(res.message)
         if res.error is not None:
             raise PoolError(res.message)
     if check_finite:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 
 _directory: str | None = None
+_FRESH = {"xla_embed_ir_in_executable": False}  # see _fresh_compile
 _memory: dict[str, Any] = {}
 
 
@@ -115,10 +116,24 @@ def _load(key: str):
         return None
 
 
+def _fresh_compile(lowered):
+    """Compile `lowered` with XLA, never taking it from JAX's persistent cache: an executable *loaded* from that
+    cache serializes without its kernels (XLA:CPU; the copy we would store fails with "NOT_FOUND: Function
+    wrapped_slice not found" when it runs). `_FRESH` (an option set to its default value) gives the program a key
+    of its own in JAX's cache, and nothing is written under that key, so the lookup always misses."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        return lowered.compile(_FRESH)
+    finally:
+        jax.config.update(name, before)
+
+
 def _compile_and_store(jitted: Callable, key: str, args: tuple, static: dict):
     from jax.experimental.serialize_executable import serialize
 
-    compiled = jitted.trace(*args, **static).lower().compile()
+    compiled = _fresh_compile(jitted.trace(*args, **static).lower())
     try:
         device_ids = [d.id for d in compiled._executable.xla_executable.local_devices()]
         blob = pickle.dumps((*serialize(compiled), device_ids))

@@ -8,7 +8,7 @@ from spec_helpers import tiny3
 import ds4jax
 from ds4jax.generation import engine, spec_rounds, speculative
 from ds4jax.model import params as P
-from ds4jax.errors import PoolError
+from ds4jax.errors import RuntimeFailure
 from ds4jax.model.handle import Model
 from ds4jax.runtime.kernels import Impl
 
@@ -30,7 +30,7 @@ def test_loop_gets_the_dispatchers_kernels(monkeypatch):
     monkeypatch.setattr(engine, "resolve", lambda impl: Impl.PALLAS if impl is None else Impl(impl))
     monkeypatch.setattr(spec_rounds, "speculative_loop", fake_loop)
     monkeypatch.setattr(engine.Engine, "_prefill_call", _skip_prefill(engine.Engine._prefill_call))
-    with pytest.raises(PoolError, match="_Stop"):  # the engine turns a failed step into an error result
+    with pytest.raises(RuntimeFailure, match="_Stop"):  # a failed step: an INTERNAL result, raised as a runtime failure
         speculative.speculative_generate(model, [[1, 2, 3]], ds4jax.SamplingParams(max_new_tokens=4), k=2)
     assert seen["kernels"] is Impl.PALLAS
 
