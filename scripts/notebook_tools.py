@@ -5,13 +5,15 @@
     python scripts/notebook_tools.py run [NOTEBOOK ...]     # execute; exit 1 on the first failing cell
 
 Without arguments every ``notebooks/*.ipynb`` is meant. Notebooks run in a fresh kernel with the repository root
-first on ``PYTHONPATH`` (so they import this checkout's ``ds4jax``, not whatever else is installed) and the
-notebooks/ folder as working directory. The test suite (`tests/test_notebooks.py`) uses the same functions.
+first on ``PYTHONPATH`` (so they import this checkout's ``ds4jax``, not whatever else is installed), XLA's cheap
+compile settings added to ``XLA_FLAGS`` (`COMPILE_FLAGS`) and the notebooks/ folder as working directory. The test
+suite (`tests/test_notebooks.py`) uses the same functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
@@ -25,6 +27,10 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 # Per-cell limit: far above the notebooks' own budget (a minute each on a laptop) so a slow or shared CI machine
 # reports a failing assertion rather than a timeout, while a hung kernel still fails.
 CELL_TIMEOUT_S = 900
+# The notebooks are compile-bound on CPU (a few large programs, each run briefly): XLA:CPU's backend and LLVM
+# optimisations cost far more than they save (notebook 03's warmup: 108 s of CPU time by default, 74 s at level 0,
+# 55 s with both). Flags already in XLA_FLAGS win.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
 def notebooks() -> list[pathlib.Path]:
@@ -51,6 +57,28 @@ def strip(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
+def with_compile_flags(xla_flags: str) -> str:
+    """`xla_flags` plus every `COMPILE_FLAGS` entry it does not set itself."""
+    present = {f.split("=")[0] for f in xla_flags.split()}
+    return " ".join([xla_flags] + [f for f in COMPILE_FLAGS if f.split("=")[0] not in present]).strip()
+
+
+@contextlib.contextmanager
+def kernel_environment():
+    """PYTHONPATH and XLA_FLAGS for the kernels started inside (they inherit the environment), then restored."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "XLA_FLAGS")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    os.environ["XLA_FLAGS"] = with_compile_flags(saved["XLA_FLAGS"] or "")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 def execute(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> nbformat.NotebookNode:
     """Run a notebook top to bottom in a fresh kernel; returns it with outputs.
 
@@ -60,16 +88,9 @@ def execute(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> nbformat.
 
     path = pathlib.Path(path)
     nb = nbformat.read(path, as_version=4)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved) if p)  # the kernel inherits it
-    try:
+    with kernel_environment():
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
     return nb
 
 

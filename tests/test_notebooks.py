@@ -72,3 +72,11 @@ def test_checks_fail_on_a_failing_assertion_and_on_committed_outputs(tmp_path):
         assert_stripped(with_outputs)
     notebook_tools.strip(nb := nbformat.read(with_outputs, as_version=4))
     assert notebook_tools.committed_outputs(nb) == []
+
+
+def test_kernels_get_the_cheap_compile_flags_unless_set():
+    flags = notebook_tools.with_compile_flags("--xla_force_host_platform_device_count=4 "
+                                              "--xla_backend_optimization_level=2")
+    assert "--xla_backend_optimization_level=2" in flags and "--xla_backend_optimization_level=0" not in flags
+    assert "--xla_llvm_disable_expensive_passes=true" in flags and "device_count=4" in flags
+    assert notebook_tools.with_compile_flags("") == " ".join(notebook_tools.COMPILE_FLAGS)
