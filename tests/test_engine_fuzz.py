@@ -161,7 +161,21 @@ def test_edge_sampling_values(served, edge, same_as):
 
 
 def test_tiny_temperature_is_greedy(served):
-    """logits / 1e-38 overflow to +-inf; saturating keeps the draw on the most likely token."""
+    """logits / 1e-38 would overflow to +inf (NaN after log_softmax); shifted by their max first, every token but
+    the most likely goes to -inf: greedy, as the limit says."""
     engine, _ = served
-    got = engine.generate([Request(**{**SAMPLED, "temperature": t}) for t in (1e-38, 5e-324, 0.0)])
-    assert got[0].tokens == got[1].tokens == got[2].tokens
+    got = engine.generate([Request(**{**SAMPLED, "temperature": t}) for t in (1e-38, 1e-30, 5e-324, 0.0)])
+    assert got[0].tokens == got[1].tokens == got[2].tokens == got[3].tokens
+
+
+def test_sampling_shift_is_exactly_greedy_at_tiny_temperatures():
+    import jax
+    import jax.numpy as jnp
+
+    from ds4jax.generation.sampling import sample
+
+    logits = jnp.asarray([[5.0, 4.0, 7.0, 6.5], [0.1, 0.3, 0.2, -1.0]])
+    keys = jax.random.split(jax.random.key(0), 2)
+    for t in (1e-38, 1e-30, 1e-6):
+        drawn = sample(logits, keys, jnp.full(2, t, jnp.float32), jnp.ones(2), jnp.zeros(2, jnp.int32))
+        assert drawn.tolist() == [2, 1]

@@ -10,9 +10,10 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     """Scaled, top-k and nucleus-filtered log-probabilities [..., v] (float32).
 
     temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]."""
-    # a tiny temperature overflows finite logits to +-inf (and inf - inf is NaN in log_softmax): saturate instead
-    big = jnp.finfo(jnp.float32).max
-    scaled = jnp.clip(logits.astype(jnp.float32) / temperature[..., None], -big, big)
+    # shifted by the max first (softmax does not change): a tiny temperature then sends the other tokens to -inf
+    # instead of sending the top ones to +inf (inf - inf is NaN in log_softmax)
+    logits = logits.astype(jnp.float32)
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature[..., None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
     sorted_logp = jax.nn.log_softmax(sorted_scaled, axis=-1)
