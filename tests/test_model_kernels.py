@@ -100,10 +100,14 @@ def test_routed_experts_dispatch_runs_the_grouped_kernel():
     assert re_mod.tile_rows(6) == 16 and re_mod.tile_rows(400) == 64
 
 
-def test_gpu_decode_step_has_no_device_loops():
+def test_gpu_decode_step_has_no_device_loops(monkeypatch):
     """The decode step lowered for a GPU (Pallas kernels) holds no `while` loop: on a GPU each iteration of one
     costs a few small kernel launches (the Sinkhorn fori_loop and a binary-search searchsorted were most of a
-    decode step's ~1000 kernels on the H200)."""
+    decode step's ~1000 kernels on the H200). Traced as on a GPU host (the Sinkhorn's form follows the device it
+    is traced for; on CPU it is a loop)."""
+    from ds4jax.model.layers import mhc
+
+    monkeypatch.setattr(mhc, "_traced_for_gpu", lambda: True)
     cfg = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
                       mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
     spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
