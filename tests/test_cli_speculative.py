@@ -1,14 +1,17 @@
 """`ds4jax generate --speculative K` routes to speculative decoding (the loop itself is tested elsewhere)."""
 
 import ds4jax.generation.speculative as speculative
+from ds4jax.io.default_model import default_tokenizer
 from ds4jax import cli
 
 
 def test_speculative_option_is_wired(monkeypatch, capsys):
     calls = {}
 
-    def fake(model, ids, sampling, *, k, prefill_chunk, check_finite):
+    def fake(model, ids, sampling, *, k, prefill_chunk, check_finite, on_token):
         calls.update(k=k, ids=ids, max_new=sampling.max_new_tokens, chunk=prefill_chunk, check_finite=check_finite)
+        on_token(0, default_tokenizer().encode("word")[-1])  # a whole token of ASCII text
+        calls["printed_while_running"] = capsys.readouterr().out  # streamed, not printed at the end
         return speculative.SpecResult(tokens=[[104, 105]], accepted_per_round=[[1]], rounds=[1], mean_accepted=[1.0],
                                        mean_tokens_per_round=[2.0], seconds=0.5, tokens_per_second=4.0)
 
@@ -21,7 +24,7 @@ def test_speculative_option_is_wired(monkeypatch, capsys):
     assert calls["k"] == 3 and calls["max_new"] == 2 and calls["chunk"] == 4 and len(calls["ids"]) >= 2
     assert calls["check_finite"] is True  # the numerics guard is on by default in the CLI
     assert "speculative k=3" in out.err and "mean accepted 1.00" in out.err
-    assert out.out.strip() != ""
+    assert calls["printed_while_running"] != "" and (calls["printed_while_running"] + out.out).strip() != ""
 
 
 def test_speculative_option_rejects_bad_k(monkeypatch):

@@ -39,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="compute dtype (default: bfloat16 for a checkpoint, float32 for the default model)")
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="speculative decoding: the checkpoint's MTP block drafts K tokens per round (greedy output "
-                        "is identical to plain decoding; printed at the end); acceptance stats on stderr")
+                        "is identical to plain decoding); acceptance stats on stderr")
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="skip the NaN/Inf checks of the checkpoint's weights (at load) and of the logits (each step)")
     return p
@@ -223,7 +223,7 @@ def run(args) -> int:
         from ds4jax.generation.speculative import speculative_generate
 
         result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk,
-                                      check_finite=args.check_finite)
+                                      check_finite=args.check_finite, on_token=lambda _row, token: printer.add(token))
         new = result.tokens[0]
         progress(f"speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
                  f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from ds4jax.generation.generate import SamplingParams, check_prompts, check_stop_ids, run_batch
 from ds4jax.model.inputs import check_int
@@ -29,11 +30,13 @@ class SpecResult:
 
 
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
-                         prefill_chunk: int | None = None, check_finite: bool = False) -> SpecResult:
+                         prefill_chunk: int | None = None, check_finite: bool = False,
+                         on_token: Callable[[int, int], None] | None = None) -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
 
-    `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf (as in
-    `generate`)."""
+    `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf, and
+    `on_token(row, token)` sees every token as it is delivered (a round delivers its accepted drafts at once), as
+    in `generate`."""
     cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
@@ -45,7 +48,8 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     start = time.perf_counter()
-    results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite)
+    results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite,
+                        on_token=on_token)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]
