@@ -236,7 +236,9 @@ def check_park(engine, fresh):
     with pytest.raises(PoolError, match="target is parked"):
         engine.unpark("draft")
     engine.unpark("all")
+    before = engine_lib.compile_count()
     assert engine.parked == () and engine.generate([req(PROMPT)])[0].tokens == fresh["greedy"]
+    assert engine_lib.compile_count() == before, "unparked weights are committed where they were: nothing compiles"
     engine.park("")
     assert engine.parked == ("draft", "target")
     engine.unpark("target")

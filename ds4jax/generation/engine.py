@@ -92,6 +92,12 @@ def _set_slot_rows(state: SlotState, slot, logits, stream) -> SlotState:
                           last_stream=state.last_stream.at[slot].set(stream.astype(state.last_stream.dtype)))
 
 
+def _placements(tree) -> list:
+    """Each leaf's sharding if it is committed to it, else None: parked weights come back exactly where they were
+    (a warmed-up program keys its executable on whether each argument is committed)."""
+    return [x.sharding if getattr(x, "committed", False) else None for x in jax.tree.leaves(tree)]
+
+
 @dataclasses.dataclass
 class EngineStats:
     prefill_steps: int = 0  # prefill chunk calls
@@ -618,7 +624,7 @@ class Engine:
             if part in self._parked or (part == "draft" and not self.k):
                 continue
             keys = ["mtp"] if part == "draft" else [k for k in params if k != "mtp"]
-            self._host[part] = {k: jax.device_get(params[k]) for k in keys}
+            self._host[part] = {k: (jax.device_get(params[k]), _placements(params[k])) for k in keys}
             doomed = [params[k] for k in keys]
             if part == "target":
                 doomed += [self.tpool, self.slot_state]
@@ -643,8 +649,10 @@ class Engine:
         for part in ("target", "draft"):
             if part not in parts or part not in self._parked:
                 continue
-            for k, v in self._host.pop(part).items():
-                self.model.params[k] = jax.device_put(v)
+            for k, (host, placements) in self._host.pop(part).items():
+                leaves, treedef = jax.tree.flatten(host)
+                self.model.params[k] = jax.tree.unflatten(
+                    treedef, [jax.device_put(x, p) for x, p in zip(leaves, placements)])
             if part == "target":
                 self._new_target_state()
             else:
