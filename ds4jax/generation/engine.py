@@ -11,8 +11,8 @@ device state. Requests wait in a FIFO queue and join free slots between calls; e
    their slot.
 
 Shapes come only from the buckets (`row_buckets` x `chunk_buckets` for prefill, `row_buckets` for decode), so
-after `warmup()` no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots,
-park / unpark and weights committed to the device, as loaded checkpoints are). Decode never pays for prefill
+after `warmup()` no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots and
+after unpark, weights committed to the device as loaded checkpoints are). Decode never pays for prefill
 width: the two are separate programs.
 """
 
