@@ -64,6 +64,12 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any((tokens[..., None] == stops) & (stops >= 0), axis=-1)
 
 
+def set_rows(table: jax.Array, slots: jax.Array, where: jax.Array, values: jax.Array) -> jax.Array:
+    """table[slots] = values on the rows where `where` [B] holds; the other rows keep their entries."""
+    where = where.reshape(where.shape + (1,) * (values.ndim - 1))
+    return table.at[slots].set(jnp.where(where, values.astype(table.dtype), table[slots]))
+
+
 _PREFILL_STATIC = ("cfg", "tspec", "dspec", "kernels")
 
 
@@ -83,25 +89,17 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     wrote = n_tokens > 0
     last = jnp.maximum(n_tokens - 1, 0)
     last_stream = jnp.take_along_axis(out.streams, last[:, None, None, None], axis=1)[:, 0]
-    slot_state = slot_state._replace(
-        last_logits=slot_state.last_logits.at[rows.slots].set(
-            jnp.where(wrote[:, None], out.logits, slot_state.last_logits[rows.slots])),
-        last_stream=slot_state.last_stream.at[rows.slots].set(
-            jnp.where(wrote[:, None, None], last_stream.astype(slot_state.last_stream.dtype),
-                      slot_state.last_stream[rows.slots])))
+    slot_state = slot_state._replace(last_logits=set_rows(slot_state.last_logits, rows.slots, wrote, out.logits),
+                                     last_stream=set_rows(slot_state.last_stream, rows.slots, wrote, last_stream))
     if dspec is not None:
         col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
         ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
         dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
                                   spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
         stream = jnp.take_along_axis(dout.streams, last[:, None, None, None], axis=1)[:, 0]
-        keep = finishing
         slot_state = slot_state._replace(
-            draft_logits=slot_state.draft_logits.at[rows.slots].set(
-                jnp.where(keep[:, None], dout.logits, slot_state.draft_logits[rows.slots])),
-            draft_stream=slot_state.draft_stream.at[rows.slots].set(
-                jnp.where(keep[:, None, None], stream.astype(slot_state.draft_stream.dtype),
-                          slot_state.draft_stream[rows.slots])))
+            draft_logits=set_rows(slot_state.draft_logits, rows.slots, finishing, dout.logits),
+            draft_stream=set_rows(slot_state.draft_stream, rows.slots, finishing, stream))
     first = jnp.where(jnp.isfinite(out.logits).all(axis=-1), first, -1)  # -1: non-finite logits (numerics guard)
     return first, tpool, dpool, slot_state
 
@@ -124,11 +122,8 @@ def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next
                                   kernels=kernels)
         keep = rows.active & sampled
         slot_state = slot_state._replace(
-            draft_logits=slot_state.draft_logits.at[rows.slots].set(
-                jnp.where(keep[:, None], dout.logits, slot_state.draft_logits[rows.slots])),
-            draft_stream=slot_state.draft_stream.at[rows.slots].set(
-                jnp.where(keep[:, None, None], dout.streams[:, 0].astype(slot_state.draft_stream.dtype),
-                          slot_state.draft_stream[rows.slots])))
+            draft_logits=set_rows(slot_state.draft_logits, rows.slots, keep, dout.logits),
+            draft_stream=set_rows(slot_state.draft_stream, rows.slots, keep, dout.streams[:, 0]))
     return first, dpool, slot_state
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
-from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop
+from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, set_rows
 from ds4jax.generation.sampling import filter_logits, token_keys
 from ds4jax.runtime import steps
 from ds4jax.runtime.roles import Role
@@ -171,10 +171,7 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
 
     body = functools.partial(_round, params, rows=rows, cfg=cfg, tspec=tspec, dspec=dspec, k=k, kernels=kernels)
     c = jax.lax.while_loop(cond, body, init)
-    real = rows.active[:, None]
     slot_state = slot_state._replace(
-        draft_logits=slot_state.draft_logits.at[rows.slots].set(
-            jnp.where(real, c.draft_logits, slot_state.draft_logits[rows.slots])),
-        draft_stream=slot_state.draft_stream.at[rows.slots].set(
-            jnp.where(real[..., None], c.draft_stream, slot_state.draft_stream[rows.slots])))
+        draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
+        draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
     return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), c.tpool, c.dpool, slot_state
