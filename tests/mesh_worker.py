@@ -2,8 +2,11 @@
 and the rest of the suite runs with 4): every layout against the single-device run, results as JSON on stdout.
 
 Per layout: prefill (all logits of a ragged 2-row batch in chunks of 8), 3 greedy decode steps (logits and
-tokens), and every pool array at the positions each request has committed (rings, states, paged entries read
-through each run's own page table). Usage: python tests/mesh_worker.py LAYOUT_NAME... (default: all).
+tokens; each a one-token row of the same step program, so a layout compiles one program), and every pool array
+at the positions each request has committed (rings, states, paged entries read through each run's own page
+table). Per engine case: `ds4jax.Engine` on the mesh (its fused prefill, decode and speculative programs), one
+plain and one speculative greedy request, whose tokens must be the single-device run's.
+Usage: python tests/mesh_worker.py NAME... (default: every layout and engine case).
 """
 
 import os
@@ -22,9 +25,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import ds4jax  # noqa: E402
-from ds4jax.model import params as params_lib  # noqa: E402
-from ds4jax.model.config import AttentionType  # noqa: E402
-from ds4jax.model.handle import Model  # noqa: E402
+from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
 from ds4jax.runtime.mesh_steps import POOL_AXES, gather_pools  # noqa: E402
@@ -43,6 +44,9 @@ LAYOUTS = {
     # with the Pallas kernels (interpreted) in shard_map per head
     "dp2_tp2_ep2_pallas": dict(data=2, tensor=2, expert=2, rules="experts_over_data", kernels="pallas_interpret"),
 }
+# ds4jax.Engine on a mesh: one plain and one speculative greedy request (one engine, k = 2) against the
+# single-device engine; a second identical call must compile nothing (shardings stay put from call to call)
+ENGINES = {"engine_dp2_tp2_ep2": dict(data=2, tensor=2, expert=2)}  # every mesh axis in one engine
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 PROMPTS = (19, 11)
@@ -60,7 +64,7 @@ def experts_over_data():
 
 
 def make(name):
-    kw = dict(LAYOUTS[name])
+    kw = dict(LAYOUTS.get(name) or ENGINES[name])
     kernels = kw.pop("kernels", None)
     if kw.pop("rules", None) == "experts_over_data":
         kw["rules"] = experts_over_data()
@@ -100,20 +104,45 @@ def run(model, mesh_steps=None, kernels=None):
     for _ in range(DECODE):
         tokens.append(token.tolist())
         n = [1] * len(prompts)
-        book.check_extend(slots, token[:, None], n)
-        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(token[:, None], jnp.int32),
-                                jnp.asarray(n, jnp.int32))
-        out, pool = run.decode(model.params, pool, batch, cfg=cfg, spec=spec, kernels=kernels)
+        tok = np.zeros((len(prompts), CHUNK), np.int32)  # a decode step as one-token rows: the prefill program
+        tok[:, 0] = token
+        book.check_extend(slots, tok, n)
+        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
+        out, pool = run.prefill(model.params, pool, batch, cfg=cfg, spec=spec, all_logits=True, kernels=kernels)
         book.commit(slots, n)
-        logits = np.asarray(out.logits)
+        logits = np.asarray(out.logits)[:, 0]
         decode_logits.append(logits)
         token = np.argmax(logits, axis=-1)
+    tokens.append(token.tolist())
     if mesh_steps:
         arrays = gather_pools(pool, mesh_steps, spec)
     else:
         arrays = {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
     return dict(prefill=np.stack(prefill_logits), decode=np.stack(decode_logits), tokens=tokens,
                 pools=committed(arrays, spec, cfg))
+
+
+def engine_run(model, layout) -> dict:
+    """The prompts of `run` through `ds4jax.Engine` on `layout` (k = 2): row 0 plain, row 1 speculative."""
+    from ds4jax.generation.engine import Engine
+    from ds4jax.generation.requests import Request
+
+    engine = Engine(place_model(model, layout), max_slots=2, max_context=32, speculative=2, prefill_chunk=32,
+                    row_buckets=(2,), steps_per_call=4)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in PROMPTS]
+    requests = [Request(prompt=p, max_new_tokens=DECODE + 1, speculative=k) for p, k in zip(prompts, (0, None))]
+    first = engine.generate(requests)
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration")
+        else None)
+    again = engine.generate(requests)  # the same programs on the same placements: none compiles again
+    return dict(tokens=[r.tokens for r in first], again=[r.tokens for r in again],
+                errors=[r.message for r in first + again if r.error is not None],
+                accepted=[r.accepted_per_round for r in first], recompiled=sorted(set(compiled)),
+                pool_spec=str(engine.tpool.swa_kv.sharding.spec),
+                devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
 
 
 def committed(a: dict, spec: PoolSpec, cfg) -> dict:
@@ -147,11 +176,16 @@ def rel(a, b) -> float:
 
 def main(names):
     cfg = config()
-    model = Model(cfg, params_lib.init(cfg, jax.random.key(0)))
+    model = agreeable_model(cfg)  # random weights whose MTP draft the target often accepts (speculative cases)
     ref = run(model)
+    results = {}
+    for name in [n for n in names if n in ENGINES]:
+        got = engine_run(model, make(name)[0])
+        results[name] = dict(got, ref=[list(r) for r in zip(*ref["tokens"])])
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    names = [n for n in names if n not in ENGINES]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
-    results = {}
     for name in names:
         layout, kernels = make(name)
         placed = place_model(model, layout)
@@ -168,4 +202,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LAYOUTS))
+    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES))

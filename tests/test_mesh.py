@@ -14,7 +14,8 @@ import ds4jax
 from ds4jax.model import params as params_lib
 from ds4jax.model.sharding import default_rules, mesh_spec
 from ds4jax.runtime.mesh import MeshError, make_mesh, split_ranges
-from ds4jax.runtime.mesh_steps import POOL_AXES, ShardedPoolBook, check_rows, data_local_spec
+from ds4jax.runtime.data_parallel import check_rows, local_spec
+from ds4jax.runtime.mesh_steps import POOL_AXES, ShardedPoolBook
 from ds4jax.runtime.pool_spec import PoolSpec, shapes
 from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
@@ -47,6 +48,44 @@ def test_layout_matches_single_device(layouts, name):
     assert len(res["pools"]) == 2 * 11  # two slots x every pool array but the page table
     if name in mesh_worker.FORWARD:
         assert res["forward"] <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(mesh_worker.ENGINES))
+def test_engine_on_a_mesh_matches_single_device(layouts, name):
+    """`ds4jax.Engine` with sharded params and data-parallel pools: plain and speculative greedy tokens equal the
+    single-device ones, and a second identical call compiles nothing."""
+    res = layouts[name]
+    assert res["devices"] == 8 and not res["errors"], res
+    assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
+    assert res["accepted"][0] is None and sum(res["accepted"][1]) > 0, res["accepted"]  # row 1 drafted, accepted
+    assert "'data'" in res["pool_spec"], res["pool_spec"]  # pools split by request slot
+    assert not {"jit(prefill_call)", "jit(decode_loop)", "jit(speculative_loop)"} & set(res["recompiled"]), res
+
+
+def test_engine_rows_on_data_parallel_pools():
+    """The engine's rows on a data-parallel mesh: buckets are multiples of data, row block d serves the requests
+    whose slots live on data shard d (padded on its own); a layer split is refused with a clear error."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    from types import SimpleNamespace
+
+    from ds4jax.model.handle import Model
+    from ds4jax.runtime.mesh import place_model
+
+    cfg = ds4jax.tiny()
+    model = Model(cfg, params_lib.init(cfg, jax.random.key(0)))
+    placed = place_model(model, make_mesh(data=2, devices=jax.devices()[:2]))
+    engine = ds4jax.Engine(placed, max_slots=8, max_context=64)
+    assert engine.row_buckets == (2, 4, 8) and "'data'" in str(engine.tpool.swa_kv.sharding.spec)
+    live = [SimpleNamespace(slot=s) for s in (5, 0, 6, 7)]  # slots 0-3 on shard 0, 4-7 on shard 1
+    assert [lv and lv.slot for lv in engine._row_plan(live, engine.row_buckets)] == [0, None, None, None,
+                                                                                     5, 6, 7, None]
+    assert [lv.slot for lv in engine._fit(live, 4)] == [5, 0, 6]  # two rows per shard
+    with pytest.raises(PoolError, match="multiples of the mesh's data=2"):
+        ds4jax.Engine(placed, max_slots=8, max_context=64, row_buckets=(1, 8))
+    with pytest.raises(MeshError, match="layer split"):
+        ds4jax.Engine(place_model(model, make_mesh(layer_split=2, devices=jax.devices()[:2])), max_slots=2)
 
 
 def test_every_param_has_logical_axes():
@@ -122,7 +161,7 @@ def test_sharded_book_keeps_pages_on_the_slot_shard():
         assert ((pages // per) == s // 2).all(), (s, pages)
     book.release(1)
     assert len(book.free_pages) == spec.num_pages - 3 * book.pages_needed(20)
-    local = data_local_spec(spec, 2)
+    local = local_spec(spec, 2)
     assert local.max_slots == 2 and local.num_pages == per
     check_rows([0, 2], 4, 2)
     with pytest.raises(PoolError, match="row 0: slot 2 lives on data shard 1"):

@@ -19,6 +19,7 @@ width: the two are separate programs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -37,6 +38,7 @@ from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import pools
+from ds4jax.runtime.data_parallel import local_spec, rows_over_data
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec, configure
 from ds4jax.runtime.pools import PoolBook, PoolError
@@ -89,8 +91,9 @@ def _slot_rows(state: SlotState, slot):
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _set_slot_rows(state: SlotState, slot, logits, stream) -> SlotState:
-    return state._replace(last_logits=state.last_logits.at[slot].set(logits),
-                          last_stream=state.last_stream.at[slot].set(stream.astype(state.last_stream.dtype)))
+    return rows_over_data(state._replace(
+        last_logits=state.last_logits.at[slot].set(logits),
+        last_stream=state.last_stream.at[slot].set(stream.astype(state.last_stream.dtype))))
 
 
 def _placements(tree) -> list:
@@ -164,8 +167,16 @@ class Engine:
             raise PoolError(f"speculative must be >= 0, got {speculative}")
         if k and not model.has_mtp:
             raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
+        self.layout = model.layout  # a `MeshLayout` when the params are placed on a mesh
+        self.data = 1 if self.layout is None else self.layout.axis_sizes["data"]
+        if self.layout is not None and self.layout.num_stages > 1:
+            from ds4jax.runtime.mesh import MeshError
+
+            raise MeshError(f"Engine: a layer split ({self.layout.describe()}) runs one program per stage; the engine "
+                            "fuses whole steps, so it runs on one-stage meshes (data x expert x tensor). Use "
+                            "ds4jax.generate (stage by stage) for a layer split")
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
-        self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params)), cfg, k, tokenizer
+        self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout), cfg, k, tokenizer
         self._parked: set[str] = set()
         self._host: dict[str, dict] = {}
         self.kernels = resolve(kernels)
@@ -174,10 +185,11 @@ class Engine:
         page = page_size or default_page_size(cfg)
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
                       draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
-        self.tspec: PoolSpec = configure(cfg, role=Role.TARGET, **common)
-        self.dspec: PoolSpec | None = configure(cfg, role=Role.DRAFT, **common) if k else None
+        self.tspec: PoolSpec = self._configure(Role.TARGET, common)
+        self.dspec: PoolSpec | None = self._configure(Role.DRAFT, common) if k else None
         slots = self.tspec.max_slots
-        self.row_buckets = tuple(sorted(set(row_buckets or _powers_up_to(slots))))
+        d = self.data  # data-parallel pools: every call's rows split evenly over the data shards
+        self.row_buckets = tuple(sorted(set(row_buckets or (b * d for b in _powers_up_to(slots // d)))))
         self.chunk_buckets = tuple(sorted(set(chunk_buckets or _powers_up_to(prefill_chunk, 16))))
         if self.row_buckets[-1] > slots or self.row_buckets[0] < 1:
             raise PoolError(f"row buckets {self.row_buckets} must lie in [1, max_slots={slots}]")
@@ -187,6 +199,9 @@ class Engine:
         self.prefill_row_buckets = tuple(sorted(set(prefill_row_buckets or self.row_buckets)))
         if self.prefill_row_buckets[-1] > slots or self.prefill_row_buckets[0] < 1:
             raise PoolError(f"prefill row buckets {self.prefill_row_buckets} must lie in [1, max_slots={slots}]")
+        if any(b % d for b in self.row_buckets + self.prefill_row_buckets):
+            raise PoolError(f"row buckets {self.row_buckets} / {self.prefill_row_buckets} must be multiples of the "
+                            f"mesh's data={d} (each data shard runs an equal share of a call's rows)")
         self.stats = EngineStats()
         self._warm = False
         self._on_result = None
@@ -212,18 +227,51 @@ class Engine:
         return jax.device_put(tree, sharding)
 
     def _new_draft_state(self) -> None:
-        self.dbook = PoolBook(self.dspec, self.cfg.vocab_size) if self.dspec else None
-        self.dpool = self.dbook.sync(self._committed(pools.zeros(self.dspec))) if self.dspec else None
+        self.dbook = self._book(self.dspec) if self.dspec else None
+        self.dpool = self.dbook.sync(self._zeros(self.dspec)) if self.dspec else None
 
     def _new_target_state(self) -> None:
         cfg, s = self.cfg, self.tspec.max_slots
-        self.tbook = PoolBook(self.tspec, cfg.vocab_size)
-        self.tpool = self.tbook.sync(self._committed(pools.zeros(self.tspec)))
+        self.tbook = self._book(self.tspec)
+        self.tpool = self.tbook.sync(self._zeros(self.tspec))
         stream = jnp.dtype(self.tspec.dtype)  # the model's activation dtype
-        self.slot_state = self._committed(SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
-                                                    jnp.zeros((s, cfg.vocab_size), jnp.float32),
-                                                    jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream)))
+        state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32), jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
+                          jnp.zeros((s, cfg.vocab_size), jnp.float32), jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream))
+        if self.layout is not None:  # slot rows beside their pools (over data)
+            state = jax.tree.map(lambda a: jax.device_put(a, self.layout.batch_sharding(a.shape)), state)
+        self.slot_state = self._committed(state)
+
+    # ---- placement: one device, or the model's mesh --------------------------------------------------------
+    def _configure(self, role: Role, common: dict) -> PoolSpec:
+        """Pool spec of a role; on a mesh `memory_budget_bytes` is per device and every data shard gets an equal
+        share of the slots and pages."""
+        if self.layout is not None and common["memory_budget_bytes"] is not None:
+            rest = {k: v for k, v in common.items() if k != "memory_budget_bytes"}
+            spec, _ = self.layout.configure(self.cfg, role=role, memory_budget_bytes=common["memory_budget_bytes"],
+                                            params_dtype=self.model.params["embed"].dtype, **rest)
+        else:
+            spec = configure(self.cfg, role=role, **common)
+        local_spec(spec, self.data)  # slots and pages divisible by data, or a PoolError naming them
+        return spec
+
+    def _book(self, spec: PoolSpec) -> PoolBook:
+        if self.data > 1:
+            from ds4jax.runtime.mesh_steps import ShardedPoolBook
+
+            return ShardedPoolBook(spec, self.cfg.vocab_size, self.data)
+        return PoolBook(spec, self.cfg.vocab_size)
+
+    def _zeros(self, spec: PoolSpec) -> pools.KVPool:
+        return self._committed(pools.zeros(spec)) if self.layout is None else self.layout.pool_zeros(spec)
+
+    def _placed(self, pool: pools.KVPool, spec: PoolSpec) -> pools.KVPool:
+        """`pool` on its canonical placement (a program run outside the engine's steps, e.g. the slot reset,
+        may return zero-size arrays replicated; the steps would then compile again for that input)."""
+        return pool if self.layout is None else jax.device_put(pool, self.layout.pool_shardings(spec))
+
+    def _on_mesh(self):
+        """Trace and run the engine's programs under the model's mesh and rules (nothing on one device)."""
+        return contextlib.nullcontext() if self.layout is None else self.layout.active()
 
     # ---- public API ------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], *, on_result=None) -> list[GenerateResult]:
@@ -257,16 +305,16 @@ class Engine:
         before = compile_count()
         for rows in self.prefill_row_buckets:
             for chunk in self.chunk_buckets:
-                self._prefill_call(self._padding_rows(rows, []), np.zeros((rows, chunk), np.int32),
+                self._prefill_call(self._padding_rows([None] * rows), np.zeros((rows, chunk), np.int32),
                                    np.zeros(rows, np.int32), np.zeros((rows, chunk), np.int32), np.zeros(rows, bool))
         for rows in self.row_buckets:
-            self._decode_call(self._padding_rows(rows, []))
+            self._decode_call(self._padding_rows([None] * rows))
             if self.k:
-                self._spec_call(self._padding_rows(rows, []))
+                self._spec_call(self._padding_rows([None] * rows))
         if self.snapshots.budget_bytes > 0:  # restore and snapshot programs (snapshot_bytes=0: none)
             self.fingerprint()
             for rows in self.prefill_row_buckets:
-                pad = self._padding_rows(rows, [])
+                pad = self._padding_rows([None] * rows)
                 self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
             # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
             # pages: every paged write is dropped; slot 0 is reset below)
@@ -393,8 +441,8 @@ class Engine:
                 restored = self._admit(queue)
                 if restored:
                     self._guarded(restored, lambda: self._restore_once(restored, events))
-                prefilling = [lv for lv in self._slots.values()
-                              if lv.pos < len(lv.ids)][: self.prefill_row_buckets[-1]]
+                prefilling = self._fit([lv for lv in self._slots.values() if lv.pos < len(lv.ids)],
+                                       self.prefill_row_buckets[-1])
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if lv.pos == len(lv.ids) and not lv.done]
@@ -466,28 +514,52 @@ class Engine:
         if not self._to_reset:
             return
         slots = sorted(self._to_reset)
-        self.tpool = self.tbook.sync(pools.reset_slots(self.tpool, slots))
+        self.tpool = self.tbook.sync(self._placed(pools.reset_slots(self.tpool, slots), self.tspec))
         if self.dpool is not None:
-            self.dpool = self.dbook.sync(pools.reset_slots(self.dpool, slots))
+            self.dpool = self.dbook.sync(self._placed(pools.reset_slots(self.dpool, slots), self.dspec))
         self._to_reset.clear()
 
-    def _bucket_rows(self, n: int) -> int:
-        return next(b for b in self.row_buckets if b >= n)
+    def _fit(self, live: list[_Live], rows: int) -> list[_Live]:
+        """The first of `live` that one call of `rows` rows can take (rows / data per data shard)."""
+        if self.data == 1:
+            return live[:rows]
+        taken, out = collections.Counter(), []
+        for lv in live:
+            shard = lv.slot // (self.tspec.max_slots // self.data)
+            if taken[shard] < rows // self.data:
+                taken[shard] += 1
+                out.append(lv)
+        return out
 
-    def _padding_rows(self, rows: int, live: list[_Live]) -> Rows:
-        """Rows for `live` padded to `rows` with distinct unused slots (free slots first)."""
+    def _row_plan(self, live: list[_Live], buckets: Sequence[int]) -> list[_Live | None]:
+        """The rows of one call: `live` padded (None) to the smallest bucket that holds them. With data-parallel
+        pools, row block d (rows / data rows) serves the requests whose slots live on data shard d."""
+        if self.data == 1:
+            n = next(b for b in buckets if b >= len(live))
+            return list(live) + [None] * (n - len(live))
+        per = self.tspec.max_slots // self.data
+        blocks = [[lv for lv in live if lv.slot // per == d] for d in range(self.data)]
+        n = next(b for b in buckets if b // self.data >= max(map(len, blocks)))
+        return [x for block in blocks for x in block + [None] * (n // self.data - len(block))]
+
+    def _padding_rows(self, plan: list[_Live | None]) -> Rows:
+        """Rows of a `_row_plan`: padding rows (None) get distinct unused slots (free slots first)."""
+        live = [lv for lv in plan if lv is not None]
         used = {lv.slot for lv in live}
         spare = [s for s in range(self.tspec.max_slots) if s not in used and s not in self._slots]
         spare += [s for s in range(self.tspec.max_slots) if s not in used and s in self._slots]
-        slots = [lv.slot for lv in live] + spare[: rows - len(live)]
-        b = rows
+        spare = iter(spare)
+        slots = [next(spare) if lv is None else lv.slot for lv in plan]
+        b = len(plan)
         arr = dict(slots=np.asarray(slots, np.int32), active=np.zeros(b, bool), cur=np.zeros(b, np.int32),
                    n_out=np.zeros(b, np.int32), max_new=np.ones(b, np.int32),
                    stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32), temperature=np.zeros(b, np.float32),
                    top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int32), key_data=np.zeros((b, 2), np.uint32),
                    k_cap=np.zeros(b, np.int32), limit=np.full(b, NO_LIMIT, np.int32),
                    forced=np.zeros((b, MAX_FORCED), np.int32), n_forced=np.zeros(b, np.int32))
-        for r, lv in enumerate(live):
+        for r, lv in enumerate(plan):
+            if lv is None:
+                continue
             q = lv.request
             arr["active"][r] = True
             arr["cur"][r] = lv.cur
@@ -515,38 +587,42 @@ class Engine:
         return min(end - lv.pos, self.chunk_buckets[-1])
 
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
-        first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
-            self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
-            finishing, cfg=self.cfg, tspec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
+        with self._on_mesh():
+            first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
+                self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
+                finishing, cfg=self.cfg, tspec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
         return first
 
     def _prefill_once(self, live: list[_Live], events: list[TokenEvent]) -> None:
+        plan = self._row_plan(live, self.prefill_row_buckets)
+        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
         n = [self._chunk_plan(lv) for lv in live]
         width = next(c for c in self.chunk_buckets if c >= max(n))
-        rows = self._padding_rows(next(b for b in self.prefill_row_buckets if b >= len(live)), live)
+        rows = self._padding_rows(plan)
         b = rows.slots.shape[0]
         tok = np.zeros((b, width), np.int32)
         nxt = np.zeros((b, width), np.int32)
         n_tokens = np.zeros(b, np.int32)
         finishing = np.zeros(b, bool)
-        for r, (lv, c) in enumerate(zip(live, n)):
+        for lv, c in zip(live, n):
+            r = row_of[lv.slot]
             tok[r, :c] = lv.ids[lv.pos: lv.pos + c]
             follow = lv.ids[lv.pos + 1: lv.pos + c + 1]
             nxt[r, : len(follow)] = follow
             n_tokens[r] = c
             finishing[r] = lv.pos + c == len(lv.ids)
-        self.tbook.check_extend(rows.slots[: len(live)], tok[: len(live)], n_tokens[: len(live)])
+        self.tbook.check_extend(rows.slots, tok, n_tokens)  # padding rows (n_tokens 0) are not looked at
         first = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
         self.stats.prefill_steps += 1
         self.stats.prompt_tokens += int(n_tokens.sum())
-        slots = rows.slots[: len(live)]
-        self.tbook.commit(slots, n_tokens[: len(live)])
+        self.tbook.commit(rows.slots, n_tokens)
         if self.dbook is not None:
-            self.dbook.commit(slots, n_tokens[: len(live)])
+            self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
             first = np.asarray(first)
         now = time.perf_counter()
-        for r, (lv, c) in enumerate(zip(live, n)):
+        for lv, c in zip(live, n):
+            r = row_of[lv.slot]
             lv.pos += c
             if lv.pos in lv.snap_points:
                 self._save_snapshot(lv)
@@ -562,18 +638,22 @@ class Engine:
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_call(self, rows: Rows):
-        out, self.tpool = loops.decode_loop(self.model.params, self.tpool, rows, cfg=self.cfg, spec=self.tspec,
-                                            kernels=self.kernels, max_steps=self.steps_per_call)
+        with self._on_mesh():
+            out, self.tpool = loops.decode_loop(self.model.params, self.tpool, rows, cfg=self.cfg, spec=self.tspec,
+                                                kernels=self.kernels, max_steps=self.steps_per_call)
         return out
 
     def _spec_call(self, rows: Rows):
-        out, self.tpool, self.dpool, self.slot_state = spec_rounds.speculative_loop(
-            self.model.params, self.tpool, self.dpool, self.slot_state, rows, cfg=self.cfg, tspec=self.tspec,
-            dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
+        with self._on_mesh():
+            out, self.tpool, self.dpool, self.slot_state = spec_rounds.speculative_loop(
+                self.model.params, self.tpool, self.dpool, self.slot_state, rows, cfg=self.cfg, tspec=self.tspec,
+                dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
         return out
 
     def _decode_once(self, part: list[_Live], speculative: bool, events: list[TokenEvent]) -> None:
-        rows = self._padding_rows(self._bucket_rows(len(part)), part)
+        plan = self._row_plan(part, self.row_buckets)
+        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
+        rows = self._padding_rows(plan)
         if speculative:
             out = self._spec_call(rows)
             tokens, rounds, accepted, bad = jax.device_get((out.tokens, out.rounds, out.accepted, out.bad))
@@ -585,11 +665,13 @@ class Engine:
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)
-        for r, lv in enumerate(part):
+        for lv in part:
+            r = row_of[lv.slot]
             if bad[r] >= 0 and lv.result.nonfinite_at is None:
                 lv.result.nonfinite_at = int(bad[r])
         lengths = np.asarray(self.tpool.lengths)
-        for r, lv in enumerate(part):
+        for lv in part:
+            r = row_of[lv.slot]
             self.tbook.lengths[lv.slot] = lengths[lv.slot]
             if speculative:  # the draft pool advances with the target in every round
                 self.dbook.lengths[lv.slot] = lengths[lv.slot]
@@ -746,12 +828,17 @@ class Engine:
         exact = [lv.restored == len(lv.ids) for lv in live]
         if self._live_dspec is None and not any(exact):
             return
-        for start in range(0, len(live), self.prefill_row_buckets[-1]):
-            part = live[start: start + self.prefill_row_buckets[-1]]
-            rows = self._padding_rows(next(b for b in self.prefill_row_buckets if b >= len(part)), part)
+        rest = list(live)
+        while rest:
+            part = self._fit(rest, self.prefill_row_buckets[-1])
+            rest = rest[len(part):] if self.data == 1 else [lv for lv in rest if lv not in part]
+            plan = self._row_plan(part, self.prefill_row_buckets)
+            row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
+            rows = self._padding_rows(plan)
             b = rows.slots.shape[0]
             sampled, nxt = np.zeros(b, bool), np.zeros(b, np.int32)
-            for r, lv in enumerate(part):
+            for lv in part:
+                r = row_of[lv.slot]
                 sampled[r] = lv.restored == len(lv.ids)
                 nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
             first = self._restore_call(rows, sampled, nxt)
@@ -760,7 +847,8 @@ class Engine:
                     self.dbook.lengths[lv.slot] = lv.restored
             first = np.asarray(first)
             now = time.perf_counter()
-            for r, lv in enumerate(part):
+            for lv in part:
+                r = row_of[lv.slot]
                 if sampled[r]:
                     lv.first_token = now
                     lv.result.timings.prefill_s = now - lv.admitted
@@ -769,9 +857,10 @@ class Engine:
                         self._check_finished(lv)
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
-        first, self.dpool, self.slot_state = loops.restore_call(
-            self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
-            dspec=self._live_dspec, kernels=self.kernels)
+        with self._on_mesh():
+            first, self.dpool, self.slot_state = loops.restore_call(
+                self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
+                dspec=self._live_dspec, kernels=self.kernels)
         return first
 
     # ---- delivery and finishing ------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
     longest = max(len(p) for p in prompts)
     new_bucket = bucket(params.max_new_tokens)
     max_context = bucket(longest + new_bucket + (k + 1 if k else 0))
-    slots = bucket(len(prompts))
+    data = 1 if model.layout is None else model.layout.axis_sizes["data"]
+    slots = -(-bucket(len(prompts)) // data) * data  # data-parallel pools: slots split evenly over data
     engine = Engine(model, max_slots=slots, max_context=max_context, speculative=k,
                     prefill_chunk=prefill_chunk or bucket(longest), chunk_buckets=(prefill_chunk or bucket(longest),),
                     row_buckets=(slots,), steps_per_call=new_bucket)
@@ -155,10 +156,11 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     k = check_int(speculative, "speculative", low=0)
-    if getattr(model, "layout", None) is not None:  # placed on a device mesh: the mesh steps' plain loop
+    layout = getattr(model, "layout", None)
+    if layout is not None and layout.num_stages > 1:  # a layer split: stage by stage (the engine fuses whole steps)
         if k:
-            raise ArgumentError("speculative decoding on a mesh is not implemented yet (the draft steps are "
-                                "single-device); generate without speculative=", name="speculative", value=speculative)
+            raise ArgumentError("speculative decoding on a layer split is not implemented (the engine runs one-stage "
+                                "meshes); generate without speculative=", name="speculative", value=speculative)
         from ds4jax.generation.mesh_generate import mesh_generate
 
         return mesh_generate(model, prompts, params, prefill_chunk=prefill_chunk, check_finite=check_finite,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.generation.sampling import sample, token_keys
 from ds4jax.runtime import steps
+from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
 from ds4jax.runtime.executable_cache import cached_jit
 
@@ -82,7 +83,7 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     token_ids / next_ids [B, C] (next_ids: the id of token i+1 for the draft; the last one of a finishing row
     is replaced by the sampled first token); n_tokens [B]; finishing [B] bool."""
     batch = steps.StepBatch(rows.slots, token_ids, n_tokens)
-    out, tpool = steps._step(params, tpool, batch, None, cfg=cfg, spec=tspec, role=Role.TARGET,
+    out, tpool = steps.step(params, tpool, batch, None, cfg=cfg, spec=tspec, role=Role.TARGET,
                              logits=steps.Logits.LAST, kernels=kernels)
     keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
     first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k)
@@ -94,14 +95,14 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     if dspec is not None:
         col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
         ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
-        dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
+        dout, dpool = steps.step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
                                   spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
         stream = jnp.take_along_axis(dout.streams, last[:, None, None, None], axis=1)[:, 0]
         slot_state = slot_state._replace(
             draft_logits=set_rows(slot_state.draft_logits, rows.slots, finishing, dout.logits),
             draft_stream=set_rows(slot_state.draft_stream, rows.slots, finishing, stream))
     first = jnp.where(jnp.isfinite(out.logits).all(axis=-1), first, -1)  # -1: non-finite logits (numerics guard)
-    return first, tpool, dpool, slot_state
+    return first, tpool, dpool, rows_over_data(slot_state)
 
 
 @cached_jit
@@ -117,14 +118,14 @@ def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next
     if dspec is not None:
         ids = jnp.where(sampled, first, next_ids)[:, None]
         stream = slot_state.last_stream[rows.slots][:, None]
-        dout, dpool = steps._step(params, dpool, steps.StepBatch(rows.slots, ids, rows.active.astype(jnp.int32)),
+        dout, dpool = steps.step(params, dpool, steps.StepBatch(rows.slots, ids, rows.active.astype(jnp.int32)),
                                   stream, cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST,
                                   kernels=kernels)
         keep = rows.active & sampled
         slot_state = slot_state._replace(
             draft_logits=set_rows(slot_state.draft_logits, rows.slots, keep, dout.logits),
             draft_stream=set_rows(slot_state.draft_stream, rows.slots, keep, dout.streams[:, 0]))
-    return first, dpool, slot_state
+    return first, dpool, rows_over_data(slot_state)
 
 
 class DecodeOut(NamedTuple):
@@ -150,7 +151,7 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
         pool, cur, n_out, done, buf, i, _, bad = c
         live = ~done
         batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
-        out, pool = steps._step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
+        out, pool = steps.step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
         tok = sample(out.logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
         bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(out.logits).all(axis=-1), n_out, bad)

@@ -1,6 +1,6 @@
-"""Plain generation for a model placed on a device mesh (`model.layout`): chunked prefill, then one decode step
-per token through the mesh twin of the pooled steps. `ds4jax.generate` routes here only for mesh-placed models,
-until `Engine` runs the mesh steps itself; everything else goes through the engine.
+"""Plain generation for a model placed on a layer split (`model.layout` with several stages): chunked prefill,
+then one decode step per token through `MeshSteps`, one program per stage. `ds4jax.generate` routes here only
+for layer splits; every other model, on one device or on a one-stage mesh, goes through `Engine`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ds4jax.model.handle import Model
 from ds4jax.runtime import steps
 from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.pool_spec import PoolSpec
-from ds4jax.runtime.pools import PoolBook, zeros
+from ds4jax.runtime.pools import PoolBook
 from ds4jax.runtime.roles import Role
 
 
@@ -51,17 +51,12 @@ def chunked_prefill(model: Model, pool, book: PoolBook, spec: PoolSpec, slots: S
     for c in prompt_chunks(prompts, chunk):
         book.check_extend(slots, c.tokens, c.n)
         batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(c.tokens), jnp.asarray(c.n, jnp.int32))
-        out, pool = runner(model).prefill(model.params, pool, batch, cfg=model.config, spec=spec,
-                                          need_logits=bool(c.finishing))
+        out, pool = model.layout.steps(model.config).prefill(model.params, pool, batch, cfg=model.config, spec=spec,
+                                                             need_logits=bool(c.finishing))
         book.commit(slots, c.n)
         if c.finishing:
             last_logits = keep_rows(last_logits, out.logits, c.finishing)
     return last_logits, pool
-
-
-def runner(model: Model):
-    """The pooled steps: `ds4jax.runtime.steps`, or their mesh twin when the model is placed on a mesh."""
-    return steps if model.layout is None else model.layout.steps(model.config)
 
 
 def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> jax.Array:
@@ -74,19 +69,20 @@ def keep_rows(kept: jax.Array | None, new: jax.Array, rows: Sequence[int]) -> ja
 
 def mesh_generate(model: Model, prompts: list[list[int]], params, *, prefill_chunk: int | None = None,
                   check_finite: bool = False, on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-    """`generate` for validated prompts on a mesh-placed model."""
+    """`generate` for validated prompts on a model placed on a layer split (rows = slots, in order; with ``data``
+    the number of prompts must divide evenly over it)."""
     cfg = model.config
     longest = max(len(p) for p in prompts)
     page = default_page_size(cfg)
     max_context = longest + params.max_new_tokens
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(prompts), max_context=max_context,
                              page_size=page, dtype=pool_dtype(model))
-    run = runner(model)
-    book = run.book(spec, cfg.vocab_size) if model.layout is not None else PoolBook(spec, cfg.vocab_size)
+    run = model.layout.steps(cfg)
+    book = run.book(spec, cfg.vocab_size)
     slots = [book.admit() for _ in prompts]
     for s, p in zip(slots, prompts):
         book.reserve(s, len(p) + params.max_new_tokens)
-    pool = book.sync(zeros(spec)) if model.layout is None else run.sync(book, run.zeros(spec), spec)
+    pool = run.sync(book, run.zeros(spec), spec)
     logits, pool = chunked_prefill(model, pool, book, spec, slots, prompts, prefill_chunk or longest)
 
     rows = len(prompts)

@@ -8,7 +8,7 @@ target token (exact match when greedy, rejection sampling otherwise; per row) ->
 target's streams. `speculative_loop` runs rounds until M are done or any row finishes, then returns so the host
 can stream tokens, free slots and admit requests.
 
-Every step goes through `steps._step` with the engine's `kernels` choice (target and draft alike).
+Every step goes through `steps.step` with the engine's `kernels` choice (target and draft alike).
 Compiles once per (config, pool specs, k, row bucket, M, kernels).
 """
 
@@ -24,6 +24,7 @@ from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, set_rows
 from ds4jax.generation.sampling import filter_logits, token_keys
 from ds4jax.runtime import steps
+from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
 from ds4jax.runtime.executable_cache import cached_jit
 
@@ -89,7 +90,7 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     drafts, draft_logps = [d], [logq]
     dpool, stream = c.dpool, c.draft_stream
     for j in range(1, k):
-        out, dpool = steps._step(params, dpool, steps.StepBatch(slots, d[:, None], one), stream[:, None], cfg=cfg,
+        out, dpool = steps.step(params, dpool, steps.StepBatch(slots, d[:, None], one), stream[:, None], cfg=cfg,
                                  spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
         stream = out.streams[:, 0]
         d, logq = propose(out.logits, j)
@@ -101,7 +102,7 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     # ---- verify k+1 positions ---------------------------------------------------------------------------------
     target_len = c.tpool.lengths
     tokens = jnp.concatenate([c.cur[:, None], drafts], axis=1)
-    verify, tpool = steps._step(params, c.tpool, steps.StepBatch(slots, tokens, one * (k + 1)), None, cfg=cfg,
+    verify, tpool = steps.step(params, c.tpool, steps.StepBatch(slots, tokens, one * (k + 1)), None, cfg=cfg,
                                 spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
     # a budget's end: emit at most `limit` tokens this call, so accept at most remaining - 1 drafts this round
     remaining = rows.limit - (c.n_out - rows.n_out)
@@ -125,7 +126,7 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     shifted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     ext_ids = jnp.where(j < a[:, None], shifted, nxt[:, None])
-    ext, dpool = steps._step(params, dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
+    ext, dpool = steps.step(params, dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
                              cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
 
     # ---- emit [d1..da, next], truncated at stop ids and the token budget ----------------------------------------
@@ -174,4 +175,4 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
     slot_state = slot_state._replace(
         draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
         draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), c.tpool, c.dpool, slot_state
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), c.tpool, c.dpool, rows_over_data(slot_state)

@@ -76,7 +76,10 @@ class MeshLayout:
     # ---- shardings ------------------------------------------------------------------------------
     def sharding(self, shape: Sequence[int], logical: Sequence[str], stage: int = 0) -> NamedSharding:
         mesh = self.stages[stage]
-        return NamedSharding(mesh, mesh_spec(shape, logical, dict(mesh.shape), self.rules))
+        spec = list(mesh_spec(shape, logical, dict(mesh.shape), self.rules))
+        while spec and spec[-1] is None:  # the canonical form, as jit outputs carry it (else equal placements
+            spec.pop()  # compare unequal and the engine's programs compile again on their own outputs)
+        return NamedSharding(mesh, P(*spec))
 
     def param_shardings(self, cfg: Config, params: Any = None) -> Any:
         """NamedSharding of every parameter (tree of `params.declare(cfg)`, pruned to `params`' keys)."""
@@ -98,6 +101,19 @@ class MeshLayout:
     def place(self, params: Any, cfg: Config) -> Any:
         """Put params (host or single-device arrays) onto the mesh. Each device receives only its shard."""
         return jax.device_put(params, self.param_shardings(cfg, params))
+
+    def pool_shardings(self, spec, stage: int = 0):
+        """A `KVPool` of the NamedSharding of each pool array of `spec` (by its logical axes) on a stage."""
+        from ds4jax.runtime.pool_layout import POOL_ARRAYS
+        from ds4jax.runtime.pool_spec import shapes
+        from ds4jax.runtime.pools import KVPool
+
+        axes = {a.name: a.axes for a in POOL_ARRAYS}
+        return KVPool(**{k: self.sharding(shape, axes[k], stage) for k, (shape, _) in shapes(spec).items()})
+
+    def pool_zeros(self, spec, stage: int = 0):
+        """A fresh pool of `spec` created in place on a stage: each device allocates only its part."""
+        return _zeros_placed(spec, self.pool_shardings(spec, stage))
 
     def batch_sharding(self, shape: Sequence[int], stage: int = 0) -> NamedSharding:
         """Rows over ``data`` (when it divides them), everything else replicated."""
@@ -174,6 +190,12 @@ class MeshLayout:
             for shard in leaf.addressable_shards:
                 out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
         return out
+
+
+def _zeros_placed(spec, shardings):
+    from ds4jax.runtime.pools import zeros
+
+    return jax.jit(zeros, static_argnums=0, out_shardings=shardings)(spec)
 
 
 def split_ranges(layer_split, num_layers: int, stages: int) -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ import numpy as np
 from ds4jax.model import params as params_lib
 from ds4jax.model.config import Config
 
-from ds4jax.runtime.mesh_steps import POOL_AXES, _stage_step, data_local_spec, stage_config
+from ds4jax.runtime.mesh_steps import POOL_AXES, stage_config, stage_step
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import KVPool
 from ds4jax.runtime.roles import Role
@@ -80,7 +80,6 @@ def plan_step(layout, cfg: Config, spec: PoolSpec, *, rows: int, chunk: int, nam
     from ds4jax.runtime.pool_spec import shapes
 
     kernels = resolve(kernels)
-    data = layout.axis_sizes["data"]
     params = _abstract(params_lib.abstract(cfg, dtype), layout.param_shardings(cfg))
     report = layout.memory_report(cfg, spec, dtype)
     found, sizes, compiled_of, t0 = Counter(), Counter(), {}, time.perf_counter()
@@ -99,10 +98,9 @@ def plan_step(layout, cfg: Config, spec: PoolSpec, *, rows: int, chunk: int, nam
             x = None if first else put((rows, chunk, cfg.hc_mult, cfg.hidden_size), dtype)
             top = {k: params[k] for k in (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())}
             with layout.active(s):
-                compiled = _stage_step.lower(
-                    top, params["layers"][i : i + 1], pool, batch, x, cfg=view, spec=data_local_spec(sp, data),
-                    rules=layout.rules, first=first, last=last, logits=Logits.LAST, kernels=kernels,
-                    data=data).compile()
+                compiled = stage_step.lower(
+                    {**top, "layers": params["layers"][i : i + 1]}, pool, batch, x, cfg=view, spec=sp,
+                    rules=layout.rules, logits=Logits.LAST if last else Logits.NONE, kernels=kernels).compile()
             compiled_of[key] = (compiled.memory_analysis().temp_size_in_bytes, collectives(compiled.as_text()))
         for op, (c, b) in compiled_of[key][1].items():
             found[op] += c

@@ -1,39 +1,37 @@
-"""Pooled steps on a `MeshLayout`: prefill / decode / verify with params and pools placed on the mesh.
+"""Pooled steps on a `MeshLayout` stage by stage: prefill / decode / verify with params and pools on the mesh.
 
-`MeshSteps` has the call signatures of `ds4jax.runtime.steps` (and `zeros`, `book`), so the generation loop
-runs unchanged on a mesh (``runner = model.layout.steps(cfg)`` instead of the module).
+`ds4jax.Engine` runs one-stage meshes itself (its fused programs trace `steps.step` under the mesh). A layer
+split needs one program per stage (stages live on disjoint devices), so it runs here: `MeshSteps` has the call
+signatures of `ds4jax.runtime.steps` (and `zeros`, `book`, `sync`), each stage one `stage_step` = `steps.step`
+over its layers, the hyper-connection state handed from stage to stage.
 
 * Pools are one `KVPool` per layer stage, holding that stage's layers (a stage-local `PoolSpec`).
 * Within a stage, arrays are placed by their logical axes (`pool_layout.POOL_ARRAYS`) and the layout's rules:
   per-slot arrays split by slot over ``data``, paged arrays by entry (whole pages) over ``data``, the rest
   replicated.
-* Data-parallel attention (``data`` > 1): the whole stage step runs inside ``shard_map`` over ``data``: each
-  data shard runs the unchanged single-device step on its rows, its slots and its pages (`ShardedPoolBook`
-  allocates a slot's pages from its shard's range), so no pool row ever leaves its device; the MoE inside
-  runs expert-parallel over the remaining axes.
+* Data-parallel attention (``data`` > 1): `steps.step` runs per data shard on its rows, its slots and its pages
+  (`data_parallel`; `ShardedPoolBook` allocates a slot's pages from its shard's range), so no pool row ever
+  leaves its device; the MoE inside runs expert-parallel over the remaining axes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ds4jax.model.config import AttentionType, Config
-from ds4jax.model.forward import embed
-from ds4jax.model import params as params_lib
-from ds4jax.model.sharding import mesh_spec, spec_axes
 from ds4jax.runtime import pool_layout, steps as steps_lib
+from ds4jax.runtime.data_parallel import check_rows, local_spec
 from ds4jax.runtime.kernels import resolve
 from ds4jax.runtime.pool_spec import PoolSpec
-from ds4jax.runtime.pooled_attention import geometry
-from ds4jax.runtime.pools import KVPool, PoolBook, PoolError, zeros as pool_zeros
+from ds4jax.runtime.pools import PoolBook, PoolError
+from ds4jax.runtime.roles import Role
 from ds4jax.runtime.steps import Logits, StepBatch, StepOutput
 
 # Logical axes of every pool array, from the one pool-layout table; "slots" and "entries" go over ``data``.
@@ -56,19 +54,6 @@ def stage_spec(spec: PoolSpec, view: Config) -> PoolSpec:
         indexer_entries=spec.indexer_entries if csa else 0,
         c128_pages=spec.c128_pages if hca else 0, c128_entries=spec.c128_entries if hca else 0,
         pages_per_slot=spec.pages_per_slot if csa or hca else 0)
-
-
-def data_local_spec(spec: PoolSpec, data: int) -> PoolSpec:
-    """What one ``data`` shard holds: its slots and its pages."""
-    if data == 1:
-        return spec
-    for name in ("max_slots", "c4_pages", "c128_pages"):
-        if getattr(spec, name) % data:
-            raise PoolError(f"data-parallel pools: spec.{name}={getattr(spec, name)} is not divisible by data={data}")
-    return dataclasses.replace(
-        spec, max_slots=spec.max_slots // data, c4_pages=spec.c4_pages // data, c4_entries=spec.c4_entries // data,
-        indexer_entries=spec.indexer_entries // data, c128_pages=spec.c128_pages // data,
-        c128_entries=spec.c128_entries // data)
 
 
 class ShardedPoolBook(PoolBook):
@@ -100,6 +85,7 @@ class ShardedPoolBook(PoolBook):
         finally:
             self.free_pages = _AllFree(self.shard_free)
 
+
 class _AllFree(list):
     """Read-only view of every shard's free pages (len / iteration for reports)."""
 
@@ -107,72 +93,14 @@ class _AllFree(list):
         super().__init__(p for free in lists for p in free)
 
 
-def check_rows(slots: Sequence[int], max_slots: int, data: int) -> None:
-    """Row r of a data-parallel step runs on shard r // (rows / data); its slot must live there."""
-    rows = len(slots)
-    if rows % data:
-        raise PoolError(f"data-parallel step: {rows} rows are not divisible by data={data}")
-    for r, s in enumerate(slots):
-        home, runs = int(s) // (max_slots // data), r // (rows // data)
-        if home != runs:
-            raise PoolError(f"row {r}: slot {s} lives on data shard {home}, but row {r} runs on shard {runs} "
-                            f"(order a step's rows by slot shard)")
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "rules", "first", "last", "logits", "kernels", "data"),
-                   donate_argnames=("pool",))
-def _stage_step(top, layers, pool, batch, x, *, cfg, spec, rules, first, last, logits, kernels, data):
-    def body(top, layers, pool, batch, x):
-        with nn.logical_axis_rules(rules):
-            table = pool.page_table
-            if data > 1:  # global slot / page ids -> this shard's
-                shard = jax.lax.axis_index("data")
-                batch = batch._replace(slots=batch.slots - shard * pool.lengths.shape[0])
-                per = spec.num_pages
-                pool = pool.replace(page_table=jnp.where(table >= 0, table - shard * per, -1))
-            steps_lib._validate_static(cfg, spec, steps_lib.Role.TARGET, pool, batch)
-            ids = batch.token_ids
-            # as in steps._step: padding rows address the null slot max_slots (fill reads, dropped writes)
-            live = (batch.n_tokens > 0) & (batch.slots >= 0) & (batch.slots < spec.max_slots)
-            slots = jnp.where(live, batch.slots, spec.max_slots)
-            start = pool.lengths.at[slots].get(mode="fill", fill_value=0)
-            g = geometry(start, batch.n_tokens, ids.shape[1], pool.page_table.at[slots].get(mode="fill", fill_value=-1))
-            if first:
-                x = embed(top, ids, cfg)
-            for j, p in enumerate(layers):
-                kind, mlp = cfg.attention_types[j], cfg.mlp_types[j]
-                with jax.named_scope(f"stage/layer{j}_{kind.name.lower()}"):
-                    x, pool, _ = steps_lib._pooled_block(x, ids, p, pool, slots, g, j, kind, mlp, cfg, spec, kernels)
-            pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"), page_table=table)
-            out = None
-            if last:
-                out = steps_lib._logits(x, top["hc_head"], top["norm"], top["head"], batch, cfg, logits)
-            return x, out, pool
-
-    if data == 1:
-        return body(top, layers, pool, batch, x)
-    d = P("data")
-    decl = params_lib.declare(cfg)
-    top_specs = {k: data_part(decl[k], rules) for k in top}
-    layer_specs = [data_part(p, rules) for p in decl["layers"]]
-    pool_specs = KVPool(**{k: P(*[("data" if a in ("slots", "entries") else None) for a in v])
-                           for k, v in POOL_AXES.items()})
-    out_logits = None if not last or logits is Logits.NONE else d
-    fn = jax.shard_map(body, in_specs=(top_specs, layer_specs, pool_specs, d, None if x is None else d),
-                       out_specs=(d, out_logits, pool_specs), axis_names={"data"}, check_vma=False)
-    return fn(top, layers, pool, batch, x)
-
-
-def data_part(decl, rules):
-    """Per-parameter shard_map specs naming only ``data`` (params split over it, e.g. experts over data x expert,
-    enter each data shard as their local block; every other axis stays automatic inside)."""
-    sizes = dict(jax.sharding.get_abstract_mesh().shape)
-
-    def one(info):
-        spec = mesh_spec(info.shape, info.axes, sizes, rules)
-        return P(*[("data" if "data" in spec_axes(e) else None) for e in spec])
-
-    return jax.tree.map(one, decl, is_leaf=lambda v: isinstance(v, params_lib.ParamInfo))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "rules", "logits", "kernels"), donate_argnames=("pool",))
+def stage_step(params, pool, batch, x, *, cfg, spec, rules, logits, kernels):
+    """The layers of one stage (`cfg` = `stage_config`; params: their ``layers``, plus ``embed`` on the first stage
+    and the head on the last) as `steps.step`: embeds when `x` is None; logits NONE on all but the last stage.
+    Data parallelism comes from the context mesh (`data_parallel`). Returns (StepOutput, pool)."""
+    with nn.logical_axis_rules(rules):
+        return steps_lib.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET, logits=logits,
+                              kernels=kernels)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -193,21 +121,12 @@ class MeshSteps:
         return [stage_spec(spec, stage_config(self.cfg, lo, hi)) for lo, hi in self.ranges()]
 
     def pool_shardings(self, spec: PoolSpec) -> tuple:
-        from ds4jax.runtime.pool_spec import shapes
-
-        out = []
-        for s, sp in enumerate(self.stage_specs(spec)):
-            mesh = self.layout.stages[s]
-            out.append(KVPool(**{k: NamedSharding(mesh, mesh_spec(shape, POOL_AXES[k], dict(mesh.shape),
-                                                                 self.layout.rules))
-                                 for k, (shape, _) in shapes(sp).items()}))
-        return tuple(out)
+        return tuple(self.layout.pool_shardings(sp, s) for s, sp in enumerate(self.stage_specs(spec)))
 
     # ---- the pools / book API of the generation loop -------------------------------------------------
     def zeros(self, spec: PoolSpec) -> tuple:
-        data_local_spec(spec, self.data)  # divisibility errors before anything is allocated
-        return tuple(jax.jit(pool_zeros, static_argnums=0, out_shardings=sh)(sp)
-                     for sp, sh in zip(self.stage_specs(spec), self.pool_shardings(spec)))
+        local_spec(spec, self.data)  # divisibility errors before anything is allocated
+        return tuple(self.layout.pool_zeros(sp, s) for s, sp in enumerate(self.stage_specs(spec)))
 
     def book(self, spec: PoolSpec, vocab_size: int) -> PoolBook:
         return ShardedPoolBook(spec, vocab_size, self.data) if self.data > 1 else PoolBook(spec, vocab_size)
@@ -234,11 +153,12 @@ class MeshSteps:
             if x is not None:  # the hyper-connection state moves to this stage
                 x = put(x)
             top = {k: params[k] for k in (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())}
-            view = stage_config(self.cfg, lo, hi)
+            mode = logits if last else Logits.NONE
             with self.layout.active(s):
-                x, out, pool = _stage_step(top, params["layers"][lo:hi], pools[s], b, x, cfg=view,
-                                           spec=data_local_spec(specs[s], self.data), rules=self.layout.rules,
-                                           first=first, last=last, logits=logits, kernels=kernels, data=self.data)
+                res, pool = stage_step({**top, "layers": params["layers"][lo:hi]}, pools[s], b, x,
+                                       cfg=stage_config(self.cfg, lo, hi), spec=specs[s], rules=self.layout.rules,
+                                       logits=mode, kernels=kernels)
+            x, out = res.streams, res.logits
             new.append(pool)
         return StepOutput(out, x, ()), tuple(new)
 

@@ -210,5 +210,10 @@ class PoolBook:
                 self.lengths[int(slot)] += int(n)
 
     def sync(self, pool: KVPool) -> KVPool:
-        """Copy the host page tables and lengths into the device pool."""
-        return _set_rows(pool, jnp.asarray(self.page_table), jnp.asarray(self.lengths.astype(np.int32)))
+        """Copy the host page tables and lengths into the device pool (a pool placed on a mesh keeps its
+        placement: each device receives its part)."""
+        table, lengths = self.page_table, self.lengths.astype(np.int32)
+        if len(pool.lengths.sharding.device_set) > 1:
+            return pool.replace(page_table=jax.device_put(table, pool.page_table.sharding),
+                                lengths=jax.device_put(lengths, pool.lengths.sharding))
+        return _set_rows(pool, jnp.asarray(table), jnp.asarray(lengths))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, resolve, routed_experts
-from ds4jax.runtime import pool_layout as layout
+from ds4jax.runtime import data_parallel, pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -140,6 +140,20 @@ def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mod
     return logits_from_streams(streams, head_params, norm, head, cfg)
 
 
+def step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
+         logits: Logits, kernels: Impl = Impl.REFERENCE):
+    """One traced pooled step (call it inside a jit; the functions below and the engine's fused programs do).
+
+    Role.TARGET embeds `batch.token_ids`, or continues from `streams_in` [B, C, m, e] when given (a later stage
+    of a layer split, whose `cfg` is that stage's layers: `mesh_steps.stage_config`); the vocabulary projection
+    runs unless `logits` is NONE (a stage without the head passes NONE). Role.DRAFT runs the MTP block on
+    `streams_in`. Under a mesh with a ``data`` axis the step runs per data shard (`data_parallel`)."""
+    if data_parallel.data_size() > 1:
+        return data_parallel.per_shard(_step, params, pool, batch, streams_in, cfg=cfg, spec=spec, role=role,
+                                       logits=logits, kernels=kernels)
+    return _step(params, pool, batch, streams_in, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
+
+
 def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
           logits: Logits, kernels: Impl = Impl.REFERENCE):
     _validate_static(cfg, spec, role, pool, batch)
@@ -154,13 +168,13 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
                  pool.page_table.at[slots].get(mode="fill", fill_value=-1))
     selections = []
     if role is Role.TARGET:
-        x = embed(params, token_ids, cfg)
+        x = embed(params, token_ids, cfg) if streams_in is None else streams_in
         for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
             with jax.named_scope(f"target/layer{i}_{kind.name.lower()}"):
                 x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, i, kind, mlp, cfg, spec, kernels)
             if sel is not None:
                 selections.append(sel)
-        head_params, norm = params["hc_head"], params["norm"]
+        head_params, norm = params.get("hc_head"), params.get("norm")
     else:
         if "mtp" not in params:
             raise PoolError("draft step: the model has no MTP block (its checkpoint shipped no mtp.* tensors)")
@@ -171,7 +185,7 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
                                        MlpType.TOPK, _draft_view(cfg), spec, kernels)
         head_params, norm = mtp["hc_head"], mtp["norm"]
     pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"))
-    out = StepOutput(_logits(x, head_params, norm, params["head"], batch, cfg, logits), x, tuple(selections))
+    out = StepOutput(_logits(x, head_params, norm, params.get("head"), batch, cfg, logits), x, tuple(selections))
     return out, pool
 
 
@@ -189,7 +203,7 @@ _STATIC = ("cfg", "spec", "role", "logits", "kernels")
 def _target_step(params, pool, batch, *, cfg, spec, role, logits, kernels):
     if role is not Role.TARGET:
         raise PoolError(f"this step runs the target; got role={role}")
-    return _step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
+    return step(params, pool, batch, None, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
 
 
 @cached_jit
@@ -197,7 +211,7 @@ def _target_step(params, pool, batch, *, cfg, spec, role, logits, kernels):
 def _draft_step(params, pool, batch, streams, *, cfg, spec, role, logits, kernels):
     if role is not Role.DRAFT:
         raise PoolError(f"draft_extend runs the MTP draft; got role={role}")
-    return _step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
+    return step(params, pool, batch, streams, cfg=cfg, spec=spec, role=role, logits=logits, kernels=kernels)
 
 
 def prefill(params, pool: KVPool, batch: StepBatch, *, cfg: Config, spec: PoolSpec, role: Role = Role.TARGET,
