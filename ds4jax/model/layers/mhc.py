@@ -19,15 +19,11 @@ def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m].
 
-    Unrolled: a device while loop of reductions costs a few kernel launches per iteration on a GPU (~40 small
-    kernels per call, 8 calls per layer pair: most of a decode step's kernel count on the H200). Traced for a GPU,
-    the m-term sums are adds of slices, so the whole projection is elementwise work on m*m values per token that
-    XLA fuses into one kernel; elsewhere they stay reductions, because the slice form is ~14 ops per sum and makes
-    CPU compiles ~3x slower (46 s against 13.5 s for the default model's decode step).
-
-    Elsewhere (CPU) the iterations are a `fori_loop`: loops cost nothing there, and unrolled they were most of a
-    program's kernels (~2000 per decode step of the default model), which a cached ``ds4jax generate`` paid for
-    again when loading each executable (4-5 s per program on the 2-core CI machine)."""
+    Traced for a GPU: unrolled, with the m-term sums as adds of slices, so the whole projection is elementwise work
+    on m*m values per token that XLA fuses into one kernel (a device while loop of reductions costs ~40 small
+    kernel launches per call on the H200). Elsewhere (CPU): reductions in a `fori_loop`; the unrolled slice form
+    made the default model's decode-step compile ~3x slower (46 s against ~14 s) and its executables ~2000 kernels
+    larger, which a cached ``ds4jax generate`` paid again when loading each program."""
     m = logits.shape[-1]
     gpu = _traced_for_gpu()
     if gpu:
