@@ -23,6 +23,7 @@ from ds4jax.model import params as P
 from ds4jax.generation.generate import SamplingParams, generate
 from ds4jax.model.handle import Model
 from ds4jax.generation.speculative import speculative_generate
+from ds4jax.runtime.kernels import resolve
 
 
 def main(argv=None) -> int:
@@ -42,8 +43,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt_len + 7 * i)) for i in range(args.batch)]
     sp = SamplingParams(max_new_tokens=args.new)
-    results = {"device": str(jax.devices()[0]), "config": "tiny", "batch": args.batch, "new_tokens": args.new,
-               "runs": {}}
+    # generate and speculative_generate both build an Engine with kernels=None: this is what each of them runs.
+    kernels = resolve(None).value
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "tiny", "batch": args.batch,
+               "new_tokens": args.new, "kernels": {"plain": kernels, "speculative": kernels}, "runs": {}}
 
     generate(model, prompts, sp)  # compile
     t = time.perf_counter()
@@ -69,7 +72,9 @@ def main(argv=None) -> int:
                      f"{tpr:.2f} | {r.get('equals_plain_greedy', '-')} |")
     with open(os.path.join(args.out, "speculative_tiny.md"), "w") as f:
         f.write(f"# Speculative vs plain decoding, tiny config, {results['device']}\n\n"
-                f"batch {args.batch}, {args.new} new tokens, random weights (acceptance near 0 is expected)\n\n"
+                f"batch {args.batch}, {args.new} new tokens, random weights (acceptance near 0 is expected); "
+                f"kernels: {kernels} for plain and speculative (every target and draft step goes through the "
+                f"engine's kernel dispatcher); jax {jax.__version__}\n\n"
                 + "\n".join(lines) + "\n")
     return 0
 

@@ -19,19 +19,12 @@ def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m].
 
-    Traced for a GPU: unrolled, with the m-term sums as adds of slices, so the whole projection is elementwise work
-    on m*m values per token that XLA fuses into one kernel (a device while loop of reductions costs ~40 small
-    kernel launches per call on the H200). Elsewhere (CPU): reductions in a `fori_loop`; the unrolled slice form
-    made the default model's decode-step compile ~3x slower (46 s against ~14 s) and its executables ~2000 kernels
-    larger, which a cached ``ds4jax generate`` paid again when loading each program."""
-    m = logits.shape[-1]
-    gpu = _traced_for_gpu()
-    if gpu:
-        rows = lambda c: sum(c[..., :, j : j + 1] for j in range(m))  # [..., m, 1]: sum over the last axis
-        cols = lambda c: sum(c[..., j : j + 1, :] for j in range(m))  # [..., 1, m]: sum over the row axis
-    else:
-        rows = lambda c: jnp.sum(c, axis=-1, keepdims=True)  # noqa: E731
-        cols = lambda c: jnp.sum(c, axis=-2, keepdims=True)  # noqa: E731
+    A `fori_loop` of reductions on every platform. Unrolled (19 steps, twice a layer), XLA's GPU compiler needs
+    minutes for a decode loop even of the tiny config (H200, jax 0.11.2: the engine's `decode_loop` did not finish
+    compiling in 80 s, against 8 s as a loop; `scripts/diag_compile.py`), and on CPU the unrolled form made the
+    default model's decode-step compile ~3x slower and its executables ~2000 kernels larger."""
+    rows = lambda c: jnp.sum(c, axis=-1, keepdims=True)  # noqa: E731
+    cols = lambda c: jnp.sum(c, axis=-2, keepdims=True)  # noqa: E731
     comb = jax.nn.softmax(logits, axis=-1) + eps
     comb = comb / (cols(comb) + eps)
 
@@ -39,19 +32,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         c = c / (rows(c) + eps)
         return c / (cols(c) + eps)
 
-    if not gpu:
-        return jax.lax.fori_loop(0, iters - 1, step, comb)
-    for i in range(iters - 1):
-        comb = step(i, comb)
-    return comb
-
-
-def _traced_for_gpu() -> bool:
-    """Whether the program being traced will run on a GPU: the default device's platform (`jax.default_device`
-    included), else the default backend."""
-    device = jax.config.jax_default_device
-    platform = getattr(device, "platform", device) or jax.default_backend()
-    return platform in ("gpu", "cuda", "rocm")
+    return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
 def hc_weights(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
