@@ -1,5 +1,6 @@
 """The whole serving path lowers for ROCm with no CUDA-only custom call: prefill, decode, verify and draft extend
-of a Flash-shaped model (one layer of each attention kind), the speculative loop (draft chain, verification, sampling, acceptance) and token sampling,
+of a Flash-shaped model (one layer of each attention kind), the engine's programs (prefill chunk, multi-step decode loop, snapshot
+restore, speculative rounds: draft chain, verification, sampling, acceptance) and token sampling,
 traced as if on an MI300 (`as_if_on`: Pallas kernels, GPU MoE strategies) and lowered for platform "rocm"."""
 
 from __future__ import annotations
@@ -90,25 +91,55 @@ def test_step_lowers_for_rocm(step):
     assert "ragged" not in strategies, strategies  # XLA on GPU lowers ragged_dot densely
 
 
-def test_speculative_loop_lowers_for_rocm():
-    """Draft chain, verification, rejection sampling and the draft extend: the engine's rounds in one program."""
-    tspec, dspec = _specs()
-    b, v, stream = 4, CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
+def _rows(b):
     per_row = lambda dtype, *shape: S((b, *shape), dtype)  # noqa: E731
-    rows = loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
+    return loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
                       max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
                       temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
                       key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
                       forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32))
-    slots = tspec.max_slots
-    state = loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16),
-                            S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16))
+
+
+def _slot_state(slots):
+    v, stream = CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
+    return loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16),
+                           S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16))
+
+
+def test_speculative_loop_lowers_for_rocm():
+    """Draft chain, verification, rejection sampling and the draft extend: the engine's rounds in one program."""
+    tspec, dspec = _specs()
+    rows, state = _rows(4), _slot_state(tspec.max_slots)
     fn = functools.partial(spec_rounds.speculative_loop.uncached, cfg=CFG, tspec=tspec, dspec=dspec, k=K,
                            kernels=steps.Impl.PALLAS, max_rounds=4)
     targets, _ = _lower(fn, model_params.abstract(CFG, jnp.bfloat16), pools.abstract(tspec), pools.abstract(dspec),
                         state, rows)
     _assert_rocm_clean(targets)
     assert TRITON_TARGET in targets
+
+
+@pytest.mark.parametrize("program", ["prefill_call", "decode_loop", "restore_call"])
+def test_engine_programs_lower_for_rocm(program):
+    """The engine's own compiled programs for plain serving: a prefill chunk with first-token sampling and the
+    draft extend, the multi-step decode loop, and a snapshot restore's draft step."""
+    tspec, dspec = _specs()
+    params, tpool, dpool = model_params.abstract(CFG, jnp.bfloat16), pools.abstract(tspec), pools.abstract(dspec)
+    kw = dict(cfg=CFG, kernels=steps.Impl.PALLAS)
+    if program == "prefill_call":
+        b, c = 1, 512
+        fn = functools.partial(loops.prefill_call.uncached, tspec=tspec, dspec=dspec, **kw)
+        args = (params, tpool, dpool, _slot_state(tspec.max_slots), _rows(b), S((b, c), I32), S((b,), I32),
+                S((b, c), I32), S((b,), jnp.bool_))
+    elif program == "decode_loop":
+        fn = functools.partial(loops.decode_loop.uncached, spec=tspec, max_steps=4, **kw)
+        args = (params, tpool, _rows(4))
+    else:
+        fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
+        args = (params, dpool, _slot_state(tspec.max_slots), _rows(4), S((4,), jnp.bool_), S((4,), I32))
+    targets, strategies = _lower(fn, *args)
+    _assert_rocm_clean(targets)
+    assert TRITON_TARGET in targets
+    assert "ragged" not in strategies, strategies
 
 
 def test_sampling_lowers_for_rocm():
