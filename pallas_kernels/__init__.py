@@ -14,6 +14,8 @@ from pallas_kernels.indexer_topk import (
     validate_indexer_topk_dynamic,
     validate_indexer_topk_static,
 )
+from pallas_kernels.sinkhorn import BlockSizes as SinkhornBlockSizes
+from pallas_kernels.sinkhorn import sinkhorn, sinkhorn_reference, validate_sinkhorn_static
 from pallas_kernels.sparse_attention import BlockSizes as SparseAttentionBlockSizes
 from pallas_kernels.sparse_attention import (
     finalize_partials,
@@ -29,15 +31,19 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_reference",
     "IndexerTopkBlockSizes",
+    "SinkhornBlockSizes",
     "SparseAttentionBlockSizes",
     "finalize_partials",
     "indexer_topk",
     "indexer_topk_reference",
     "merge_partials",
+    "sinkhorn",
+    "sinkhorn_reference",
     "sparse_attention",
     "sparse_attention_reference",
     "validate_indexer_topk_dynamic",
     "validate_indexer_topk_static",
+    "validate_sinkhorn_static",
     "validate_sparse_attention_dynamic",
     "validate_sparse_attention_static",
 ]

@@ -4,6 +4,8 @@ Decode shapes at Flash dims (one query per request): for batch B and context L,
   sparse_csa: h=64, d=512, na=128 window rows + nb=min(512, L/4) selected compressed rows
   sparse_hca: h=64, d=512, na=128 window rows + nb=L/128 compressed rows (all visible entries)
   indexer:    hi=64, di=128, c=L/4 entries per request, k=512
+  sinkhorn:   the mHC projection (m=4, 20 rounds) of B tokens (ctx unused; also a 16384-token prefill), against
+              its XLA `fori_loop` reference (`mhc.sinkhorn`): launch-bound, so timed per call, not per byte
 Roofline: bytes the op must move (gathered rows, queries, indices, output) / bandwidth, both the nominal
 4.8 TB/s of an H200 and the bandwidth of a large on-device copy measured here (same timing method).
 
@@ -46,6 +48,8 @@ from pallas_kernels import (
     SparseAttentionBlockSizes,
     indexer_topk,
     indexer_topk_reference,
+    sinkhorn,
+    sinkhorn_reference,
     sparse_attention,
     sparse_attention_reference,
 )
@@ -75,8 +79,11 @@ class Dims:
     hi: int = 64
     di: int = 128
     dtype: str = "bfloat16"
+    hc: int = 4  # mHC streams (Sinkhorn matrices are hc x hc)
+    sinkhorn_iters: int = 20
 
 
+SINKHORN_PREFILL_TOKENS = 16384
 TINY = Dims(h=8, d=64, window=16, topk=16, hi=8, di=32, dtype="float32")
 
 
@@ -198,6 +205,13 @@ def measure_copy_bandwidth(n_bytes, a):
 # ---------------------------------------------------------------------------------------------- inputs
 
 
+def sinkhorn_inputs(key, dims: Dims, tokens, n_sets):
+    """n_sets [tokens, hc, hc] f32 logit sets; bytes = logits read + result written."""
+    sets = [(jax.random.normal(k, (tokens, dims.hc, dims.hc), jnp.float32) * 3,)
+            for k in jax.random.split(key, n_sets)]
+    return sets, 2 * tokens * dims.hc * dims.hc * 4, [tokens, dims.hc, dims.hc]
+
+
 def sparse_inputs(key, dims: Dims, batch, ctx, hca, n_sets):
     """Decode: request b owns window rows [b*W, (b+1)*W) and compressed rows [b*n_c, (b+1)*n_c) of
     one copy of the pools; input set i reads copy i (HCA, window) or another random subset (CSA)."""
@@ -292,6 +306,7 @@ def check_indexer(out, ref):
 # References: jitted once per static argument (a fresh jax.jit per config would recompile).
 _SPARSE_REF = jax.jit(sparse_attention_reference, static_argnames=("scale",))
 _INDEXER_REF = jax.jit(indexer_topk_reference, static_argnames=("k",))
+_SINKHORN_REF = jax.jit(sinkhorn_reference, static_argnames=("iters", "eps"))
 
 
 def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=True):
@@ -305,6 +320,12 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
             kern = functools.partial(indexer_topk, k=dims.topk, block_sizes=block_sizes, interpret=a.interpret)
             ref = functools.partial(_INDEXER_REF, k=dims.topk)
             check = check_indexer
+        elif op == "sinkhorn":
+            sets, n_bytes, shape = sinkhorn_inputs(key, dims, batch, n_sets)
+            kern = functools.partial(sinkhorn, iters=dims.sinkhorn_iters, eps=1e-6, block_sizes=block_sizes,
+                                     interpret=a.interpret)
+            ref = functools.partial(_SINKHORN_REF, iters=dims.sinkhorn_iters, eps=1e-6)
+            check = check_sparse
         else:
             sets, n_bytes, shape = sparse_inputs(key, dims, batch, ctx, op == "sparse_hca", n_sets)
             scale = dims.d**-0.5
@@ -417,7 +438,7 @@ def main(argv=None):
     p.add_argument("--no-ref", action="store_true", help="do not time the XLA reference (still checked)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the XLA reference")
     p.add_argument("--sweep-at", default=None, help="BATCH:CTX: run the sweep/variants only at this config")
-    p.add_argument("--ops", default="sparse_csa,sparse_hca,indexer")
+    p.add_argument("--ops", default="sparse_csa,sparse_hca,indexer,sinkhorn")
     p.add_argument("--batches", default=None, help="comma list (default 1,8,64; quick 1,64)")
     p.add_argument("--contexts", default=None, help="comma list (default 8k..512k; quick 8k,128k)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per input set")
@@ -460,10 +481,16 @@ def main(argv=None):
     ops = a.ops.split(",")
     jobs = []  # defaults first (the table), then the tile variants
     for op in ops:
+        if op == "sinkhorn":  # per token: no context; decode batches and one prefill chunk
+            prefill = 1000 if a.interpret else SINKHORN_PREFILL_TOKENS
+            jobs += [(op, tokens, 0, None) for tokens in batches + [prefill]]
+            continue
         for batch in batches:
             for ctx in contexts:
                 jobs.append((op, batch, ctx, None))
     for op in ops:
+        if op == "sinkhorn":  # no tile sweep
+            continue
         kind = "indexer" if op == "indexer" else "sparse"
         for batch, ctx in [sweep_at] if sweep_at else [(b, c) for b in batches for c in contexts]:
             for bs in (SWEEP[kind] if a.sweep else []) + extra[kind]:

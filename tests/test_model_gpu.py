@@ -1,5 +1,6 @@
 """On a GPU (marker `device`): the model's prefill and decode steps through the compiled Pallas kernels (sparse
-attention, indexer top-k, grouped-matmul routed experts) equal the reference path within bf16 tolerance."""
+attention, indexer top-k, grouped-matmul routed experts, mHC Sinkhorn) equal the reference path within bf16
+tolerance."""
 
 import jax
 import jax.numpy as jnp

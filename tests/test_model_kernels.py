@@ -1,9 +1,12 @@
 """The whole model through the Pallas kernels (interpreted on CPU) equals the reference path."""
 
+import functools
+
 import jax
 from jax.extend.core import jaxprs_in_params
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import ds4jax
 from ds4jax.model import params as P
@@ -65,6 +68,15 @@ def test_dispatcher_defaults(monkeypatch):
         raise AssertionError("a bad DS4JAX_KERNELS value must raise")
 
 
+def _kernel_launches(jaxpr):
+    """Names of the pallas_calls of a jaxpr and its sub-jaxprs, in program order."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params.get("name")
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _kernel_launches(sub)
+
+
 def test_routed_experts_dispatch_runs_the_grouped_kernel():
     """Under pallas_interpret, a step's MoE goes through the grouped-matmul kernel (two launches per MoE layer),
     and the kernel path equals the model's own routed experts for decode-sized and prefill-sized tile plans."""
@@ -76,18 +88,11 @@ def test_routed_experts_dispatch_runs_the_grouped_kernel():
     params = P.init(cfg, jax.random.key(0))
     spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=32, dtype="float32")
     batch = steps.StepBatch(jnp.zeros((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32))
-    def kernel_launches(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                yield eqn.params.get("name")
-            for sub in jaxprs_in_params(eqn.params):
-                yield from kernel_launches(sub)
-
     for impl, launches in ((Impl.PALLAS_INTERPRET, 2 * cfg.num_layers), (Impl.REFERENCE, 0)):
         closed = jax.make_jaxpr(lambda p, pool, b: steps._step(
             p, pool, b, None, cfg=cfg, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
             kernels=impl))(params, pools.zeros(spec), batch)
-        names = list(kernel_launches(closed.jaxpr))
+        names = list(_kernel_launches(closed.jaxpr))
         assert names.count("grouped_matmul") == launches, (impl, names)
 
     p = params["layers"][1]["ffn"]
@@ -100,20 +105,49 @@ def test_routed_experts_dispatch_runs_the_grouped_kernel():
     assert re_mod.tile_rows(6) == 16 and re_mod.tile_rows(400) == 64
 
 
-def test_gpu_decode_step_loops_are_only_the_sinkhorns():
-    """The decode step lowered for a GPU (Pallas kernels) holds no `while` loop but the mHC Sinkhorn's, two a
-    layer: on a GPU each iteration of a loop costs a few small kernel launches (a binary-search searchsorted was
-    once a large part of a decode step's kernels on the H200). The Sinkhorn stays a loop: unrolled, XLA's GPU
-    compiler took minutes over a decode loop (`mhc.sinkhorn`)."""
-    cfg = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
-                      mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
-    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
-                             dtype="bfloat16")
-    params = jax.eval_shape(lambda k: P.init(cfg, k, jnp.bfloat16), jax.random.key(0))
+def _three_kinds():
+    return ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
+                       mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
+
+
+def _abstract_step(cfg, role, dtype, rows=2, tokens=1):
+    """(step function, abstract args) of the decode-shaped target step or draft extend of `cfg`."""
+    spec = PoolSpec.for_role(cfg, role=role, max_slots=rows, max_context=64, page_size=16, draft_tokens=2,
+                             dtype=jnp.dtype(dtype).name)
+    params = jax.eval_shape(lambda k: P.init(cfg, k, dtype), jax.random.key(0))
     s = jax.ShapeDtypeStruct
-    batch = steps.StepBatch(s((2,), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
-    text = steps._target_step.trace(
-        params, pools.abstract(spec), batch, cfg=cfg, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
-        kernels=Impl.PALLAS).lower(lowering_platforms=("cuda",)).as_text()
+    batch = steps.StepBatch(s((rows,), jnp.int32), s((rows, tokens), jnp.int32), s((rows,), jnp.int32))
+    if role is ds4jax.Role.TARGET:
+        return functools.partial(steps._target_step, cfg=cfg, spec=spec, role=role, logits=steps.Logits.LAST), (
+            params, pools.abstract(spec), batch)
+    streams = s((rows, tokens, cfg.hc_mult, cfg.hidden_size), jnp.float32)
+    return functools.partial(steps._draft_step, cfg=cfg, spec=spec, role=role, logits=steps.Logits.LAST), (
+        params, pools.abstract(spec), batch, streams)
+
+
+@pytest.mark.parametrize("role", [ds4jax.Role.TARGET, ds4jax.Role.DRAFT], ids=["target", "draft"])
+def test_sinkhorn_dispatch_runs_the_kernel(role):
+    """Under pallas_interpret every mHC Sinkhorn of a step is one launch of the Sinkhorn kernel (two a block: the
+    attention and the FFN hyper-connections; the draft is one block), and none under the reference."""
+    cfg = _three_kinds()
+    step, args = _abstract_step(cfg, role, jnp.float32)
+    blocks = cfg.num_layers if role is ds4jax.Role.TARGET else 1
+    for impl, launches in ((Impl.PALLAS_INTERPRET, 2 * blocks), (Impl.REFERENCE, 0)):
+        names = list(_kernel_launches(jax.make_jaxpr(functools.partial(step, kernels=impl))(*args).jaxpr))
+        assert names.count("sinkhorn") == launches, (role, impl, names)
+
+
+@pytest.mark.parametrize("role,platform", [(ds4jax.Role.TARGET, "cuda"), (ds4jax.Role.TARGET, "rocm"),
+                                           (ds4jax.Role.DRAFT, "cuda")], ids=["target-cuda", "target-rocm",
+                                                                               "draft-cuda"])
+def test_gpu_steps_have_no_while_loops(role, platform):
+    """The decode step and the draft extend lowered for a GPU (Pallas kernels) hold no `while` loop: on a GPU each
+    iteration of an XLA loop costs a few small kernel launches (a binary-search searchsorted was once a large part
+    of a decode step's kernels on the H200; the mHC Sinkhorn's 19-step loop, twice a layer, was the last one, now
+    one kernel launch)."""
+    cfg = _three_kinds()
+    step, args = _abstract_step(cfg, role, jnp.bfloat16)
+    text = jax.jit(functools.partial(step, kernels=Impl.PALLAS)).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
     assert text.count("stablehlo.custom_call") >= 3  # the Pallas kernels are in (lowered for the GPU)
-    assert text.count("stablehlo.while") == 2 * cfg.num_layers
+    assert text.count("stablehlo.while") == 0

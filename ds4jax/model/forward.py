@@ -28,14 +28,15 @@ class BlockAux(NamedTuple):
 
 
 def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn,
-          routed=None):
+          routed=None, sinkhorn=None):
     """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux).
 
-    `routed` replaces the routed-experts computation (see `moe.moe`); None = the model's own."""
-    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg)
+    `routed` replaces the routed-experts computation (see `moe.moe`), `sinkhorn` the mHC Sinkhorn projection
+    (see `mhc.hc_weights`); None = the model's own."""
+    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg, sinkhorn_fn=sinkhorn)
     y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
     x = hc_post(y, x, post, comb)
-    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg)
+    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg, sinkhorn_fn=sinkhorn)
     y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
 

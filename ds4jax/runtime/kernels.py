@@ -21,7 +21,7 @@ import os
 import jax
 
 import pallas_kernels
-from ds4jax.model.layers import moe
+from ds4jax.model.layers import mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
@@ -55,9 +55,11 @@ def kernel_arch(impl: Impl) -> str | None:
 
 
 def block_sizes(op: str, dtype, arch: str | None):
-    """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk") on `arch`."""
+    """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk" / "sinkhorn") on
+    `arch`."""
     cls = {"sparse_attention": pallas_kernels.SparseAttentionBlockSizes,
-           "indexer_topk": pallas_kernels.IndexerTopkBlockSizes}[op]
+           "indexer_topk": pallas_kernels.IndexerTopkBlockSizes,
+           "sinkhorn": pallas_kernels.SinkhornBlockSizes}[op]
     return cls.get_default(dtype, arch=arch)
 
 
@@ -88,3 +90,14 @@ def routed_experts(x, routing, p, cfg, *, impl: Impl):
     if impl is Impl.REFERENCE:
         return moe.routed_experts(x, routing, p, cfg)
     return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)
+
+
+def sinkhorn(logits, iters: int, eps: float, *, impl: Impl):
+    """The mHC Sinkhorn projection of [..., m, m] logits -> [..., m, m] f32: `mhc.sinkhorn` (an XLA loop) or the
+    one-launch kernel. Under a mesh the kernel sees every token whole: a few KB, per token, no partitioning."""
+    if impl is Impl.REFERENCE:
+        return mhc.sinkhorn(logits, iters, eps)
+    kernel = lambda lg: pallas_kernels.sinkhorn(
+        lg, iters=iters, eps=eps, block_sizes=block_sizes("sinkhorn", lg.dtype, kernel_arch(impl)),
+        interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.replicated(kernel, logits)  # shard_map under a mesh

@@ -1,8 +1,8 @@
 """The Pallas kernels under a mesh: each runs inside ``shard_map`` with explicit specs, so XLA never has to
 partition (or gather around) a custom call. Query heads split over the mesh axes of ``heads`` (TP attention: a
-device attends with its heads only); pools, index rows and indexer inputs enter whole on every device of the
-automatic axes (they are replicated there; under data parallelism the step's own ``shard_map`` has already
-given each data shard its pools). Without a mesh the kernel is called directly.
+device attends with its heads only); pools, index rows, indexer inputs and Sinkhorn logits enter whole on every
+device of the automatic axes (they are replicated there; under data parallelism the step's own ``shard_map`` has
+already given each data shard its pools and tokens). Without a mesh the kernel is called directly.
 """
 
 from __future__ import annotations

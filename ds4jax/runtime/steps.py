@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
-from ds4jax.runtime.kernels import Impl, resolve, routed_experts
+from ds4jax.runtime.kernels import Impl, resolve, routed_experts, sinkhorn
 from ds4jax.runtime import data_parallel, pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
@@ -126,7 +126,7 @@ def _pooled_block(x, token_ids, p, pool, rows, g, layer: int, kind: AttentionTyp
         return y, (new, selection)
 
     routed = functools.partial(routed_experts, impl=impl)
-    x, aux = block(x, token_ids, p, cfg, mlp, attention, routed)
+    x, aux = block(x, token_ids, p, cfg, mlp, attention, routed, functools.partial(sinkhorn, impl=impl))
     new, selection = aux.attention
     return x, _store_layer(pool, new, rows, layer, cfg), selection
 

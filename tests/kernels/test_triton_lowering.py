@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import IndexerTopkBlockSizes, SparseAttentionBlockSizes, grouped_matmul, indexer_topk, sparse_attention
+from pallas_kernels import (IndexerTopkBlockSizes, SparseAttentionBlockSizes, grouped_matmul, indexer_topk, sinkhorn,
+                            sparse_attention)
 
 S = jax.ShapeDtypeStruct
 T, H, D, HI, DI = 4, 64, 512, 64, 128
@@ -56,6 +57,11 @@ def _grouped(rows, tiles, n_w, k, n):
                             S((tiles,), jnp.int32))
 
 
+def _sinkhorn(tokens, m=4):
+    """The mHC projection (20 rounds): decode batch 64 (one program) and a 16k-token prefill (a masked tail)."""
+    return functools.partial(sinkhorn, iters=20, eps=1e-6), (S((tokens, m, m), jnp.float32),)
+
+
 CASES = {
     "grouped_decode_gate_up": _grouped(96, 6, 2, 4096, 2048),
     "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
@@ -64,6 +70,9 @@ CASES = {
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),
     "indexer_bf16": _indexer(jnp.bfloat16, None),
     "indexer_f32_c32": _indexer(jnp.float32, IndexerTopkBlockSizes(block_c=32, max_split=4096)),
+    "sinkhorn_decode": _sinkhorn(64),
+    "sinkhorn_prefill_tail": _sinkhorn(16384 + 5),
+    "sinkhorn_m8": _sinkhorn(100, m=8),
 }
 
 

@@ -19,10 +19,14 @@ def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m].
 
-    A `fori_loop` of reductions on every platform. Unrolled (19 steps, twice a layer), XLA's GPU compiler needs
-    minutes for a decode loop even of the tiny config (H200, jax 0.11.2: the engine's `decode_loop` did not finish
-    compiling in 80 s, against 8 s as a loop; `scripts/diag_compile.py`), and on CPU the unrolled form made the
-    default model's decode-step compile ~3x slower and its executables ~2000 kernels larger."""
+    The specification, kept by the cache-free `forward` (HF parity, training: differentiable) and by the steps
+    under the reference kernels (CPU, TPU). The pooled GPU steps pass `hc_pre(..., sinkhorn_fn=)` the Pallas kernel
+    (`pallas_kernels.sinkhorn`, via `ds4jax.runtime.kernels.sinkhorn`): one launch for the whole projection. As
+    an XLA `fori_loop` on a GPU each of the iters-1 steps costs a few small kernel launches (twice a layer: decode
+    was launch-bound on the H200), and unrolled, XLA's GPU compiler needs minutes for a decode loop (H200, jax
+    0.11.2: the engine's `decode_loop` of the tiny config did not finish compiling in 80 s, against 8 s as a
+    loop; `scripts/diag_compile.py`); on CPU the unrolled form made the default model's decode-step compile ~3x
+    slower and its executables ~2000 kernels larger. Hence a loop here."""
     rows = lambda c: jnp.sum(c, axis=-1, keepdims=True)  # noqa: E731
     cols = lambda c: jnp.sum(c, axis=-2, keepdims=True)  # noqa: E731
     comb = jax.nn.softmax(logits, axis=-1) + eps
@@ -35,21 +39,24 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
-def hc_weights(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The token's mixing weights, float32: (pre [..., m], post [..., m], comb [..., m, m] doubly stochastic)."""
+def hc_weights(x: jax.Array, p: dict, cfg: Config, sinkhorn_fn=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The token's mixing weights, float32: (pre [..., m], post [..., m], comb [..., m, m] doubly stochastic).
+
+    `sinkhorn_fn(logits, iters, eps)` replaces the projection (a kernel of the same result); None = `sinkhorn`."""
     m = cfg.hc_mult
     mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
     scale, base = p["scale"].astype(jnp.float32), p["base"].astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(mix[..., m : 2 * m] * scale[1] + base[m : 2 * m])
     comb_logits = mix[..., 2 * m :] * scale[2] + base[2 * m :]
-    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    project = sinkhorn if sinkhorn_fn is None else sinkhorn_fn
+    comb = project(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
     return pre, post, comb
 
 
-def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e])."""
-    pre, post, comb = hc_weights(x, p, cfg)
+def hc_pre(x: jax.Array, p: dict, cfg: Config, sinkhorn_fn=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e]); `sinkhorn_fn` as `hc_weights`."""
+    pre, post, comb = hc_weights(x, p, cfg, sinkhorn_fn)
     collapsed = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
     return post, comb, collapsed
 
