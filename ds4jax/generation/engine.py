@@ -14,6 +14,10 @@ Shapes come only from the buckets (`row_buckets` x `chunk_buckets` for prefill, 
 after `warmup()` no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots and
 after unpark, weights committed to the device as loaded checkpoints are). Decode never pays for prefill
 width: the two are separate programs.
+
+On one device and on one-stage meshes the calls are the fused programs of `loops` / `spec_rounds`; on a layer
+split `stage_programs.StagePrograms` runs the same prefill and plain decode calls stage by stage (no speculative
+rounds, no prefix snapshots there).
 """
 
 from __future__ import annotations
@@ -153,7 +157,8 @@ class Engine:
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
     tokens per round with the MTP block; requests may opt out (`Request.speculative=0`) or cap k.
     Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
-    steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip.
+    steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
+    host loop of single steps).
     kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,

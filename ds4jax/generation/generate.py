@@ -147,7 +147,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     it is delivered.
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
-    decoding, sampled output follows the same distribution."""
+    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`)."""
     cfg = model.config
     if not isinstance(params, SamplingParams):
         raise ArgumentError("must be a SamplingParams", name="params", value=params)
