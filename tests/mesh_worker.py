@@ -53,7 +53,8 @@ ENGINES = {"engine_dp2_tp2_ep2": dict(data=2, tensor=2, expert=2)}  # every mesh
 # ds4jax.Engine on a layer split (stage by stage): a ragged batch of 4 requests on 2 slots (two join mid-flight),
 # chunked prefill, greedy, seeded top-k and top-k 1 sampling, against the single-device engine; then
 # ds4jax.generate on the same split (its one-shot engine has the same sizes, so it shares every program)
-SPLIT_ENGINES = {"engine_split2_ep4": dict(layer_split=2, expert=4), "engine_split4_tp2": dict(layer_split=4, tensor=2)}
+SPLIT_ENGINES = {"engine_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2),
+                 "engine_split4_tp2": dict(layer_split=4, tensor=2)}
 SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3

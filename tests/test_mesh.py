@@ -67,7 +67,7 @@ def test_engine_on_a_mesh_matches_single_device(layouts, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_ENGINES))
 def test_engine_on_a_layer_split_matches_single_device(layouts, name):
-    """`ds4jax.Engine` stage by stage on layer splits of 2 and 4: a ragged batch (two requests join mid-flight,
+    """`ds4jax.Engine` stage by stage on layer splits of 2 (x data 2 x expert 2) and 4 (x tensor 2): a ragged batch (two requests join mid-flight,
     prompts over several chunks) gives the single-device tokens, greedy and seeded top-k (top-k 1 = greedy), the
     pools at the committed positions and the last prefill logits equal, nothing compiles after warmup (park /
     unpark included); `ds4jax.generate` on the split (top-k honoured) equals one device and compiles nothing."""

@@ -119,7 +119,7 @@ class StagePrograms:
     def _through(self, params, pools: tuple, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
         """Every stage but the last (`stage_step`, no logits), then `last_call(params, pool, batch, x)` on the
         last stage's devices. Returns (its result, the pools)."""
-        specs = self.mesh_steps.stage_specs(spec)
+        specs, shardings = self.mesh_steps.stage_specs(spec), self.mesh_steps.pool_shardings(spec)
         x, new = None, []
         for s in range(self.last + 1):
             batch = steps.StepBatch(*self.put((slots, token_ids, n_tokens), s))
@@ -133,7 +133,9 @@ class StagePrograms:
                     x = out.streams
                 else:
                     result, pool = last_call(self._params(params, s), pools[s], batch, x, specs[s])
-            new.append(pool)
+            # canonical placement: a stage without a layer kind gets its zero-size arrays back replicated, and the
+            # next call would compile again for that input (a no-op for every other array)
+            new.append(jax.device_put(pool, shardings[s]))
         return result, tuple(new)
 
     def prefill(self, params, pools: tuple, slot_state: SlotState, rows: Rows, token_ids, n_tokens, *,
