@@ -165,7 +165,7 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
         batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
         out, pool = steps.step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
-        return (pool,) + decode_update(rows, out.logits, cur, n_out, done, buf, i, bad)
+        return (pool,) + decode_update(rows, out.logits, live, cur, n_out, done, buf, i, bad)
 
     init = (pool, rows.cur, rows.n_out, decode_done0(rows), buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
             jnp.full((b,), -1, jnp.int32))
@@ -178,12 +178,12 @@ def decode_done0(rows: Rows):
     return ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
 
 
-def decode_update(rows: Rows, logits, cur, n_out, done, buf, i, bad):
+def decode_update(rows: Rows, logits, live, cur, n_out, done, buf, i, bad):
     """One decode step after its logits: sample (or take a forced token), record it, and mark rows that finished
     (a stop id or max_new) or paused (the call's limit). Returns (tok, n_out, done, buf, i + 1, any finished or
-    paused, bad). `decode_loop`'s body, and a layer split's last stage (`stage_programs`)."""
+    paused, bad); live = ~done (the rows the step ran). `decode_loop`'s body, and a layer split's last stage
+    (`stage_programs`)."""
     b = rows.slots.shape[0]
-    live = ~done
     tok = sample(logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
     bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(logits).all(axis=-1), n_out, bad)
     fp = i  # forced tokens are consumed one per step from the call's start

@@ -65,7 +65,7 @@ def _last_decode(params, pool, rows: Rows, batch, x, carry: _Carry, *, cfg, spec
         out, pool = steps.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET,
                                logits=steps.Logits.LAST, kernels=kernels)
         tok, n_out, done, buf, i, finished, bad = loops.decode_update(
-            rows, out.logits, carry.cur, carry.n_out, carry.done, carry.buf, carry.i, carry.bad)
+            rows, out.logits, ~carry.done, carry.cur, carry.n_out, carry.done, carry.buf, carry.i, carry.bad)
         tok, n_out, done, buf, bad, n_next = rows_over_data((tok, n_out, done, buf, bad, (~done).astype(jnp.int32)))
         return _Carry(tok, tok[:, None], n_out, done, buf, i, finished | jnp.all(done), bad, n_next), pool
 
