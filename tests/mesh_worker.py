@@ -5,7 +5,9 @@ Per layout: prefill (all logits of a ragged 2-row batch in chunks of 8), 3 greed
 tokens; each a one-token row of the same step program, so a layout compiles one program), and every pool array
 at the positions each request has committed (rings, states, paged entries read through each run's own page
 table). Per engine case: `ds4jax.Engine` on the mesh (its fused prefill, decode and speculative programs), one
-plain and one speculative greedy request, whose tokens must be the single-device run's.
+plain and one speculative greedy request, whose tokens must be the single-device run's. Per layer-split engine
+case: `Engine` stage by stage on a ragged batch joining mid-flight (tokens, pools, last logits, park / unpark,
+compiles after warmup) and `ds4jax.generate` with top-k sampling, against the single-device engine.
 Usage: python tests/mesh_worker.py NAME... (default: every layout and engine case).
 """
 
@@ -26,6 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import ds4jax  # noqa: E402
 from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
+from ds4jax.model.handle import Model  # noqa: E402
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
 from ds4jax.runtime.mesh_steps import POOL_AXES, gather_pools  # noqa: E402
@@ -47,6 +50,12 @@ LAYOUTS = {
 # ds4jax.Engine on a mesh: one plain and one speculative greedy request (one engine, k = 2) against the
 # single-device engine; a second identical call must compile nothing (shardings stay put from call to call)
 ENGINES = {"engine_dp2_tp2_ep2": dict(data=2, tensor=2, expert=2)}  # every mesh axis in one engine
+# ds4jax.Engine on a layer split (stage by stage): a ragged batch of 4 requests on 2 slots (two join mid-flight),
+# chunked prefill, greedy, seeded top-k and top-k 1 sampling, against the single-device engine; then
+# ds4jax.generate on the same split (its one-shot engine has the same sizes, so it shares every program)
+SPLIT_ENGINES = {"engine_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2),
+                 "engine_split4_tp2": dict(layer_split=4, tensor=2)}
+SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 PROMPTS = (19, 11)
@@ -64,7 +73,7 @@ def experts_over_data():
 
 
 def make(name):
-    kw = dict(LAYOUTS.get(name) or ENGINES[name])
+    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES[name])
     kernels = kw.pop("kernels", None)
     if kw.pop("rules", None) == "experts_over_data":
         kw["rules"] = experts_over_data()
@@ -145,6 +154,52 @@ def engine_run(model, layout) -> dict:
                 devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
 
 
+def split_requests(cfg):
+    from ds4jax.generation.requests import Request
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPTS]
+    sampled = (dict(), dict(), dict(temperature=0.9, top_k=5, seed=3), dict(temperature=0.7, top_k=1, seed=4))
+    return [Request(prompt=prompts[r % 2], max_new_tokens=m, **kw) for r, (m, kw) in enumerate(zip(SPLIT_NEW, sampled))]
+
+
+def split_engine_run(model) -> dict:
+    """`SPLIT_ENGINES`' run of `model` (placed on its mesh, or on one device): tokens, pools at the committed
+    positions and the slots' last prefill logits after the run, compiles after warmup, and `ds4jax.generate`."""
+    from ds4jax.generation.engine import Engine, compile_count
+
+    cfg = model.config
+    engine = Engine(model, max_slots=2, max_context=32, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,),
+                    row_buckets=(2,), steps_per_call=4)
+    engine.warmup()
+    requests = split_requests(cfg)
+    results = engine.generate(requests)
+    if engine.stages is not None:
+        arrays = gather_pools(engine.tpool, engine.stages.mesh_steps, engine.tspec)
+    else:
+        arrays = {k: np.asarray(getattr(engine.tpool, k)) for k in POOL_AXES}
+    pools = committed(arrays, engine.tspec, cfg)
+    logits = np.asarray(engine.slot_state.last_logits)
+    prompts = [r.prompt for r in requests[:2]]
+    before = compile_count()
+    greedy = ds4jax.generate(model, prompts, ds4jax.SamplingParams(max_new_tokens=4), prefill_chunk=CHUNK)
+    gen_compiles = compile_count() - before
+    top1 = ds4jax.generate(model, prompts, ds4jax.SamplingParams(max_new_tokens=4, temperature=0.8, top_k=1, seed=5),
+                           prefill_chunk=CHUNK)
+    topk = ds4jax.generate(model, prompts, ds4jax.SamplingParams(max_new_tokens=4, temperature=0.9, top_k=3, seed=7),
+                           prefill_chunk=CHUNK)
+    again = results
+    if engine.stages is not None:  # park deletes the buffers of the model the engine was built with: last
+        engine.park()
+        engine.unpark()
+        again = engine.generate(requests)  # after park / unpark: same tokens, no compile
+    return dict(tokens=[r.tokens for r in results], again=[r.tokens for r in again],
+                errors=[r.message for r in results + again if r.error is not None],
+                compiles_after_warmup=engine.stats.compiles_after_warmup, pools=pools, logits=logits,
+                generate=dict(greedy=greedy, top1=top1, topk=topk), generate_compiles=gen_compiles,
+                devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
+
+
 def committed(a: dict, spec: PoolSpec, cfg) -> dict:
     """Each slot's committed rows of every pool array, in logical order (independent of page placement)."""
     out = {}
@@ -183,7 +238,20 @@ def main(names):
         got = engine_run(model, make(name)[0])
         results[name] = dict(got, ref=[list(r) for r in zip(*ref["tokens"])])
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    names = [n for n in names if n not in ENGINES]
+    split = [n for n in names if n in SPLIT_ENGINES]
+    ref_split = split_engine_run(model) if split else None
+    for name in split:
+        # placed from a host copy: park() deletes the engine's buffers, which device_put may share with `model`'s
+        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
+        got = split_engine_run(place_model(copy, make(name)[0]))
+        res = dict(tokens=got["tokens"], ref=ref_split["tokens"], again=got["again"], errors=got["errors"],
+                   compiles_after_warmup=got["compiles_after_warmup"], devices=got["devices"],
+                   pools={k: rel(v, ref_split["pools"][k]) for k, v in got["pools"].items()},
+                   logits=rel(got["logits"], ref_split["logits"]), generate=got["generate"],
+                   ref_generate=ref_split["generate"], generate_compiles=got["generate_compiles"])
+        results[name] = res
+        print(name, json.dumps(res), file=sys.stderr, flush=True)
+    names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     for name in names:
@@ -202,4 +270,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES))
+    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import ds4jax
+from ds4jax.errors import ArgumentError
 from ds4jax.model import params as params_lib
 from ds4jax.model.sharding import default_rules, mesh_spec
 from ds4jax.runtime.mesh import MeshError, make_mesh, split_ranges
@@ -63,9 +64,28 @@ def test_engine_on_a_mesh_matches_single_device(layouts, name):
     assert not {"jit(prefill_call)", "jit(decode_loop)", "jit(speculative_loop)"} & set(res["recompiled"]), res
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(mesh_worker.SPLIT_ENGINES))
+def test_engine_on_a_layer_split_matches_single_device(layouts, name):
+    """`ds4jax.Engine` stage by stage on layer splits of 2 (x data 2 x expert 2) and 4 (x tensor 2): a ragged batch (two requests join mid-flight,
+    prompts over several chunks) gives the single-device tokens, greedy and seeded top-k (top-k 1 = greedy), the
+    pools at the committed positions and the last prefill logits equal, nothing compiles after warmup (park /
+    unpark included); `ds4jax.generate` on the split (top-k honoured) equals one device and compiles nothing."""
+    res = layouts[name]
+    assert res["devices"] == 8 and not res["errors"], res
+    assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
+    assert res["tokens"][3][:3] == res["tokens"][1], res["tokens"]  # top_k=1 at temperature 0.7 is greedy (prompt 1)
+    assert len(res["pools"]) == 2 * 11 and all(v <= TOL for v in res["pools"].values()), res["pools"]
+    assert res["logits"] <= TOL and res["compiles_after_warmup"] == 0, res
+    gen, ref = res["generate"], res["ref_generate"]
+    assert gen == ref and gen["top1"] == gen["greedy"] and gen["topk"] != gen["greedy"], (gen, ref)
+    assert res["generate_compiles"] == 0, res["generate_compiles"]  # the engine's programs serve generate
+
+
 def test_engine_rows_on_data_parallel_pools():
     """The engine's rows on a data-parallel mesh: buckets are multiples of data, row block d serves the requests
-    whose slots live on data shard d (padded on its own); a layer split is refused with a clear error."""
+    whose slots live on data shard d (padded on its own). On a layer split, speculative decoding is refused and
+    prefix snapshots are an error result."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
     from types import SimpleNamespace
@@ -84,8 +104,12 @@ def test_engine_rows_on_data_parallel_pools():
     assert [lv.slot for lv in engine._fit(live, 4)] == [5, 0, 6]  # two rows per shard
     with pytest.raises(PoolError, match="multiples of the mesh's data=2"):
         ds4jax.Engine(placed, max_slots=8, max_context=64, row_buckets=(1, 8))
-    with pytest.raises(MeshError, match="layer split"):
-        ds4jax.Engine(place_model(model, make_mesh(layer_split=2, devices=jax.devices()[:2])), max_slots=2)
+    split = place_model(model, make_mesh(layer_split=2, devices=jax.devices()[:2]))
+    with pytest.raises(ArgumentError, match="speculative decoding on a layer split"):
+        ds4jax.Engine(split, max_slots=2, speculative=2)
+    engine = ds4jax.Engine(split, max_slots=2, max_context=64)
+    res = engine.generate([ds4jax.Request(prompt=[1, 2, 3], max_new_tokens=2, snapshot=True)])[0]
+    assert res.error is ds4jax.ErrorCode.INVALID_REQUEST and "layer split" in res.message, res
 
 
 def test_every_param_has_logical_axes():

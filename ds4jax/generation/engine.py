@@ -14,6 +14,10 @@ Shapes come only from the buckets (`row_buckets` x `chunk_buckets` for prefill, 
 after `warmup()` no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots and
 after unpark, weights committed to the device as loaded checkpoints are). Decode never pays for prefill
 width: the two are separate programs.
+
+On one device and on one-stage meshes the calls are the fused programs of `loops` / `spec_rounds`; on a layer
+split `stage_programs.StagePrograms` runs the same prefill and plain decode calls stage by stage (no speculative
+rounds, no prefix snapshots there).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.errors import ArgumentError
 from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.request_checks import request_problem
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
@@ -152,7 +157,8 @@ class Engine:
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
     tokens per round with the MTP block; requests may opt out (`Request.speculative=0`) or cap k.
     Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
-    steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip.
+    steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
+    host loop of single steps).
     kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
@@ -169,12 +175,16 @@ class Engine:
             raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
         self.layout = model.layout  # a `MeshLayout` when the params are placed on a mesh
         self.data = 1 if self.layout is None else self.layout.axis_sizes["data"]
+        self.stages = None  # a layer split runs stage by stage (`StagePrograms`), everything else fused programs
         if self.layout is not None and self.layout.num_stages > 1:
-            from ds4jax.runtime.mesh import MeshError
+            from ds4jax.generation.stage_programs import StagePrograms
 
-            raise MeshError(f"Engine: a layer split ({self.layout.describe()}) runs one program per stage; the engine "
-                            "fuses whole steps, so it runs on one-stage meshes (data x expert x tensor). Use "
-                            "ds4jax.generate (stage by stage) for a layer split")
+            if k:
+                raise ArgumentError(f"speculative decoding on a layer split ({self.layout.describe()}) is not "
+                                    "supported: its rounds are fused programs over every layer; use "
+                                    "speculative=0 or a one-stage mesh", name="speculative", value=k)
+            self.stages = StagePrograms(self.layout, cfg)
+            snapshot_bytes = 0  # prefix snapshots hold one pool; a layer split has one per stage (not supported)
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
         self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout), cfg, k, tokenizer
         self._parked: set[str] = set()
@@ -233,11 +243,13 @@ class Engine:
     def _new_target_state(self) -> None:
         cfg, s = self.cfg, self.tspec.max_slots
         self.tbook = self._book(self.tspec)
-        self.tpool = self.tbook.sync(self._zeros(self.tspec))
+        self.tpool = self._sync(self.tbook, self._zeros(self.tspec), self.tspec)
         stream = jnp.dtype(self.tspec.dtype)  # the model's activation dtype
         state = SlotState(jnp.zeros((s, cfg.vocab_size), jnp.float32), jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream),
                           jnp.zeros((s, cfg.vocab_size), jnp.float32), jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream))
-        if self.layout is not None:  # slot rows beside their pools (over data)
+        if self.stages is not None:  # beside the logits, on the last stage
+            state = self.stages.slot_state(state)
+        elif self.layout is not None:  # slot rows beside their pools (over data)
             state = jax.tree.map(lambda a: jax.device_put(a, self.layout.batch_sharding(a.shape)), state)
         self.slot_state = self._committed(state)
 
@@ -261,12 +273,26 @@ class Engine:
             return ShardedPoolBook(spec, self.cfg.vocab_size, self.data)
         return PoolBook(spec, self.cfg.vocab_size)
 
+    def _sync(self, book: PoolBook, pool, spec: PoolSpec):
+        """`pool` with the book's page table and lengths (a layer split: every stage's pool)."""
+        return book.sync(pool) if self.stages is None else self.stages.sync(book, pool, spec)
+
+    def _lost(self) -> bool:
+        """Whether a failed call took the donated pools with it."""
+        if self.stages is not None:
+            return self.stages.lost(self.tpool)
+        return self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
+
     def _zeros(self, spec: PoolSpec) -> pools.KVPool:
+        if self.stages is not None:
+            return self.stages.zeros(spec)
         return self._committed(pools.zeros(spec)) if self.layout is None else self.layout.pool_zeros(spec)
 
     def _placed(self, pool: pools.KVPool, spec: PoolSpec) -> pools.KVPool:
         """`pool` on its canonical placement (a program run outside the engine's steps, e.g. the slot reset,
         may return zero-size arrays replicated; the steps would then compile again for that input)."""
+        if self.stages is not None:
+            return self.stages.placed(pool, spec)
         return pool if self.layout is None else jax.device_put(pool, self.layout.pool_shardings(spec))
 
     def _on_mesh(self):
@@ -406,6 +432,9 @@ class Engine:
             points.add(int(p))
         if req.snapshot:
             points.add(len(ids))
+        if points and self.stages is not None:
+            return fail(ErrorCode.INVALID_REQUEST, "prefix snapshots (snapshot / snapshot_at) are not supported on "
+                                                   "a layer split")
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[: len(stops)] = stops
         result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
@@ -468,7 +497,7 @@ class Engine:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - an engine bug must not take other callers down
-            lost = self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
+            lost = self._lost()
             for lv in (list(self._slots.values()) if lost else group):
                 if not lv.done:
                     self._finish(lv, FinishReason.ERROR, ErrorCode.INTERNAL, f"engine step failed: {exc!r}")
@@ -497,7 +526,7 @@ class Engine:
             self._slots[slot] = lv
             admitted.append(lv)
         if admitted:
-            self.tpool = self.tbook.sync(self.tpool)
+            self.tpool = self._sync(self.tbook, self.tpool, self.tspec)
             if self.dpool is not None:
                 self.dpool = self.dbook.sync(self.dpool)
         restored = []
@@ -514,7 +543,10 @@ class Engine:
         if not self._to_reset:
             return
         slots = sorted(self._to_reset)
-        self.tpool = self.tbook.sync(self._placed(pools.reset_slots(self.tpool, slots), self.tspec))
+        if self.stages is not None:
+            self.tpool = self._sync(self.tbook, self.stages.reset(self.tpool, slots, self.tspec), self.tspec)
+        else:
+            self.tpool = self.tbook.sync(self._placed(pools.reset_slots(self.tpool, slots), self.tspec))
         if self.dpool is not None:
             self.dpool = self.dbook.sync(self._placed(pools.reset_slots(self.dpool, slots), self.dspec))
         self._to_reset.clear()
@@ -587,6 +619,11 @@ class Engine:
         return min(end - lv.pos, self.chunk_buckets[-1])
 
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
+        if self.stages is not None:
+            first, self.tpool, self.slot_state = self.stages.prefill(
+                self.model.params, self.tpool, self.slot_state, rows, token_ids, n_tokens, spec=self.tspec,
+                kernels=self.kernels)
+            return first
         with self._on_mesh():
             first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
                 self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
@@ -638,6 +675,10 @@ class Engine:
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_call(self, rows: Rows):
+        if self.stages is not None:
+            out, self.tpool = self.stages.decode(self.model.params, self.tpool, rows, spec=self.tspec,
+                                                 kernels=self.kernels, max_steps=self.steps_per_call)
+            return out
         with self._on_mesh():
             out, self.tpool = loops.decode_loop(self.model.params, self.tpool, rows, cfg=self.cfg, spec=self.tspec,
                                                 kernels=self.kernels, max_steps=self.steps_per_call)
@@ -669,7 +710,7 @@ class Engine:
             r = row_of[lv.slot]
             if bad[r] >= 0 and lv.result.nonfinite_at is None:
                 lv.result.nonfinite_at = int(bad[r])
-        lengths = np.asarray(self.tpool.lengths)
+        lengths = np.asarray(self.tpool.lengths if self.stages is None else self.stages.lengths(self.tpool))
         for lv in part:
             r = row_of[lv.slot]
             self.tbook.lengths[lv.slot] = lengths[lv.slot]
@@ -795,6 +836,8 @@ class Engine:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
         its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
         `Request(snapshot=True)` snapshots the whole prompt without a callback."""
+        if self.stages is not None:
+            raise PoolError("snapshot(): prefix snapshots are not supported on a layer split (one pool per stage)")
         live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
         if not live:
             raise PoolError(f"snapshot({which!r}): no running request there")

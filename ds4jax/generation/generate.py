@@ -147,7 +147,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     it is delivered.
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
-    decoding, sampled output follows the same distribution."""
+    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`)."""
     cfg = model.config
     if not isinstance(params, SamplingParams):
         raise ArgumentError("must be a SamplingParams", name="params", value=params)
@@ -156,15 +156,6 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     k = check_int(speculative, "speculative", low=0)
-    layout = getattr(model, "layout", None)
-    if layout is not None and layout.num_stages > 1:  # a layer split: stage by stage (the engine fuses whole steps)
-        if k:
-            raise ArgumentError("speculative decoding on a layer split is not implemented (the engine runs one-stage "
-                                "meshes); generate without speculative=", name="speculative", value=speculative)
-        from ds4jax.generation.mesh_generate import mesh_generate
-
-        return mesh_generate(model, prompts, params, prefill_chunk=prefill_chunk, check_finite=check_finite,
-                             on_token=on_token)
     if k and not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
     return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,

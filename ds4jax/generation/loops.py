@@ -85,13 +85,8 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     batch = steps.StepBatch(rows.slots, token_ids, n_tokens)
     out, tpool = steps.step(params, tpool, batch, None, cfg=cfg, spec=tspec, role=Role.TARGET,
                              logits=steps.Logits.LAST, kernels=kernels)
-    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
-    first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k)
-    wrote = n_tokens > 0
+    first, slot_state = first_tokens(out, slot_state, rows, n_tokens)
     last = jnp.maximum(n_tokens - 1, 0)
-    last_stream = jnp.take_along_axis(out.streams, last[:, None, None, None], axis=1)[:, 0]
-    slot_state = slot_state._replace(last_logits=set_rows(slot_state.last_logits, rows.slots, wrote, out.logits),
-                                     last_stream=set_rows(slot_state.last_stream, rows.slots, wrote, last_stream))
     if dspec is not None:
         col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
         ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
@@ -101,8 +96,25 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
         slot_state = slot_state._replace(
             draft_logits=set_rows(slot_state.draft_logits, rows.slots, finishing, dout.logits),
             draft_stream=set_rows(slot_state.draft_stream, rows.slots, finishing, stream))
-    first = jnp.where(jnp.isfinite(out.logits).all(axis=-1), first, -1)  # -1: non-finite logits (numerics guard)
-    return first, tpool, dpool, rows_over_data(slot_state)
+    return flag_nonfinite(first, out.logits), tpool, dpool, rows_over_data(slot_state)
+
+
+def first_tokens(out: steps.StepOutput, slot_state: SlotState, rows: Rows, n_tokens):
+    """After a prefill chunk's target step: each row's first token (sampled from its last-token logits; valid
+    where the prompt ends in the chunk) and the slot state with those logits and streams on the rows that wrote
+    (a layer split's last stage runs this too, `stage_programs`)."""
+    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
+    first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k)
+    wrote = n_tokens > 0
+    last = jnp.maximum(n_tokens - 1, 0)
+    last_stream = jnp.take_along_axis(out.streams, last[:, None, None, None], axis=1)[:, 0]
+    return first, slot_state._replace(last_logits=set_rows(slot_state.last_logits, rows.slots, wrote, out.logits),
+                                      last_stream=set_rows(slot_state.last_stream, rows.slots, wrote, last_stream))
+
+
+def flag_nonfinite(first, logits):
+    """-1 where a row's logits are not finite (the numerics guard)."""
+    return jnp.where(jnp.isfinite(logits).all(axis=-1), first, -1)
 
 
 @cached_jit
@@ -153,20 +165,33 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int)
         batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
         out, pool = steps.step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
-        tok = sample(out.logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
-        bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(out.logits).all(axis=-1), n_out, bad)
-        fp = i  # forced tokens are consumed one per step from the call's start
-        forced = jnp.take_along_axis(rows.forced, jnp.minimum(fp, MAX_FORCED - 1)[None, None].repeat(b, 0), 1)[:, 0]
-        tok = jnp.where(fp < rows.n_forced, forced, tok)
-        tok = jnp.where(live, tok, cur)
-        buf = buf.at[:, i].set(jnp.where(live, tok, -1))
-        n_out = n_out + live.astype(jnp.int32)
-        finished = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
-        paused = live & (n_out - rows.n_out >= rows.limit)  # the host must look at it (a budget's end)
-        return pool, tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused), bad
+        return (pool,) + decode_update(rows, out.logits, live, cur, n_out, done, buf, i, bad)
 
-    done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
-    init = (pool, rows.cur, rows.n_out, done0, buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+    init = (pool, rows.cur, rows.n_out, decode_done0(rows), buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
             jnp.full((b,), -1, jnp.int32))
     pool, _, n_out, done, buf, i, _, bad = jax.lax.while_loop(cond, body, init)
     return DecodeOut(buf, n_out, done, i, bad), pool
+
+
+def decode_done0(rows: Rows):
+    """Rows that take no decode step in this call (padding, out of budget, paused)."""
+    return ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
+
+
+def decode_update(rows: Rows, logits, live, cur, n_out, done, buf, i, bad):
+    """One decode step after its logits: sample (or take a forced token), record it, and mark rows that finished
+    (a stop id or max_new) or paused (the call's limit). Returns (tok, n_out, done, buf, i + 1, any finished or
+    paused, bad); live = ~done (the rows the step ran). `decode_loop`'s body, and a layer split's last stage
+    (`stage_programs`)."""
+    b = rows.slots.shape[0]
+    tok = sample(logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k)
+    bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(logits).all(axis=-1), n_out, bad)
+    fp = i  # forced tokens are consumed one per step from the call's start
+    forced = jnp.take_along_axis(rows.forced, jnp.minimum(fp, MAX_FORCED - 1)[None, None].repeat(b, 0), 1)[:, 0]
+    tok = jnp.where(fp < rows.n_forced, forced, tok)
+    tok = jnp.where(live, tok, cur)
+    buf = buf.at[:, i].set(jnp.where(live, tok, -1))
+    n_out = n_out + live.astype(jnp.int32)
+    finished = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
+    paused = live & (n_out - rows.n_out >= rows.limit)  # the host must look at it (a budget's end)
+    return tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused), bad

@@ -3,7 +3,8 @@
 `ds4jax.Engine` runs one-stage meshes itself (its fused programs trace `steps.step` under the mesh). A layer
 split needs one program per stage (stages live on disjoint devices), so it runs here: `MeshSteps` has the call
 signatures of `ds4jax.runtime.steps` (and `zeros`, `book`, `sync`), each stage one `stage_step` = `steps.step`
-over its layers, the hyper-connection state handed from stage to stage.
+over its layers, the hyper-connection state handed from stage to stage. The engine on a layer split
+(`generation/stage_programs.py`) uses its pools, books and `stage_step`.
 
 * Pools are one `KVPool` per layer stage, holding that stage's layers (a stage-local `PoolSpec`).
 * Within a stage, arrays are placed by their logical axes (`pool_layout.POOL_ARRAYS`) and the layout's rules:
