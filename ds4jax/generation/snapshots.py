@@ -192,15 +192,17 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 def _leaf_digest(x) -> jax.Array:
     """[2] uint32: two wrapping sums of every element's bits times an odd weight of its position. Changing any one
-    element changes both (an odd weight is invertible mod 2**32), so weights that differ anywhere differ here."""
+    element changes both (an odd weight is invertible mod 2**32), so weights that differ anywhere differ here.
+    No reshape: a leaf sharded over a mesh keeps its sharding (partial sums, then one all-reduce of 8 bytes)."""
     if x.dtype == jnp.bool_:
         bits = x.astype(jnp.uint32)
     else:  # an 8-byte element becomes two uint32 words on a trailing axis
         bits = jax.lax.bitcast_convert_type(x, _UINT[jnp.dtype(x.dtype).itemsize]).astype(jnp.uint32)
-    bits = bits.reshape(-1, bits.shape[-1]) if bits.ndim else bits.reshape(1, 1)
-    # position weights from 2-D iotas (a leaf may hold more than 2**32 elements: the weights wrap, stay odd)
-    pos = (jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 0) * jnp.uint32(bits.shape[1])
-           + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 1))
+    # the row-major position of each element from per-axis iotas (wrapping past 2**32: the weights stay odd)
+    pos, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+    for axis in reversed(range(bits.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
     odd = (pos << 1) | jnp.uint32(1)
     mixed = (pos * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
     return jnp.stack([jnp.sum(bits * odd, dtype=jnp.uint32), jnp.sum((bits ^ pos) * mixed, dtype=jnp.uint32)])
