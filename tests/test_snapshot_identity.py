@@ -1,6 +1,7 @@
-"""A snapshot's model fingerprint covers every element of every weight: changing any single element of any
-tensor changes it (a fine-tune that differs only in a late layer cannot restore another model's state), and it
-does not depend on how the weights are placed (one device or sharded over a mesh)."""
+"""What keeps a snapshot from restoring the wrong state: its model fingerprint covers every element of every
+weight (changing any single element of any tensor changes it, so a fine-tune that differs only in a late layer
+cannot restore another model's state) whatever the weights' placement, and a store lookup compares the exact ids
+(a hash collision finds nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ds4jax
 from ds4jax.generation import snapshots
+from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.runtime.roles import Role
 from spec_helpers import agreeable_model, tiny3
 
@@ -38,3 +40,11 @@ def test_the_digest_does_not_depend_on_sharding():
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("a", "b")))
     np.testing.assert_array_equal(np.asarray(snapshots._digests([x])), np.asarray(snapshots._digests([sharded])))
+
+
+def test_a_hash_collision_never_restores_another_prefix(monkeypatch):
+    monkeypatch.setattr(snapshots, "ids_key", lambda ids: ("every prefix collides", len(ids)))
+    store = SnapshotStore(1 << 20)
+    store.put(Snapshot((5, 6, 7), {}, {"last_logits": np.zeros(4, np.float32)}, pages=0))
+    assert store.longest_prefix([5, 6, 8, 9]) is None  # same key, other ids
+    assert store.longest_prefix([5, 6, 7, 9]).ids == (5, 6, 7)
