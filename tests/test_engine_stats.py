@@ -1,5 +1,6 @@
 """`Engine.stats` counts what happened, exactly: prefill steps, decode calls and steps, speculative calls and
-rounds, tokens delivered, prompt tokens prefilled, completed / failed / cancelled requests and compilations."""
+rounds, tokens delivered, prompt tokens prefilled, completed / failed / cancelled requests and compilations; a
+result's timings add up, and a result the engine never completed counts as failed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from ds4jax import ErrorCode, Request
+from ds4jax import ErrorCode, GenerateResult, Request
 from small_engine import one_layer_model, small_engine
 
 CHUNK, M = 8, 4  # small_engine's prefill width and steps per call
@@ -33,6 +34,9 @@ def test_plain_request_alone(engine):
     """10 prompt tokens in chunks of 8: two prefill steps; 8 tokens after the first at M=4 per call: two calls."""
     (r,), d = delta(engine, [Request(prompt=list(range(3, 13)), max_new_tokens=9, speculative=0)])
     assert r.ok and len(r.tokens) == 9
+    t = r.timings
+    assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s > 0
+    assert t.tokens_per_s == pytest.approx(9 / (t.prefill_s + t.decode_s))
     assert d == dict(d, prefill_steps=2, prompt_tokens=10, decode_calls=2, decode_steps=8, spec_calls=0,
                      spec_rounds=0, tokens=9, completed=1, failed=0, cancelled=0, compiles=0,
                      compiles_after_warmup=0)
@@ -61,3 +65,8 @@ def test_outcomes_of_a_mixed_batch(engine):
     assert d == dict(d, tokens=10, prompt_tokens=6 + 3 + 4, completed=2, failed=2, cancelled=1,
                      compiles=0, compiles_after_warmup=0)
     assert d["prefill_steps"] == 1  # three prompts of at most 8 tokens on free slots: one chunk together
+
+
+def test_a_result_is_failed_until_the_engine_completes_it():
+    r = GenerateResult()
+    assert (r.ok, r.error, r.finish_reason, r.message) == (False, ErrorCode.INTERNAL, "error", "not completed")
