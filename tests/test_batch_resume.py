@@ -100,3 +100,11 @@ def test_failing_request_becomes_an_error_result_and_rerun_adds_nothing(model, c
 
     assert batch.run(args, model, ByteTokenizer()) == 0
     assert _lines(args.output) == first  # every id was already there: nothing is redone or duplicated
+
+
+def test_progress_bar_shows_tokens_per_second(model, tmp_path, capsys):
+    args = _args(tmp_path, "out.jsonl")
+    args.no_progress = False
+    assert batch.run(args, model, ByteTokenizer()) == 0
+    err = capsys.readouterr().err
+    assert f"{len(IDS)}/{len(IDS)}" in err and "tok_s=" in err, err[-500:]

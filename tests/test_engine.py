@@ -149,9 +149,9 @@ def check_text_and_stops(engine, alone):
     assert (r.finish_reason, r.tokens) == ("stop", alone[0][:cut])
     text = tok.decode(alone[3])
     needle = next((text[i: i + 1] for i in range(1, len(text)) if text[i] != "\ufffd"), None)
-    if needle:
-        r = engine.generate([requests({3: dict(stop_strings=(needle,))})[3]])[0]
-        assert r.finish_reason == "stop" and needle not in r.text
+    assert needle, f"no stop string to test in {text!r}"
+    r = engine.generate([requests({3: dict(stop_strings=(needle,))})[3]])[0]
+    assert r.finish_reason == "stop" and needle not in r.text
     r = engine.generate([Request(prompt="hello", max_new_tokens=3, speculative=0)])[0]
     assert r.ok and len(r.tokens) == 3 and r.text == tok.decode(r.tokens)
 
