@@ -149,9 +149,9 @@ def check_text_and_stops(engine, alone):
     assert (r.finish_reason, r.tokens) == ("stop", alone[0][:cut])
     text = tok.decode(alone[3])
     needle = next((text[i: i + 1] for i in range(1, len(text)) if text[i] != "\ufffd"), None)
-    if needle:
-        r = engine.generate([requests({3: dict(stop_strings=(needle,))})[3]])[0]
-        assert r.finish_reason == "stop" and needle not in r.text
+    assert needle, f"no stop string to test in {text!r}"
+    r = engine.generate([requests({3: dict(stop_strings=(needle,))})[3]])[0]
+    assert r.finish_reason == "stop" and needle not in r.text
     r = engine.generate([Request(prompt="hello", max_new_tokens=3, speculative=0)])[0]
     assert r.ok and len(r.tokens) == 3 and r.text == tok.decode(r.tokens)
 
@@ -183,7 +183,7 @@ def test_greedy_wrapper_matches_engine(model):
 
 def test_every_step_goes_through_the_kernel_dispatcher(model, monkeypatch):
     """Under kernels='pallas_interpret' every program the engine traces (prefill with the draft extend, plain
-    decode, speculative rounds: draft chain, verify, draft extend) runs the Pallas kernels; the reference
+    decode, speculative rounds: draft chain, verify, draft extend; the snapshot restore) runs the Pallas kernels; the reference
     kernels raise if anything reaches them. DS4JAX_KERNELS picks the default."""
     import pallas_kernels
 
@@ -212,6 +212,10 @@ def test_every_step_goes_through_the_kernel_dispatcher(model, monkeypatch):
     results = eng.generate([Request(prompt=PROMPTS[0], max_new_tokens=4),
                             Request(prompt=PROMPTS[3], max_new_tokens=4, speculative=0)])
     assert all(r.ok and len(r.tokens) == 4 for r in results)
+    # the snapshot restore program (the draft's pending row after an exact hit) too
+    saved = eng.generate([Request(prompt=PROMPTS[0], max_new_tokens=4, snapshot=True)])[0]
+    restored = eng.generate([Request(prompt=PROMPTS[0], max_new_tokens=4)])[0]
+    assert (restored.tokens, restored.prefill_tokens, eng.stats.snapshot_hits) == (saved.tokens, 0, 1)
     assert seen and {impl for _, impl in seen} == {Impl.PALLAS_INTERPRET}
     # traced: the target's 3 layers (1 CSA: the indexer) in prefill, decode and verify = 9 attention + 3 indexer
     # calls; the draft (attention only) in the prefill-path and decode-path extends (k=1: no chain step) = 2

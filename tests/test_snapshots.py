@@ -121,22 +121,33 @@ def check_restored_path_cancel_and_errors(engine, fresh, monkeypatch):
             raise RuntimeError("decode broke")
         return real_decode(rows)
 
+    slots = []
+
+    def slot_of(keep=lambda ev: True):  # records the slot a request runs in (it runs alone)
+        def cb(ev):
+            slots.append(tuple(engine._slots))
+            return keep(ev)
+        return cb
+
     engine.snapshots.clear()
-    a = engine.generate([req(OTHER, on_token=lambda ev: ev.index < 4)])[0]
+    a = engine.generate([req(OTHER, on_token=slot_of(lambda ev: ev.index < 4))])[0]
     assert a.tokens == fresh["other"][:5] and a.error is ErrorCode.CANCELLED
     monkeypatch.setattr(engine, "_spec_call", failing)
-    b = engine.generate([req(PROMPT, snapshot=True)])[0]
+    b = engine.generate([req(PROMPT, snapshot=True, on_token=slot_of())])[0]
     monkeypatch.setattr(engine, "_spec_call", real_decode)
     assert b.error is ErrorCode.INTERNAL and b.tokens == fresh["greedy"][:1] and "decode broke" in b.message
-    c = engine.generate([req(PROMPT)])[0]  # restored from the snapshot the errored request saved
+    c = engine.generate([req(PROMPT, on_token=slot_of())])[0]  # restored from the snapshot the errored one saved
     assert (c.tokens, c.prefill_tokens) == (fresh["greedy"], 0)
-    d = engine.generate([req(OTHER)])[0]
+    d = engine.generate([req(OTHER, on_token=slot_of())])[0]
     assert (d.tokens, d.prefill_tokens) == (fresh["other"], len(OTHER))  # the 19-token snapshot does not apply
+    assert set(slots) == {(0,)}, "the four requests did not all run in slot 0"
 
 
 def check_lru(engine):
     engine.snapshots.clear()
+    saved = engine.stats.snapshots_saved
     engine.generate([req(PROMPT, snapshot_at=(5, 11, 19))])
+    assert engine.stats.snapshots_saved == saved + 3
     store = engine.snapshots
     sizes = {s.length: s.nbytes for s in store}
     assert sorted(sizes) == [5, 11, 19] and store.evictions == 0
@@ -171,7 +182,12 @@ def check_disk_and_invalid(engine, model, fresh, tmp_path):
             lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, model.params)),
         "pool": model,
     }
-    for what, other in others.items():
+    # a fine-tune of the same model: one element of its largest tensor (the embedding) differs
+    leaves, treedef = jax.tree.flatten(model.params)
+    big = max(range(len(leaves)), key=lambda i: leaves[i].size)
+    leaves[big] = leaves[big].reshape(-1).at[-1].add(1.0).reshape(leaves[big].shape)
+    tuned = ds4jax.Model(model.config, jax.tree.unflatten(treedef, leaves))
+    for what, other in [*others.items(), ("model", tuned)]:
         kw = dict(ENGINE, max_context=128) if what == "pool" else ENGINE
         eng = Engine(other, **kw)
         eng.snapshots.load(path)
@@ -228,6 +244,9 @@ def check_park(engine, fresh):
     start = live()
     engine.park("draft")
     assert engine.parked == ("draft",) and start - live() >= mtp + dpool
+    kept = jax.tree.leaves(({k: v for k, v in params.items() if k != "mtp"}, engine.tpool, engine.slot_state))
+    assert kept and not any(x.is_deleted() for x in kept), "parking the draft released the target's buffers"
+    del kept  # (a reference would keep buffers alive that the steps below replace)
     spec, plain = engine.generate([req(PROMPT), req(PROMPT, speculative=0)])
     assert spec.error is ErrorCode.MODEL_PARKED and plain.tokens == fresh["greedy"]
     engine.park("target")
@@ -244,6 +263,11 @@ def check_park(engine, fresh):
     engine.unpark("target")
     engine.unpark("draft")
     assert engine.generate([req(PROMPT, **SAMPLED)])[0].tokens == fresh["sampled"]
+    start = live()
+    engine.park("all")
+    assert engine.parked == ("draft", "target") and start - live() >= mtp + dpool + target + tpool
+    engine.unpark("")
+    assert engine.parked == () and engine.generate([req(PROMPT)])[0].tokens == fresh["greedy"]
 
 
 def test_snapshots(model, engine, monkeypatch, tmp_path):

@@ -315,14 +315,18 @@ class Engine:
         return results
 
     def stream(self, requests: Sequence[Request], *, on_result=None) -> Iterator[TokenEvent]:
-        """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards."""
+        """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards.
+        Closing the stream early (a `break`, an exception in the loop) cancels its unfinished requests."""
         gen = self._run(list(requests), on_result)
-        while True:
-            try:
-                yield from next(gen)
-            except StopIteration as stop:
-                self.last_results = stop.value
-                return
+        try:
+            while True:
+                try:
+                    yield from next(gen)
+                except StopIteration as stop:
+                    self.last_results = stop.value
+                    return
+        finally:
+            gen.close()
 
     def warmup(self) -> int:
         """Compile every bucket's programs once (on padding rows, which write nothing). Returns compilations."""
@@ -485,11 +489,28 @@ class Engine:
                 if events:
                     yield events
         finally:
+            self._abandon()
             n = compile_count() - before
             self.stats.compiles += n
             if self._warm:
                 self.stats.compiles_after_warmup += n
         return results
+
+    def _abandon(self) -> None:
+        """The caller left `_run` with requests still running (a closed stream, Ctrl-C, an exception from a
+        callback): they are cancelled and their slots freed, so no later call runs them. `on_result` is not
+        called for them: they did not finish (a batch job reruns them)."""
+        if not self._slots:
+            return
+        self._on_result = None
+        for lv in self._slots.values():
+            if not lv.done:
+                self._finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"request {lv.index}: the caller "
+                             "stopped before it finished (stream closed or interrupted)")
+        self._release_finished()
+        lost = [p for p in (self.tpool, self.dpool) if p is not None and p.lengths.is_deleted()]
+        if lost:  # interrupted inside a call that donated the pools: start over with fresh ones
+            self._reset_state()
 
     def _guarded(self, group: list[_Live], fn) -> None:
         """Run one engine call for `group`; an exception fails those requests (INTERNAL), never the caller and

@@ -15,7 +15,7 @@ token is sampled from the saved logits with the request's own seed: results equa
 
 `SnapshotStore` is an LRU store in host memory bounded by a byte budget, keyed by (sha256 of the ids, length)
 and checked against the exact ids, so a hash collision can never restore the wrong state. Each snapshot carries
-the fingerprints of the engine that made it (model weights, config, dtype, pool specs); restoring it elsewhere
+the fingerprints of the engine that made it (model weights, every element; config, dtype, pool specs); restoring it elsewhere
 gives `ErrorCode.INVALID_SNAPSHOT`. `save` / `load` use safetensors (ids and fingerprints in the metadata).
 """
 
@@ -187,17 +187,38 @@ def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _leaf_digest(x) -> jax.Array:
+    """[2] uint32: two wrapping sums of every element's bits times an odd weight of its position. Changing any one
+    element changes both (an odd weight is invertible mod 2**32), so weights that differ anywhere differ here.
+    No reshape: a leaf sharded over a mesh keeps its sharding (partial sums, then one all-reduce of 8 bytes)."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:  # an 8-byte element becomes two uint32 words on a trailing axis
+        bits = jax.lax.bitcast_convert_type(x, _UINT[jnp.dtype(x.dtype).itemsize]).astype(jnp.uint32)
+    # the row-major position of each element from per-axis iotas (wrapping past 2**32: the weights stay odd)
+    pos, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+    for axis in reversed(range(bits.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    odd = (pos << 1) | jnp.uint32(1)
+    mixed = (pos * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits * odd, dtype=jnp.uint32), jnp.sum((bits ^ pos) * mixed, dtype=jnp.uint32)])
+
+
 @jax.jit
-def _heads(leaves):
-    return [leaf.reshape(-1)[:64] for leaf in leaves]
+def _digests(leaves):
+    return jnp.stack([_leaf_digest(leaf) for leaf in leaves])
 
 
 def fingerprint(model, tspec, dspec) -> dict[str, str]:
-    """What must match for a snapshot to be valid: model weights, config, dtype, pool specs."""
+    """What must match for a snapshot to be valid: model weights (every element of every tensor, one pass over
+    them in one program), config, dtype, pool specs."""
     h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
-    digest = hashlib.sha256()
-    leaves = jax.tree.leaves(model.params)
-    for head in jax.device_get(_heads(leaves[:: max(1, len(leaves) // 16)])):  # one small program
-        digest.update(np.asarray(head).astype(np.float32).tobytes())
+    leaves, treedef = jax.tree.flatten(model.params)
+    digest = hashlib.sha256(repr((treedef, [(x.shape, str(x.dtype)) for x in leaves])).encode())
+    digest.update(np.asarray(jax.device_get(_digests(leaves))).tobytes())
     return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
             "dtype": str(jnp.dtype(model.params["embed"].dtype)), "pool": h(repr((tspec, dspec)))}
