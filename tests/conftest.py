@@ -27,6 +27,10 @@ _GPU = _gpu_platform() if "JAX_PLATFORMS" not in os.environ else None
 os.environ.setdefault("JAX_PLATFORMS", f"cpu,{_GPU}" if _GPU else "cpu")
 # Tiny test models run in microseconds; XLA's LLVM optimisation only costs compile time here.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+# `ds4jax generate` / `compare` / `batch` turn on JAX's on-disk compilation cache for the rest of their process;
+# a test calling them in process would leave it on for every later test of its worker (writing into ~/.cache).
+# Tests of the cache name their own directory.
+os.environ["DS4JAX_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 
