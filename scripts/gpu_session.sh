@@ -4,7 +4,11 @@
 #   1. every test marked `device` (Pallas kernels and the model's Pallas steps against the reference, on the GPU)
 #   2. speculative vs plain decoding on the trained default model, batch 1 and 8 (scripts/bench_default_speculative.py)
 #   3. end-to-end decode / prefill, ds4jax and HF transformers in the same invocation (scripts/bench_e2e.py)
-# Usage (on the device): OUT=/path bash scripts/gpu_session.sh [device_s spec_s e2e_s]
+#   4. the engine on 64 mixed-length requests, plain and speculative (scripts/bench_engine.py)
+#   5. speculative vs plain on the tiny random model, every step on the dispatcher's kernels (bench_speculative.py)
+# Usage (on the device): OUT=/path bash scripts/gpu_session.sh [device_s spec_s e2e_s engine_s tiny_s]  (0 skips a part)
+# The device tool brings back only 8 files of $OUT and runs a command for at most 600 s: run a few parts per call
+# (the e2e parts are packed into one archive).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -25,4 +29,12 @@ timeout "${3:-150}" python3 scripts/bench_e2e.py --out "$OUT" --sides "${E2E_SID
     --skip "${E2E_SKIP:-prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768}" \
     --commit "$(git rev-parse HEAD 2>/dev/null || echo unknown)" >"$OUT/e2e.log" 2>&1
 echo "e2e: exit $? after $((SECONDS - t2)) s" >>"$log"
+rm -f "$OUT"/e2e_parts/*.npy; [ -d "$OUT/e2e_parts" ] && tar czf "$OUT/e2e_parts.tgz" -C "$OUT" e2e_parts && rm -rf "$OUT/e2e_parts"
+t3=$SECONDS
+mkdir -p "$OUT/engine" "$OUT/tiny"
+[ "${4:-150}" -gt 0 ] && timeout "${4:-150}" python3 scripts/bench_engine.py --out "$OUT/engine" --new 32 >"$OUT/engine.log" 2>&1
+echo "engine bench: exit $? after $((SECONDS - t3)) s" >>"$log"
+t4=$SECONDS
+[ "${5:-100}" -gt 0 ] && timeout "${5:-100}" python3 scripts/bench_speculative.py --ks 1,2 --new 32 --out "$OUT/tiny" >>"$log" 2>&1
+echo "tiny speculative bench: exit $? after $((SECONDS - t4)) s" >>"$log"
 cat "$log"
