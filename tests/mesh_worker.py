@@ -55,6 +55,8 @@ ENGINES = {"engine_dp2_tp2_ep2": dict(data=2, tensor=2, expert=2)}  # every mesh
 # ds4jax.generate on the same split (its one-shot engine has the same sizes, so it shares every program)
 SPLIT_ENGINES = {"engine_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2),
                  "engine_split4_tp2": dict(layer_split=4, tensor=2)}
+# prefix snapshots on a layer split: exact and suffix restores against the no-snapshot one-device engine
+SPLIT_SNAPSHOTS = {"snapshots_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
 SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
@@ -73,7 +75,7 @@ def experts_over_data():
 
 
 def make(name):
-    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES[name])
+    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES.get(name) or SPLIT_SNAPSHOTS[name])
     kernels = kw.pop("kernels", None)
     if kw.pop("rules", None) == "experts_over_data":
         kw["rules"] = experts_over_data()
@@ -200,6 +202,42 @@ def split_engine_run(model) -> dict:
                 devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
 
 
+def split_snapshot_run(model, placed) -> dict:
+    """A 20-token prompt snapshotted at 12 and 20 on the split, then the same prompt (exact hit: no prefill step)
+    and one sharing its first 12 tokens (suffix restore), against one device without snapshots; the split's
+    snapshots restored on one device; a snapshot from another pool spec is refused."""
+    from ds4jax.generation.engine import Engine
+    from ds4jax.generation.requests import Request
+
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, model.config.vocab_size, 20).tolist()
+    other = base[:12] + rng.integers(0, model.config.vocab_size, 6).tolist()
+    sizes = dict(max_slots=2, max_context=48, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
+                 steps_per_call=4)
+    ask = lambda p, **kw: Request(prompt=p, max_new_tokens=4, **kw)
+    ref = [r.tokens for r in Engine(model, snapshot_bytes=0, **sizes).generate([ask(base), ask(other)])]
+    engine = Engine(placed, **sizes)
+    engine.warmup()
+    made = engine.generate([ask(base, snapshot=True, snapshot_at=(12,))])[0].tokens
+    steps0 = engine.stats.prefill_steps
+    exact = engine.generate([ask(base)])[0]
+    exact_steps = engine.stats.prefill_steps - steps0
+    suffix = engine.generate([ask(other)])[0]
+    one = Engine(model, **sizes)  # the split's snapshots are the one-device layout
+    for snap in engine.snapshots:
+        one.snapshots.put(snap)
+    on_one = [r.tokens for r in one.generate([ask(base), ask(other)])]
+    wider = Engine(placed, **dict(sizes, max_context=64))
+    for snap in engine.snapshots:
+        wider.snapshots.put(snap)
+    refused = wider.generate([ask(base)])[0]
+    return dict(ref=ref, made=made, exact=exact.tokens, exact_prefill=exact.prefill_tokens, exact_steps=exact_steps,
+                suffix=suffix.tokens, suffix_prefill=suffix.prefill_tokens, on_one=on_one,
+                hits=engine.stats.snapshot_hits, one_hits=one.stats.snapshot_hits,
+                refused=str(refused.error), compiles_after_warmup=engine.stats.compiles_after_warmup,
+                errors=[r.message for r in (exact, suffix) if r.error is not None])
+
+
 def committed(a: dict, spec: PoolSpec, cfg) -> dict:
     """Each slot's committed rows of every pool array, in logical order (independent of page placement)."""
     out = {}
@@ -232,7 +270,7 @@ def rel(a, b) -> float:
 def main(names):
     cfg = config()
     model = agreeable_model(cfg)  # random weights whose MTP draft the target often accepts (speculative cases)
-    ref = run(model)
+    ref = run(model) if set(names) & (set(LAYOUTS) | set(ENGINES)) else None
     results = {}
     for name in [n for n in names if n in ENGINES]:
         got = engine_run(model, make(name)[0])
@@ -251,7 +289,11 @@ def main(names):
                    ref_generate=ref_split["generate"], generate_compiles=got["generate_compiles"])
         results[name] = res
         print(name, json.dumps(res), file=sys.stderr, flush=True)
-    names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES]
+    for name in [n for n in names if n in SPLIT_SNAPSHOTS]:
+        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
+        results[name] = split_snapshot_run(model, place_model(copy, make(name)[0]))
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES and n not in SPLIT_SNAPSHOTS]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     for name in names:
@@ -270,4 +312,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES))
+    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS))

@@ -82,10 +82,34 @@ def test_engine_on_a_layer_split_matches_single_device(layouts, name):
     assert res["generate_compiles"] == 0, res["generate_compiles"]  # the engine's programs serve generate
 
 
+@pytest.fixture(scope="module")
+def split_snapshots():
+    """Only the snapshot cases of the worker (their own subprocess: they need none of the layouts' runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), *mesh_worker.SPLIT_SNAPSHOTS],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(mesh_worker.SPLIT_SNAPSHOTS))
+def test_prefix_snapshots_on_a_layer_split(split_snapshots, name):
+    """Prefix snapshots on a layer split (x data 2 x expert 2): a snapshot of the whole prompt restores with zero
+    prefill steps, one of its first 12 tokens prefills only the suffix; tokens equal the one-device engine
+    without snapshots, and so do the split's snapshots restored on one device (the same layout); a snapshot from
+    another pool spec is INVALID_SNAPSHOT; nothing compiles after warmup."""
+    res = split_snapshots[name]
+    assert not res["errors"], res
+    assert res["made"] == res["exact"] == res["ref"][0] and res["suffix"] == res["ref"][1], res
+    assert res["exact_prefill"] == 0 and res["exact_steps"] == 0 and res["suffix_prefill"] == 6, res
+    assert res["hits"] == 2 and res["on_one"] == res["ref"] and res["one_hits"] == 2, res
+    assert res["refused"] == "ErrorCode.INVALID_SNAPSHOT" and res["compiles_after_warmup"] == 0, res
+
+
 def test_engine_rows_on_data_parallel_pools():
     """The engine's rows on a data-parallel mesh: buckets are multiples of data, row block d serves the requests
-    whose slots live on data shard d (padded on its own). On a layer split, speculative decoding is refused and
-    prefix snapshots are an error result."""
+    whose slots live on data shard d (padded on its own). On a layer split, speculative decoding is refused."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
     from types import SimpleNamespace
@@ -107,9 +131,6 @@ def test_engine_rows_on_data_parallel_pools():
     split = place_model(model, make_mesh(layer_split=2, devices=jax.devices()[:2]))
     with pytest.raises(ArgumentError, match="speculative decoding on a layer split"):
         ds4jax.Engine(split, max_slots=2, speculative=2)
-    engine = ds4jax.Engine(split, max_slots=2, max_context=64)
-    res = engine.generate([ds4jax.Request(prompt=[1, 2, 3], max_new_tokens=2, snapshot=True)])[0]
-    assert res.error is ds4jax.ErrorCode.INVALID_REQUEST and "layer split" in res.message, res
 
 
 def test_every_param_has_logical_axes():

@@ -16,8 +16,8 @@ after unpark, weights committed to the device as loaded checkpoints are). Decode
 width: the two are separate programs.
 
 On one device and on one-stage meshes the calls are the fused programs of `loops` / `spec_rounds`; on a layer
-split `stage_programs.StagePrograms` runs the same prefill and plain decode calls stage by stage (no speculative
-rounds, no prefix snapshots there).
+split `stage_programs.StagePrograms` runs the same prefill and plain decode calls stage by stage, and prefix
+snapshots per stage pool (no speculative rounds there).
 """
 
 from __future__ import annotations
@@ -184,7 +184,6 @@ class Engine:
                                     "supported: its rounds are fused programs over every layer; use "
                                     "speculative=0 or a one-stage mesh", name="speculative", value=k)
             self.stages = StagePrograms(self.layout, cfg)
-            snapshot_bytes = 0  # prefix snapshots hold one pool; a layer split has one per stage (not supported)
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
         self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout), cfg, k, tokenizer
         self._parked: set[str] = set()
@@ -279,6 +278,8 @@ class Engine:
 
     def _lost(self) -> bool:
         """Whether a failed call took the donated pools with it."""
+        if self.tpool is None:  # parked
+            return False
         if self.stages is not None:
             return self.stages.lost(self.tpool)
         return self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
@@ -436,9 +437,6 @@ class Engine:
             points.add(int(p))
         if req.snapshot:
             points.add(len(ids))
-        if points and self.stages is not None:
-            return fail(ErrorCode.INVALID_REQUEST, "prefix snapshots (snapshot / snapshot_at) are not supported on "
-                                                   "a layer split")
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[: len(stops)] = stops
         result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
@@ -508,8 +506,7 @@ class Engine:
                 self._finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"request {lv.index}: the caller "
                              "stopped before it finished (stream closed or interrupted)")
         self._release_finished()
-        lost = [p for p in (self.tpool, self.dpool) if p is not None and p.lengths.is_deleted()]
-        if lost:  # interrupted inside a call that donated the pools: start over with fresh ones
+        if self._lost():  # interrupted inside a call that donated the pools: start over with fresh ones
             self._reset_state()
 
     def _guarded(self, group: list[_Live], fn) -> None:
@@ -825,7 +822,10 @@ class Engine:
 
     def _snapshot_arrays(self, slot: int, pages: int) -> dict[str, np.ndarray]:
         """Host copies of `slot`'s state: its per-slot arrays, the rows of its first `pages` pages, last rows."""
-        t = snapshots.extract(self.tpool, np.int32(slot), ratios=self._ratios)
+        if self.stages is not None:
+            t = self.stages.extract(self.tpool, slot, self.tspec)
+        else:
+            t = snapshots.extract(self.tpool, np.int32(slot), ratios=self._ratios)
         d = snapshots.extract(self.dpool, np.int32(slot), ratios=()) if self.dpool is not None else {}
         logits, stream = _slot_rows(self.slot_state, np.int32(slot))
         t, d, logits, stream = jax.device_get((t, d, logits, stream))
@@ -844,21 +844,24 @@ class Engine:
             a = target[name]
             full = self.tspec.pages_per_slot * per_page
             target[name] = np.concatenate([a, np.zeros((a.shape[0], full - a.shape[1]) + a.shape[2:], a.dtype)], 1)
-        self.tpool = snapshots.inject(self.tpool, np.int32(slot), target, np.int32(pages), np.int32(length),
-                                      ratios=self._ratios)
+        if self.stages is not None:
+            self.tpool = self.stages.inject(self.tpool, slot, target, pages, length, self.tspec)
+        else:
+            self.tpool = snapshots.inject(self.tpool, np.int32(slot), target, np.int32(pages), np.int32(length),
+                                          ratios=self._ratios)
         if self._live_dspec is not None:
             draft = {k[len("draft/"):]: v for k, v in arrays.items() if k.startswith("draft/")}
             self.dpool = snapshots.inject(self.dpool, np.int32(slot), draft, np.int32(0), np.int32(length - 1),
                                           ratios=())
         self.slot_state = _set_slot_rows(self.slot_state, np.int32(slot), arrays["last_logits"],
                                          arrays["last_stream"])
+        if self.stages is not None:  # canonical placement, as the stage programs return it
+            self.slot_state = self.stages.slot_state(self.slot_state)
 
     def snapshot(self, which, at: int | None = None) -> Snapshot:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
         its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
         `Request(snapshot=True)` snapshots the whole prompt without a callback."""
-        if self.stages is not None:
-            raise PoolError("snapshot(): prefix snapshots are not supported on a layer split (one pool per stage)")
         live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
         if not live:
             raise PoolError(f"snapshot({which!r}): no running request there")
@@ -921,6 +924,10 @@ class Engine:
                         self._check_finished(lv)
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
+        if self.stages is not None:  # no draft on a layer split: only the first tokens, on the last stage
+            first, self.slot_state = self.stages.restore(self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
+                                                         kernels=self.kernels)
+            return first
         with self._on_mesh():
             first, self.dpool, self.slot_state = loops.restore_call(
                 self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, cfg=self.cfg,

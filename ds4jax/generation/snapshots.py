@@ -17,6 +17,8 @@ token is sampled from the saved logits with the request's own seed: results equa
 and checked against the exact ids, so a hash collision can never restore the wrong state. Each snapshot carries
 the fingerprints of the engine that made it (model weights, every element; config, dtype, pool specs); restoring it elsewhere
 gives `ErrorCode.INVALID_SNAPSHOT`. `save` / `load` use safetensors (ids and fingerprints in the metadata).
+On a layer split every stage's pool is extracted and injected on its own (`stage_programs.StagePrograms`), the
+arrays held with their layer axes concatenated: the one-device layout.
 """
 
 from __future__ import annotations
@@ -219,6 +221,14 @@ def fingerprint(model, tspec, dspec) -> dict[str, str]:
     h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
     leaves, treedef = jax.tree.flatten(model.params)
     digest = hashlib.sha256(repr((treedef, [(x.shape, str(x.dtype)) for x in leaves])).encode())
-    digest.update(np.asarray(jax.device_get(_digests(leaves))).tobytes())
+    # one program per device set (a layer split's stages hold disjoint devices), rows back in leaf order
+    groups = collections.defaultdict(list)
+    for i, x in enumerate(leaves):
+        groups[tuple(sorted(d.id for d in x.devices())) if isinstance(x, jax.Array) else ()].append(i)
+    rows = [None] * len(leaves)
+    for idx in groups.values():
+        for i, row in zip(idx, np.asarray(jax.device_get(_digests([leaves[i] for i in idx])))):
+            rows[i] = row
+    digest.update(np.stack(rows).tobytes())
     return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
             "dtype": str(jnp.dtype(model.params["embed"].dtype)), "pool": h(repr((tspec, dspec)))}

@@ -10,7 +10,9 @@ tokens each step samples go back from the last stage to every stage for the next
 after the step in which a row finishes (one host read per step), as `decode_loop` does on device.
 
 Pools are one `KVPool` per stage (`MeshSteps.stage_specs`); the per-slot state lives on the last stage, beside the
-logits. Prefix snapshots and speculative decoding are not supported here (`Engine` says so).
+logits. Prefix snapshots run `snapshots.extract` / `snapshots.inject` on every stage's pool and hold the stage
+rows with their layer axes concatenated: the one-device snapshot layout, so a snapshot does not depend on the
+split. Speculative decoding is not supported here (`Engine` says so).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.generation import loops
+from ds4jax.generation import loops, snapshots
 from ds4jax.generation.loops import DecodeOut, Rows, SlotState
 from ds4jax.runtime import pools as pools_lib, steps
 from ds4jax.runtime.data_parallel import check_rows, rows_over_data
@@ -114,6 +116,42 @@ class StagePrograms:
         lo, hi = self.ranges[s]
         keys = (("embed",) if s == 0 else ()) + (("hc_head", "norm", "head") if s == self.last else ())
         return {**{k: params[k] for k in keys}, "layers": params["layers"][lo:hi]}
+
+    # ---- prefix snapshots: every stage's rows of a slot, held as one pool's (layer axes concatenated) -----------
+    def _ratios(self, spec: PoolSpec) -> list:
+        return [snapshots.entries_per_page(self.cfg, sp) for sp in self.mesh_steps.stage_specs(spec)]
+
+    def extract(self, pools: tuple, slot: int, spec: PoolSpec) -> dict[str, np.ndarray]:
+        """`snapshots.extract` of every stage, on the host, in the one-device layout."""
+        parts = jax.device_get([snapshots.extract(p, np.int32(slot), ratios=r)
+                                for p, r in zip(pools, self._ratios(spec))])
+        names = dict.fromkeys(n for part in parts for n in part)
+        # a stage without a layer kind holds zero layers of its arrays (and zero-size rows: left out)
+        return {n: np.concatenate([p[n] for p in parts if n in p and p[n].shape[0]]
+                                  or [next(p[n] for p in parts if n in p)], axis=0) for n in names}
+
+    def inject(self, pools: tuple, slot: int, arrays: dict, n_pages: int, length: int, spec: PoolSpec) -> tuple:
+        """`snapshots.inject` of every stage: each takes its layers' share of `arrays` (`extract`'s layout)."""
+        offset, new = dict.fromkeys(arrays, 0), []
+        for pool, ratios in zip(pools, self._ratios(spec)):
+            mine = {}
+            for name in snapshots.per_slot_names(pool) + [n for n, _ in ratios]:
+                a, n = getattr(pool, name), getattr(pool, name).shape[0]
+                mine[name] = (arrays[name][offset[name]: offset[name] + n] if n
+                              else np.zeros((0,) + a.shape[2:], a.dtype))
+                offset[name] += n
+            new.append(snapshots.inject(pool, np.int32(slot), mine, np.int32(n_pages), np.int32(length),
+                                        ratios=ratios))
+        return self.placed(tuple(new), spec)
+
+    def restore(self, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, kernels):
+        """`loops.restore_call` without a draft on the last stage: first tokens from the saved logits."""
+        with self.layout.active(self.last):
+            first, _, state = loops.restore_call({}, None, slot_state, self.put(rows, self.last),
+                                                 self.put(np.asarray(sampled), self.last),
+                                                 self.put(np.asarray(next_ids), self.last), cfg=cfg, dspec=None,
+                                                 kernels=kernels)
+        return first, self.slot_state(state)
 
     # ---- one step through every stage -----------------------------------------------------------------------
     def _through(self, params, pools: tuple, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
