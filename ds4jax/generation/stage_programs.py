@@ -197,7 +197,7 @@ class StagePrograms:
         nothing), so warmup compiles every stage's program. Returns (DecodeOut, pools)."""
         self._check(rows, spec)
         b = rows.slots.shape[0]
-        done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)  # loops.decode_done0 on the host
+        done0 = loops.decode_done0(rows)  # on the host: the rows are numpy arrays here
         cur = rows.cur.astype(np.int32)
         carry = _Carry(cur, cur[:, None], rows.n_out.astype(np.int32), done0,
                        np.full((b, max_steps), -1, np.int32), np.int32(0), np.bool_(False),

@@ -25,7 +25,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     an XLA `fori_loop` on a GPU each of the iters-1 steps costs a few small kernel launches (twice a layer: decode
     was launch-bound on the H200), and unrolled, XLA's GPU compiler needs minutes for a decode loop (H200, jax
     0.11.2: the engine's `decode_loop` of the tiny config did not finish compiling in 80 s, against 8 s as a
-    loop; `scripts/diag_compile.py`); on CPU the unrolled form made the default model's decode-step compile ~3x
+    loop); on CPU the unrolled form made the default model's decode-step compile ~3x
     slower and its executables ~2000 kernels larger. Hence a loop here."""
     rows = lambda c: jnp.sum(c, axis=-1, keepdims=True)  # noqa: E731
     cols = lambda c: jnp.sum(c, axis=-2, keepdims=True)  # noqa: E731
