@@ -35,6 +35,11 @@ def enable(directory: str | None) -> None:
     _memory.clear()
 
 
+def clear_memory() -> None:
+    """Forget the executables loaded in this process (the disk entries stay)."""
+    _memory.clear()
+
+
 def enabled() -> bool:
     return _directory is not None
 
