@@ -57,6 +57,9 @@ SPLIT_ENGINES = {"engine_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2),
                  "engine_split4_tp2": dict(layer_split=4, tensor=2)}
 # prefix snapshots on a layer split: exact and suffix restores against the no-snapshot one-device engine
 SPLIT_SNAPSHOTS = {"snapshots_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
+# speculative decoding (k = 2) on a layer split: the split engine's ragged batch, an exact snapshot hit and a
+# park / unpark of the draft, against the same on one device (and plain greedy tokens)
+SPLIT_SPEC = {"spec_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
 SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
@@ -75,7 +78,8 @@ def experts_over_data():
 
 
 def make(name):
-    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES.get(name) or SPLIT_SNAPSHOTS[name])
+    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES.get(name) or SPLIT_SNAPSHOTS.get(name)
+              or SPLIT_SPEC[name])
     kernels = kw.pop("kernels", None)
     if kw.pop("rules", None) == "experts_over_data":
         kw["rules"] = experts_over_data()
@@ -238,6 +242,37 @@ def split_snapshot_run(model, placed) -> dict:
                 errors=[r.message for r in (exact, suffix) if r.error is not None])
 
 
+def split_spec_run(model) -> dict:
+    """`SPLIT_SPEC`'s run of `model` (placed, or on one device): the split requests speculating with k = 2 after
+    warmup (tokens, drafts accepted per round, the draft's ring), the first prompt snapshotted and hit exactly
+    (the draft's pending row from the restore path), then the requests again after park / unpark of the draft."""
+    from ds4jax.generation.engine import Engine
+    from ds4jax.generation.requests import Request
+
+    sizes = dict(max_slots=2, max_context=40, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
+                 steps_per_call=4)
+    engine = Engine(model, speculative=2, **sizes)
+    engine.warmup()
+    requests = split_requests(model.config)
+    results = engine.generate(requests)
+    draft_ring = np.asarray(engine.dpool.swa_kv)
+    ask = lambda **kw: Request(prompt=requests[0].prompt, max_new_tokens=6, **kw)
+    made = engine.generate([ask(snapshot=True)])[0]
+    hit = engine.generate([ask()])[0]
+    engine.park("draft")
+    engine.unpark("draft")
+    again = engine.generate(requests)
+    out = dict(tokens=[r.tokens for r in results], accepted=[r.accepted_per_round for r in results],
+               draft_ring=draft_ring, made=made.tokens, hit=hit.tokens, hit_prefill=hit.prefill_tokens,
+               hits=engine.stats.snapshot_hits, again=[r.tokens for r in again],
+               compiles_after_warmup=engine.stats.compiles_after_warmup,
+               errors=[r.message for r in results + again + [made, hit] if r.error is not None],
+               stages=0 if engine.stages is None else len(engine.stages.ranges))
+    if engine.stages is None:  # one device: plain tokens too (speculation must not change the greedy ones)
+        out["plain"] = [r.tokens for r in Engine(engine.model, **sizes).generate(requests)]
+    return out
+
+
 def committed(a: dict, spec: PoolSpec, cfg) -> dict:
     """Each slot's committed rows of every pool array, in logical order (independent of page placement)."""
     out = {}
@@ -293,7 +328,20 @@ def main(names):
         copy = Model(model.config, jax.tree.map(np.asarray, model.params))
         results[name] = split_snapshot_run(model, place_model(copy, make(name)[0]))
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES and n not in SPLIT_SNAPSHOTS]
+    spec = [n for n in names if n in SPLIT_SPEC]
+    # each run on its own copy: parking the draft deletes the buffers of the model an engine was built with
+    host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
+    ref_spec = split_spec_run(host()) if spec else None
+    for name in spec:
+        copy = host()
+        got = split_spec_run(place_model(copy, make(name)[0]))
+        res = {k: v for k, v in got.items() if k != "draft_ring"}
+        res.update(ref={k: v for k, v in ref_spec.items() if k != "draft_ring"},
+                   draft_ring=rel(got["draft_ring"], ref_spec["draft_ring"]))
+        results[name] = res
+        print(name, json.dumps(res), file=sys.stderr, flush=True)
+    names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES and n not in SPLIT_SNAPSHOTS
+             and n not in SPLIT_SPEC]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     for name in names:
@@ -312,4 +360,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS))
+    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS) + list(SPLIT_SPEC))

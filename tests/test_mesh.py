@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import ds4jax
-from ds4jax.errors import ArgumentError
 from ds4jax.model import params as params_lib
 from ds4jax.model.sharding import default_rules, mesh_spec
 from ds4jax.runtime.mesh import MeshError, make_mesh, split_ranges
@@ -83,23 +82,24 @@ def test_engine_on_a_layer_split_matches_single_device(layouts, name):
 
 
 @pytest.fixture(scope="module")
-def split_snapshots():
-    """Only the snapshot cases of the worker (their own subprocess: they need none of the layouts' runs)."""
+def split_sessions():
+    """The snapshot and speculative cases of the worker, in a subprocess of their own (they need none of the
+    layouts' runs, so another test worker can run them beside those)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), *mesh_worker.SPLIT_SNAPSHOTS],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), *mesh_worker.SPLIT_SNAPSHOTS,
+                           *mesh_worker.SPLIT_SPEC], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_SNAPSHOTS))
-def test_prefix_snapshots_on_a_layer_split(split_snapshots, name):
+def test_prefix_snapshots_on_a_layer_split(split_sessions, name):
     """Prefix snapshots on a layer split (x data 2 x expert 2): a snapshot of the whole prompt restores with zero
     prefill steps, one of its first 12 tokens prefills only the suffix; tokens equal the one-device engine
     without snapshots, and so do the split's snapshots restored on one device (the same layout); a snapshot from
     another pool spec is INVALID_SNAPSHOT; nothing compiles after warmup."""
-    res = split_snapshots[name]
+    res = split_sessions[name]
     assert not res["errors"], res
     assert res["made"] == res["exact"] == res["ref"][0] and res["suffix"] == res["ref"][1], res
     assert res["exact_prefill"] == 0 and res["exact_steps"] == 0 and res["suffix_prefill"] == 6, res
@@ -107,9 +107,29 @@ def test_prefix_snapshots_on_a_layer_split(split_snapshots, name):
     assert res["refused"] == "ErrorCode.INVALID_SNAPSHOT" and res["compiles_after_warmup"] == 0, res
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(mesh_worker.SPLIT_SPEC))
+def test_speculative_decoding_on_a_layer_split(split_sessions, name):
+    """Speculation (k = 2) on a layer split x data 2 x expert 2: the ragged batch (two requests join mid-flight,
+    greedy, seeded top-k, top-k 1) gives the one-device speculative engine's tokens and drafts accepted per
+    round, and its draft ring; greedy rows equal plain decoding; an exact snapshot hit restores the draft's
+    pending row (no prefill) and continues identically; after park / unpark of the draft the batch repeats
+    bit for bit; nothing compiles after warmup."""
+    res = split_sessions[name]
+    ref = res["ref"]
+    assert res["stages"] == 2 and not res["errors"] and not ref["errors"], res
+    assert res["tokens"] == ref["tokens"] and res["accepted"] == ref["accepted"], res
+    assert sum(a for r in res["accepted"] for a in r) > 0, res["accepted"]  # drafts were accepted, not only rejected
+    assert res["draft_ring"] <= TOL, res["draft_ring"]
+    greedy = [0, 1, 3]  # request 2 samples (top-k 5): speculation draws its tokens differently from plain decoding
+    assert [res["tokens"][i] for i in greedy] == [ref["plain"][i] for i in greedy], (res["tokens"], ref["plain"])
+    assert res["hit"] == res["made"] == ref["hit"] and res["hit_prefill"] == 0 and res["hits"] >= 1, res
+    assert res["again"] == res["tokens"] and res["compiles_after_warmup"] == 0, res
+
+
 def test_engine_rows_on_data_parallel_pools():
     """The engine's rows on a data-parallel mesh: buckets are multiples of data, row block d serves the requests
-    whose slots live on data shard d (padded on its own). On a layer split, speculative decoding is refused."""
+    whose slots live on data shard d (padded on its own). On a layer split the draft lives on the last stage."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
     from types import SimpleNamespace
@@ -129,8 +149,11 @@ def test_engine_rows_on_data_parallel_pools():
     with pytest.raises(PoolError, match="multiples of the mesh's data=2"):
         ds4jax.Engine(placed, max_slots=8, max_context=64, row_buckets=(1, 8))
     split = place_model(model, make_mesh(layer_split=2, devices=jax.devices()[:2]))
-    with pytest.raises(ArgumentError, match="speculative decoding on a layer split"):
-        ds4jax.Engine(split, max_slots=2, speculative=2)
+    engine = ds4jax.Engine(split, max_slots=2, max_context=64, speculative=2)
+    last = set(split.layout.stages[-1].devices.flat)
+    assert engine.dpool.swa_kv.devices() == last and engine.slot_state.draft_logits.devices() == last
+    assert engine.stages.draft_params(engine.model.params)["embed"].devices() == last  # the draft's own copy
+    assert engine.model.params["embed"].devices() == set(split.layout.stages[0].devices.flat)
 
 
 def test_every_param_has_logical_axes():

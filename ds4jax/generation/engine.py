@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.errors import ArgumentError
 from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.request_checks import request_problem
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
@@ -179,10 +178,6 @@ class Engine:
         if self.layout is not None and self.layout.num_stages > 1:
             from ds4jax.generation.stage_programs import StagePrograms
 
-            if k:
-                raise ArgumentError(f"speculative decoding on a layer split ({self.layout.describe()}) is not "
-                                    "supported: its rounds are fused programs over every layer; use "
-                                    "speculative=0 or a one-stage mesh", name="speculative", value=k)
             self.stages = StagePrograms(self.layout, cfg)
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
         self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout), cfg, k, tokenizer
@@ -237,7 +232,12 @@ class Engine:
 
     def _new_draft_state(self) -> None:
         self.dbook = self._book(self.dspec) if self.dspec else None
-        self.dpool = self.dbook.sync(self._zeros(self.dspec)) if self.dspec else None
+        if self.dspec is None:
+            self.dpool = None
+        elif self.stages is not None:  # the draft lives on a layer split's last stage
+            self.dpool = self._dsync(self.stages.draft_zeros(self.dspec))
+        else:
+            self.dpool = self._dsync(self._zeros(self.dspec))
 
     def _new_target_state(self) -> None:
         cfg, s = self.cfg, self.tspec.max_slots
@@ -276,13 +276,18 @@ class Engine:
         """`pool` with the book's page table and lengths (a layer split: every stage's pool)."""
         return book.sync(pool) if self.stages is None else self.stages.sync(book, pool, spec)
 
+    def _dsync(self, dpool):
+        """The draft pool with its book's page table and lengths (a layer split: on the last stage)."""
+        return self.dbook.sync(dpool) if self.stages is None else self.stages.draft_sync(self.dbook, dpool, self.dspec)
+
     def _lost(self) -> bool:
         """Whether a failed call took the donated pools with it."""
         if self.tpool is None:  # parked
             return False
+        draft_lost = self.dpool is not None and self.dpool.lengths.is_deleted()
         if self.stages is not None:
-            return self.stages.lost(self.tpool)
-        return self.tpool.lengths.is_deleted() or (self.dpool is not None and self.dpool.lengths.is_deleted())
+            return self.stages.lost(self.tpool) or draft_lost
+        return self.tpool.lengths.is_deleted() or draft_lost
 
     def _zeros(self, spec: PoolSpec) -> pools.KVPool:
         if self.stages is not None:
@@ -546,7 +551,7 @@ class Engine:
         if admitted:
             self.tpool = self._sync(self.tbook, self.tpool, self.tspec)
             if self.dpool is not None:
-                self.dpool = self.dbook.sync(self.dpool)
+                self.dpool = self._dsync(self.dpool)
         restored = []
         if len(self.snapshots):
             for lv in admitted:
@@ -566,7 +571,11 @@ class Engine:
         else:
             self.tpool = self.tbook.sync(self._placed(pools.reset_slots(self.tpool, slots), self.tspec))
         if self.dpool is not None:
-            self.dpool = self.dbook.sync(self._placed(pools.reset_slots(self.dpool, slots), self.dspec))
+            reset = pools.reset_slots(self.dpool, slots)
+            if self.stages is not None:
+                self.dpool = self._dsync(self.stages.draft_placed(reset, self.dspec))
+            else:
+                self.dpool = self._dsync(self._placed(reset, self.dspec))
         self._to_reset.clear()
 
     def _fit(self, live: list[_Live], rows: int) -> list[_Live]:
@@ -638,9 +647,9 @@ class Engine:
 
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
         if self.stages is not None:
-            first, self.tpool, self.slot_state = self.stages.prefill(
-                self.model.params, self.tpool, self.slot_state, rows, token_ids, n_tokens, spec=self.tspec,
-                kernels=self.kernels)
+            first, self.tpool, self.dpool, self.slot_state = self.stages.prefill(
+                self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
+                finishing, spec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
             return first
         with self._on_mesh():
             first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
@@ -703,6 +712,11 @@ class Engine:
         return out
 
     def _spec_call(self, rows: Rows):
+        if self.stages is not None:
+            out, self.tpool, self.dpool, self.slot_state = self.stages.speculate(
+                self.model.params, self.tpool, self.dpool, self.slot_state, rows, spec=self.tspec, dspec=self.dspec,
+                k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
+            return out
         with self._on_mesh():
             out, self.tpool, self.dpool, self.slot_state = spec_rounds.speculative_loop(
                 self.model.params, self.tpool, self.dpool, self.slot_state, rows, cfg=self.cfg, tspec=self.tspec,
@@ -762,6 +776,8 @@ class Engine:
         if self._slots:
             raise PoolError("park() needs an idle engine")
         params = self.model.params
+        if self.stages is not None:  # the draft's embedding copy goes with either part
+            self.stages.drop_draft_params()
         for part in parts:
             if part in self._parked or (part == "draft" and not self.k):
                 continue
@@ -853,6 +869,8 @@ class Engine:
             draft = {k[len("draft/"):]: v for k, v in arrays.items() if k.startswith("draft/")}
             self.dpool = snapshots.inject(self.dpool, np.int32(slot), draft, np.int32(0), np.int32(length - 1),
                                           ratios=())
+            if self.stages is not None:
+                self.dpool = self.stages.draft_placed(self.dpool, self.dspec)
         self.slot_state = _set_slot_rows(self.slot_state, np.int32(slot), arrays["last_logits"],
                                          arrays["last_stream"])
         if self.stages is not None:  # canonical placement, as the stage programs return it
@@ -924,9 +942,10 @@ class Engine:
                         self._check_finished(lv)
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
-        if self.stages is not None:  # no draft on a layer split: only the first tokens, on the last stage
-            first, self.slot_state = self.stages.restore(self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
-                                                         kernels=self.kernels)
+        if self.stages is not None:
+            first, self.dpool, self.slot_state = self.stages.restore(
+                self.dpool, self.slot_state, rows, sampled, next_ids, params=self.model.params,
+                dspec=self._live_dspec, kernels=self.kernels)
             return first
         with self._on_mesh():
             first, self.dpool, self.slot_state = loops.restore_call(

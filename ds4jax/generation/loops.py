@@ -86,17 +86,26 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     out, tpool = steps.step(params, tpool, batch, None, cfg=cfg, spec=tspec, role=Role.TARGET,
                              logits=steps.Logits.LAST, kernels=kernels)
     first, slot_state = first_tokens(out, slot_state, rows, n_tokens)
-    last = jnp.maximum(n_tokens - 1, 0)
     if dspec is not None:
-        col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
-        ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
-        dout, dpool = steps.step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), out.streams, cfg=cfg,
-                                  spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
-        stream = jnp.take_along_axis(dout.streams, last[:, None, None, None], axis=1)[:, 0]
-        slot_state = slot_state._replace(
-            draft_logits=set_rows(slot_state.draft_logits, rows.slots, finishing, dout.logits),
-            draft_stream=set_rows(slot_state.draft_stream, rows.slots, finishing, stream))
+        dpool, slot_state = draft_prefill(params, dpool, slot_state, rows, out.streams, first, token_ids, n_tokens,
+                                          next_ids, finishing, cfg=cfg, dspec=dspec, kernels=kernels)
     return flag_nonfinite(first, out.logits), tpool, dpool, rows_over_data(slot_state)
+
+
+def draft_prefill(params, dpool, slot_state: SlotState, rows: Rows, streams, first, token_ids, n_tokens, next_ids,
+                  finishing, *, cfg, dspec, kernels):
+    """The draft extend over a prefill chunk's rows, on the target's final `streams` of the chunk (row i takes
+    the id of token i+1; a finishing row's last one is its sampled `first` token); the slot state keeps the
+    draft's logits and stream of finishing rows. Returns (dpool, slot_state)."""
+    last = jnp.maximum(n_tokens - 1, 0)
+    col = jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
+    ids = jnp.where(finishing[:, None] & (col == last[:, None]), first[:, None], next_ids)
+    dout, dpool = steps.step(params, dpool, steps.StepBatch(rows.slots, ids, n_tokens), streams, cfg=cfg,
+                              spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
+    stream = jnp.take_along_axis(dout.streams, last[:, None, None, None], axis=1)[:, 0]
+    return dpool, slot_state._replace(
+        draft_logits=set_rows(slot_state.draft_logits, rows.slots, finishing, dout.logits),
+        draft_stream=set_rows(slot_state.draft_stream, rows.slots, finishing, stream))
 
 
 def first_tokens(out: steps.StepOutput, slot_state: SlotState, rows: Rows, n_tokens):

@@ -38,7 +38,9 @@ class SpecOut(NamedTuple):
     bad: jax.Array  # [B] index of the first emitted token whose target logits were not finite (-1 = none)
 
 
-class _Carry(NamedTuple):
+class RoundCarry(NamedTuple):
+    """A call's state between rounds (the `while_loop` carry; a layer split keeps it on its last stage, with
+    ``tpool`` None: its target pools live on every stage)."""
     tpool: object
     dpool: object
     cur: jax.Array
@@ -60,31 +62,44 @@ def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(streams, index[:, None, None, None], axis=1)[:, 0]
 
 
-def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _Carry:
-    b = rows.slots.shape[0]
+class Chain(NamedTuple):
+    """A round's draft chain, handed from drafting to verification and settling."""
+    drafts: jax.Array  # [B, k] proposed tokens (forced tokens first)
+    draft_logps: jax.Array  # [B, k, v] the filtered draft log-probabilities they were drawn from
+    chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws)
+    pending: jax.Array  # [B] forced tokens still to emit
+    n_force: jax.Array  # [B] forced tokens in this round's drafts
+
+    def verify_batch(self, c: RoundCarry, rows: Rows) -> steps.StepBatch:
+        """The target step that verifies the chain: [cur, d1..dk] at positions P..P+k of the active rows."""
+        k = self.drafts.shape[1]
+        tokens = jnp.concatenate([c.cur[:, None], self.drafts], axis=1)
+        return steps.StepBatch(rows.slots, tokens, (~c.done).astype(jnp.int32) * (k + 1))
+
+
+def _forced_at(rows: Rows, fp, j):
+    idx = jnp.minimum(fp + j, MAX_FORCED - 1)
+    return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
+
+
+def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) -> tuple[Chain, object]:
+    """k proposals from the draft (d1 from the slot's saved draft logits, d2..dk from k-1 draft decode steps on
+    the draft's own streams), then the draft pool rolled back. Returns (Chain, draft pool)."""
     slots = rows.slots
-    active = ~c.done
-    one = active.astype(jnp.int32)
+    one = (~c.done).astype(jnp.int32)
     greedy = rows.temperature <= 0
     safe_t = jnp.where(greedy, 1.0, rows.temperature)
     chain_keys = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, c.n_out))  # [b, k+1]
-
     # forced tokens (a thinking budget's close ids) replace the first drafts and are accepted whatever the
     # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
     pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
-    n_force = jnp.minimum(pending, k)
-
-    def forced_at(j):
-        idx = jnp.minimum(c.fp + j, MAX_FORCED - 1)
-        return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
 
     def propose(logits, j):
         logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
         drawn = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
         tok = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
-        return jnp.where(j < pending, forced_at(j), tok), logp
+        return jnp.where(j < pending, _forced_at(rows, c.fp, j), tok), logp
 
-    # ---- draft chain: k proposals, k-1 draft decode steps, then roll the draft back ----------------------------
     draft_len = c.dpool.lengths
     d, logq = propose(c.draft_logits, 0)
     drafts, draft_logps = [d], [logq]
@@ -96,20 +111,30 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
         d, logq = propose(out.logits, j)
         drafts.append(d)
         draft_logps.append(logq)
-    dpool = dpool.replace(lengths=draft_len)
-    drafts = jnp.stack(drafts, axis=1)  # [b, k]
+    chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), chain_keys, pending,
+                  jnp.minimum(pending, k))
+    return chain, dpool.replace(lengths=draft_len)
 
-    # ---- verify k+1 positions ---------------------------------------------------------------------------------
-    target_len = c.tpool.lengths
-    tokens = jnp.concatenate([c.cur[:, None], drafts], axis=1)
-    verify, tpool = steps.step(params, c.tpool, steps.StepBatch(slots, tokens, one * (k + 1)), None, cfg=cfg,
-                                spec=tspec, role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
+
+def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOutput, target_len, *, cfg, dspec, k,
+           kernels) -> tuple[RoundCarry, jax.Array]:
+    """After the target verified the chain (`verify`: all k+1 logits and streams; `target_len`: the target's
+    lengths before it): accept a drafts plus one target token per row (exact match when greedy, rejection
+    sampling otherwise), draft extend with the a+1 accepted rows and the target's streams, emit.
+    Returns (the next carry, its `tpool` field untouched; the target's lengths after the round)."""
+    b = rows.slots.shape[0]
+    slots = rows.slots
+    active = ~c.done
+    one = active.astype(jnp.int32)
+    greedy = rows.temperature <= 0
+    safe_t = jnp.where(greedy, 1.0, rows.temperature)
+    drafts, pending, n_force, chain_keys = chain.drafts, chain.pending, chain.n_force, chain.chain_keys
     # a budget's end: emit at most `limit` tokens this call, so accept at most remaining - 1 drafts this round
     remaining = rows.limit - (c.n_out - rows.n_out)
     cap = jnp.where(pending > 0, n_force, jnp.minimum(rows.k_cap, jnp.maximum(remaining - 1, 0)))
     by_match = accept_greedy(drafts, verify.logits, cap)
     t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-    by_sample = accept_sampled(drafts, jnp.stack(draft_logps, axis=1), t_logp, chain_keys[:, k], cap)
+    by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, chain_keys[:, k], cap)
     a = jnp.where(greedy, by_match.accepted, by_sample.accepted)
     nxt = jnp.where(greedy, by_match.next_token, by_sample.next_token)
     # forced rows: exactly n_force drafts accepted; the token after them from the target at that position
@@ -117,16 +142,17 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     after = jax.vmap(jax.random.categorical)(chain_keys[:, k], at(t_logp)).astype(jnp.int32)
     after = jnp.where(greedy, jnp.argmax(at(verify.logits), axis=-1).astype(jnp.int32), after)
     a = jnp.where(pending > 0, n_force, a)
-    nxt = jnp.where(pending > k, forced_at(k), jnp.where(pending > 0, after, nxt))
+    nxt = jnp.where(pending > k, _forced_at(rows, c.fp, k), jnp.where(pending > 0, after, nxt))
     a = jnp.where(active, a, 0)
     before = target_len[slots]
-    tpool = tpool.replace(lengths=target_len.at[slots].set(jnp.where(active, before + a + 1, before)))
+    # roll the target back to the accepted rows (rejected rows are never read: validity is positional)
+    lengths = target_len.at[slots].set(jnp.where(active, before + a + 1, before))
 
     # ---- draft extend with the accepted rows ------------------------------------------------------------------
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     shifted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     ext_ids = jnp.where(j < a[:, None], shifted, nxt[:, None])
-    ext, dpool = steps.step(params, dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
+    ext, dpool = steps.step(params, c.dpool, steps.StepBatch(slots, ext_ids, one * (a + 1)), verify.streams,
                              cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
 
     # ---- emit [d1..da, next], truncated at stop ids and the token budget ----------------------------------------
@@ -147,9 +173,39 @@ def _round(params, c: _Carry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> _
     draft_logits = jnp.where(active[:, None], ext.logits, c.draft_logits)
     draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)).astype(c.draft_stream.dtype),
                              c.draft_stream)
-    return _Carry(tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
-                  c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
-                  c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad)
+    nxt_carry = RoundCarry(c.tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
+                       c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
+                       c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad)
+    return nxt_carry, lengths
+
+
+def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> RoundCarry:
+    """One round on one program: draft chain -> verify k+1 positions -> settle."""
+    chain, dpool = draft_chain(params, c, rows, cfg=cfg, dspec=dspec, k=k, kernels=kernels)
+    c = c._replace(dpool=dpool)
+    target_len = c.tpool.lengths
+    verify, tpool = steps.step(params, c.tpool, chain.verify_batch(c, rows), None, cfg=cfg, spec=tspec,
+                                role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
+    c, lengths = settle(params, c, rows, chain, verify, target_len, cfg=cfg, dspec=dspec, k=k, kernels=kernels)
+    return c._replace(tpool=tpool.replace(lengths=lengths))
+
+
+def initial_carry(tpool, dpool, slot_state: SlotState, rows: Rows, *, k: int, max_rounds: int) -> RoundCarry:
+    """The state before a call's first round (rows done from the start never run)."""
+    b = rows.slots.shape[0]
+    done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
+    return RoundCarry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
+                  rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
+                  jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+                  jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32))
+
+
+def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
+    """A call's outputs after its last round: (SpecOut, slot_state with the draft's last logits and streams)."""
+    slot_state = slot_state._replace(
+        draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
+        draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), rows_over_data(slot_state)
 
 
 @cached_jit
@@ -160,19 +216,12 @@ def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *,
     """Up to `max_rounds` rounds; returns after the round in which any row finishes.
 
     Returns (SpecOut, tpool, dpool, slot_state)."""
-    b = rows.slots.shape[0]
-    done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
-    init = _Carry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
-                  rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
-                  jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
-                  jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32))
+    init = initial_carry(tpool, dpool, slot_state, rows, k=k, max_rounds=max_rounds)
 
     def cond(c):
         return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)
 
     body = functools.partial(_round, params, rows=rows, cfg=cfg, tspec=tspec, dspec=dspec, k=k, kernels=kernels)
     c = jax.lax.while_loop(cond, body, init)
-    slot_state = slot_state._replace(
-        draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
-        draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), c.tpool, c.dpool, rows_over_data(slot_state)
+    out, slot_state = finish(c, slot_state, rows)
+    return out, c.tpool, c.dpool, slot_state

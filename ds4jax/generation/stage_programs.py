@@ -12,7 +12,14 @@ after the step in which a row finishes (one host read per step), as `decode_loop
 Pools are one `KVPool` per stage (`MeshSteps.stage_specs`); the per-slot state lives on the last stage, beside the
 logits. Prefix snapshots run `snapshots.extract` / `snapshots.inject` on every stage's pool and hold the stage
 rows with their layer axes concatenated: the one-device snapshot layout, so a snapshot does not depend on the
-split. Speculative decoding is not supported here (`Engine` says so).
+split.
+
+Speculative decoding keeps the whole MTP draft on the last stage, where the target's final streams and the head
+are: its pool, its parameters and a copy of the embedding (the one on the first stage serves the target). A
+round is a host round trip of `spec_rounds`' own pieces: `draft_chain` on the last stage, the verify step
+through every stage (k+1 positions per row), then `settle` (acceptance, draft extend, emission) fused with the
+last stage's verify; the target lengths it settles on go back to every stage's pool, which rolls back their
+rejected rows.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.generation import loops, snapshots
+from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.loops import DecodeOut, Rows, SlotState
+from ds4jax.generation.spec_rounds import Chain, RoundCarry
+from ds4jax.model import params as params_lib
 from ds4jax.runtime import pools as pools_lib, steps
 from ds4jax.runtime.data_parallel import check_rows, rows_over_data
 from ds4jax.runtime.mesh_steps import stage_config, stage_step
@@ -48,16 +57,62 @@ class _Carry(NamedTuple):
 
 
 _LAST_STATIC = ("cfg", "spec", "rules", "kernels")
+_DRAFT_STATIC = ("full_cfg", "dspec")
 
 
-@functools.partial(jax.jit, static_argnames=_LAST_STATIC, donate_argnames=("pool", "slot_state"))
-def _last_prefill(params, pool, slot_state: SlotState, rows: Rows, batch, x, *, cfg, spec, rules, kernels):
-    """The last stage of a prefill chunk: its layers, the head, the first tokens and the slot state."""
+@functools.partial(jax.jit, static_argnames=_LAST_STATIC + _DRAFT_STATIC,
+                   donate_argnames=("pool", "dpool", "slot_state"))
+def _last_prefill(params, pool, dparams, dpool, slot_state: SlotState, rows: Rows, batch, x, next_ids, finishing, *,
+                  cfg, spec, rules, kernels, full_cfg, dspec):
+    """The last stage of a prefill chunk: its layers, the head, the first tokens, the draft extend over the chunk
+    (with a draft: `dspec` not None) and the slot state."""
     with nn.logical_axis_rules(rules):
         out, pool = steps.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET,
                                logits=steps.Logits.LAST, kernels=kernels)
         first, slot_state = loops.first_tokens(out, slot_state, rows, batch.n_tokens)
-        return loops.flag_nonfinite(first, out.logits), pool, rows_over_data(slot_state)
+        if dspec is not None:
+            dpool, slot_state = loops.draft_prefill(dparams, dpool, slot_state, rows, out.streams, first,
+                                                    batch.token_ids, batch.n_tokens, next_ids, finishing,
+                                                    cfg=full_cfg, dspec=dspec, kernels=kernels)
+        return loops.flag_nonfinite(first, out.logits), pool, dpool, rows_over_data(slot_state)
+
+
+_ROUND_STATIC = ("k", "kernels", "rules") + _DRAFT_STATIC
+
+
+@functools.partial(jax.jit, static_argnames=("k", "max_rounds"), donate_argnames=("dpool",))
+def _start_rounds(dpool, slot_state: SlotState, rows: Rows, *, k, max_rounds):
+    return spec_rounds.initial_carry(None, dpool, slot_state, rows, k=k, max_rounds=max_rounds)
+
+
+@functools.partial(jax.jit, static_argnames=_ROUND_STATIC, donate_argnames=("c",))
+def _draft_chain(dparams, c: RoundCarry, rows: Rows, *, k, kernels, rules, full_cfg, dspec):
+    """A round's draft chain on the last stage, and the verify step's token ids and counts for every stage."""
+    with nn.logical_axis_rules(rules):
+        chain, dpool = spec_rounds.draft_chain(dparams, c, rows, cfg=full_cfg, dspec=dspec, k=k, kernels=kernels)
+        c = c._replace(dpool=dpool)
+        batch = chain.verify_batch(c, rows)
+        return c, chain, batch.token_ids, batch.n_tokens
+
+
+@functools.partial(jax.jit, static_argnames=_LAST_STATIC + ("k",) + _DRAFT_STATIC,
+                   donate_argnames=("pool", "c", "chain"))
+def _last_verify(params, pool, dparams, c: RoundCarry, chain: Chain, rows: Rows, batch, x, *, cfg, spec, rules,
+                 kernels, k, full_cfg, dspec):
+    """The last stage of a verify step (all k+1 logits), then `settle`. Returns ((carry, target lengths, whether
+    the call stops), pool at those lengths)."""
+    with nn.logical_axis_rules(rules):
+        target_len = pool.lengths
+        verify, pool = steps.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET,
+                                  logits=steps.Logits.ALL, kernels=kernels)
+        c, lengths = spec_rounds.settle(dparams, c, rows, chain, verify, target_len, cfg=full_cfg, dspec=dspec,
+                                        k=k, kernels=kernels)
+        return (c, lengths, c.finished | jnp.all(c.done)), pool.replace(lengths=lengths)
+
+
+@functools.partial(jax.jit, donate_argnames=("slot_state",))
+def _finish_rounds(c: RoundCarry, slot_state: SlotState, rows: Rows):
+    return spec_rounds.finish(c, slot_state, rows)
 
 
 @functools.partial(jax.jit, static_argnames=_LAST_STATIC, donate_argnames=("pool",))
@@ -82,6 +137,7 @@ class StagePrograms:
         self.views = [stage_config(cfg, lo, hi) for lo, hi in self.ranges]
         self.last = len(self.ranges) - 1
         self.data = layout.axis_sizes["data"]
+        self._embed = None  # (the first stage's embedding, its copy on the last stage) for the draft
 
     # ---- pools -----------------------------------------------------------------------------------------------
     def zeros(self, spec: PoolSpec) -> tuple:
@@ -104,6 +160,36 @@ class StagePrograms:
     def lost(pools: tuple) -> bool:
         """Whether a failed call took donated pools with it (any stage's)."""
         return any(p.lengths.is_deleted() for p in pools)
+
+    # ---- the draft: pool, parameters and embedding copy on the last stage ---------------------------------------
+    def draft_zeros(self, dspec: PoolSpec):
+        return self.layout.pool_zeros(dspec, self.last)
+
+    def draft_placed(self, dpool, dspec: PoolSpec):
+        return jax.device_put(dpool, self.layout.pool_shardings(dspec, self.last))
+
+    def draft_sync(self, book, dpool, dspec: PoolSpec):
+        sh = self.layout.pool_shardings(dspec, self.last)
+        return dpool.replace(page_table=jax.device_put(book.page_table, sh.page_table),
+                             lengths=jax.device_put(book.lengths.astype(np.int32), sh.lengths))
+
+    def _draft_out(self, dpool, dspec: PoolSpec | None):
+        """A program's draft pool on its canonical placement (as `_through` does for the target's pools)."""
+        return dpool if dspec is None else self.draft_placed(dpool, dspec)
+
+    def draft_params(self, params) -> dict:
+        """What the draft steps read: the MTP block and the head (both on the last stage) and the embedding, copied
+        to the last stage once per embedding array (`drop_draft_params` frees the copy)."""
+        embed = params["embed"]
+        if self._embed is None or self._embed[0] is not embed:
+            sharding = self.layout.sharding(embed.shape, params_lib.declare(self.cfg)["embed"].axes, self.last)
+            self._embed = (embed, jax.device_put(embed, sharding))
+        return {"mtp": params["mtp"], "embed": self._embed[1], "head": params["head"]}
+
+    def drop_draft_params(self) -> None:
+        if self._embed is not None and not self._embed[1].is_deleted():
+            self._embed[1].delete()
+        self._embed = None
 
     def put(self, tree, stage: int):
         """`tree`'s arrays on a stage: rows over ``data``, the rest replicated."""
@@ -144,14 +230,16 @@ class StagePrograms:
                                         ratios=ratios))
         return self.placed(tuple(new), spec)
 
-    def restore(self, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, kernels):
-        """`loops.restore_call` without a draft on the last stage: first tokens from the saved logits."""
+    def restore(self, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, params, dspec, kernels):
+        """`loops.restore_call` on the last stage: first tokens from the saved logits, and the draft's pending row
+        when `dspec` is not None. Returns (first tokens, dpool, slot_state)."""
+        dparams = self.draft_params(params) if dspec is not None else {}
         with self.layout.active(self.last):
-            first, _, state = loops.restore_call({}, None, slot_state, self.put(rows, self.last),
-                                                 self.put(np.asarray(sampled), self.last),
-                                                 self.put(np.asarray(next_ids), self.last), cfg=cfg, dspec=None,
-                                                 kernels=kernels)
-        return first, self.slot_state(state)
+            first, dpool, state = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
+                                                     self.put(np.asarray(sampled), self.last),
+                                                     self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
+                                                     dspec=dspec, kernels=kernels)
+        return first, self._draft_out(dpool, dspec), self.slot_state(state)
 
     # ---- one step through every stage -----------------------------------------------------------------------
     def _through(self, params, pools: tuple, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
@@ -176,20 +264,24 @@ class StagePrograms:
             new.append(jax.device_put(pool, shardings[s]))
         return result, tuple(new)
 
-    def prefill(self, params, pools: tuple, slot_state: SlotState, rows: Rows, token_ids, n_tokens, *,
-                spec: PoolSpec, kernels):
-        """One prefill chunk (`loops.prefill_call` without a draft). Returns (first tokens, pools, slot_state)."""
+    def prefill(self, params, pools: tuple, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens,
+                next_ids, finishing, *, spec: PoolSpec, dspec: PoolSpec | None, kernels):
+        """One prefill chunk (`loops.prefill_call`; the draft extend when `dspec` is not None).
+        Returns (first tokens, pools, dpool, slot_state)."""
         self._check(rows, spec)
         rows_last = self.put(rows, self.last)
+        dparams = self.draft_params(params) if dspec is not None else None
+        extra = self.put((np.asarray(next_ids), np.asarray(finishing)), self.last)
 
         def last_call(p, pool, batch, x, sp):
-            first, pool, state = _last_prefill(p, pool, slot_state, rows_last, batch, x, cfg=self.views[-1],
-                                               spec=sp, rules=self.layout.rules, kernels=kernels)
-            return (first, state), pool
+            first, pool, dp, state = _last_prefill(p, pool, dparams, dpool, slot_state, rows_last, batch, x, *extra,
+                                                   cfg=self.views[-1], spec=sp, rules=self.layout.rules,
+                                                   kernels=kernels, full_cfg=self.cfg, dspec=dspec)
+            return (first, dp, state), pool
 
-        (first, slot_state), pools = self._through(params, pools, rows.slots, token_ids, n_tokens, spec, kernels,
-                                                   last_call)
-        return first, pools, slot_state
+        (first, dpool, slot_state), pools = self._through(params, pools, rows.slots, token_ids, n_tokens, spec,
+                                                          kernels, last_call)
+        return first, pools, self._draft_out(dpool, dspec), slot_state
 
     def decode(self, params, pools: tuple, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
         """Up to `max_steps` decode steps, one host round trip each (`loops.decode_loop`'s contract: it returns
@@ -217,6 +309,42 @@ class StagePrograms:
             if bool(carry.stop):
                 break
         return DecodeOut(carry.buf, carry.n_out, carry.done, np.int32(ran), carry.bad), pools
+
+    def speculate(self, params, pools: tuple, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
+                  dspec: PoolSpec, k: int, kernels, max_rounds: int):
+        """Up to `max_rounds` speculative rounds, one host round trip each (`spec_rounds.speculative_loop`'s
+        contract: it returns after the round in which a row finishes). The first round always runs (on rows
+        that are all done it writes nothing), so warmup compiles every program.
+        Returns (SpecOut, pools, dpool, slot_state)."""
+        self._check(rows, spec)
+        rows_last = self.put(rows, self.last)
+        dparams = self.draft_params(params)
+        common = dict(rules=self.layout.rules, kernels=kernels, full_cfg=self.cfg, dspec=dspec)
+        lengths_at = [sh.lengths for sh in self.mesh_steps.pool_shardings(spec)]
+        # the carry on one placement whichever program made it (else the second round's programs compile again)
+        canonical = lambda c: self.put(c._replace(dpool=None), self.last)._replace(
+            dpool=self.draft_placed(c.dpool, dspec))
+        with self.layout.active(self.last):
+            c = canonical(_start_rounds(dpool, slot_state, rows_last, k=k, max_rounds=max_rounds))
+        for _ in range(max_rounds):
+            with self.layout.active(self.last):
+                c, chain, tokens, n_tokens = _draft_chain(dparams, c, rows_last, k=k, **common)
+                c = canonical(c)
+
+            def last_call(p, pool, batch, x, sp, c=c, chain=chain):
+                return _last_verify(p, pool, dparams, c, chain, rows_last, batch, x, cfg=self.views[-1], spec=sp,
+                                    k=k, **common)
+
+            (c, lengths, stop), pools = self._through(params, pools, rows.slots, tokens, n_tokens, spec, kernels,
+                                                      last_call)
+            c = canonical(c)
+            # the earlier stages verified k+1 rows too: settle them on the accepted lengths (a no-op on the last)
+            pools = tuple(p.replace(lengths=jax.device_put(lengths, at)) for p, at in zip(pools, lengths_at))
+            if bool(stop):
+                break
+        with self.layout.active(self.last):
+            out, slot_state = _finish_rounds(c, slot_state, rows_last)
+        return out, pools, self._draft_out(c.dpool, dspec), self.slot_state(slot_state)
 
     def _check(self, rows: Rows, spec: PoolSpec) -> None:
         if self.data > 1:  # rows ordered by slot shard (the engine's row plan), or a PoolError before anything runs
