@@ -235,9 +235,9 @@ class Engine:
         if self.dspec is None:
             self.dpool = None
         elif self.stages is not None:  # the draft lives on a layer split's last stage
-            self.dpool = self._dsync(self.stages.draft_zeros(self.dspec))
+            self.dpool = self.dbook.sync(self.stages.draft_zeros(self.dspec))
         else:
-            self.dpool = self._dsync(self._zeros(self.dspec))
+            self.dpool = self.dbook.sync(self._zeros(self.dspec))
 
     def _new_target_state(self) -> None:
         cfg, s = self.cfg, self.tspec.max_slots
@@ -276,9 +276,9 @@ class Engine:
         """`pool` with the book's page table and lengths (a layer split: every stage's pool)."""
         return book.sync(pool) if self.stages is None else self.stages.sync(book, pool, spec)
 
-    def _dsync(self, dpool):
-        """The draft pool with its book's page table and lengths (a layer split: on the last stage)."""
-        return self.dbook.sync(dpool) if self.stages is None else self.stages.draft_sync(self.dbook, dpool, self.dspec)
+    def _dplaced(self, dpool):
+        """The draft pool on its canonical placement (a layer split: on the last stage)."""
+        return self._placed(dpool, self.dspec) if self.stages is None else self.stages.draft_placed(dpool, self.dspec)
 
     def _lost(self) -> bool:
         """Whether a failed call took the donated pools with it."""
@@ -551,7 +551,7 @@ class Engine:
         if admitted:
             self.tpool = self._sync(self.tbook, self.tpool, self.tspec)
             if self.dpool is not None:
-                self.dpool = self._dsync(self.dpool)
+                self.dpool = self.dbook.sync(self.dpool)
         restored = []
         if len(self.snapshots):
             for lv in admitted:
@@ -571,11 +571,7 @@ class Engine:
         else:
             self.tpool = self.tbook.sync(self._placed(pools.reset_slots(self.tpool, slots), self.tspec))
         if self.dpool is not None:
-            reset = pools.reset_slots(self.dpool, slots)
-            if self.stages is not None:
-                self.dpool = self._dsync(self.stages.draft_placed(reset, self.dspec))
-            else:
-                self.dpool = self._dsync(self._placed(reset, self.dspec))
+            self.dpool = self.dbook.sync(self._dplaced(pools.reset_slots(self.dpool, slots)))
         self._to_reset.clear()
 
     def _fit(self, live: list[_Live], rows: int) -> list[_Live]:

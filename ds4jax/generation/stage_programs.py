@@ -168,11 +168,6 @@ class StagePrograms:
     def draft_placed(self, dpool, dspec: PoolSpec):
         return jax.device_put(dpool, self.layout.pool_shardings(dspec, self.last))
 
-    def draft_sync(self, book, dpool, dspec: PoolSpec):
-        sh = self.layout.pool_shardings(dspec, self.last)
-        return dpool.replace(page_table=jax.device_put(book.page_table, sh.page_table),
-                             lengths=jax.device_put(book.lengths.astype(np.int32), sh.lengths))
-
     def _draft_out(self, dpool, dspec: PoolSpec | None):
         """A program's draft pool on its canonical placement (as `_through` does for the target's pools)."""
         return dpool if dspec is None else self.draft_placed(dpool, dspec)
@@ -344,7 +339,7 @@ class StagePrograms:
                 break
         with self.layout.active(self.last):
             out, slot_state = _finish_rounds(c, slot_state, rows_last)
-        return out, pools, self._draft_out(c.dpool, dspec), self.slot_state(slot_state)
+        return out, pools, c.dpool, self.slot_state(slot_state)  # c.dpool: placed by `canonical`
 
     def _check(self, rows: Rows, spec: PoolSpec) -> None:
         if self.data > 1:  # rows ordered by slot shard (the engine's row plan), or a PoolError before anything runs
