@@ -180,7 +180,8 @@ class Engine:
 
             self.stages = StagePrograms(self.layout, cfg)
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
-        self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout), cfg, k, tokenizer
+        self.model, self.cfg, self.k, self.tokenizer = Model(cfg, dict(model.params), self.layout,
+                                                                   scan_layers=model.scan_layers), cfg, k, tokenizer
         self._parked: set[str] = set()
         self._host: dict[str, dict] = {}
         self.kernels = resolve(kernels)

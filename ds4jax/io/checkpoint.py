@@ -40,6 +40,7 @@ from safetensors.numpy import save_file
 
 from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
+from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
 from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
@@ -625,7 +626,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
         tree.pop("mtp", None)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     params = jax.tree_util.tree_unflatten(treedef, [arrays[_path_of(kp)] for kp, _ in flat])
-    return Model(config=cfg, params=params)
+    return Model(config=cfg, params=layer_stack.for_loader(cfg, params))
 
 
 # ---- saving -------------------------------------------------------------------------------------------------------
@@ -668,7 +669,9 @@ def _check_savable(model: Model) -> None:
     if not isinstance(model, Model) or not isinstance(model.params, dict):
         raise ArgumentError("must be a ds4jax Model (config + params dict)", name="model", value=type(model).__name__)
     expected = {leaf.path: leaf.target.shape for leaf in _plan(model.config, jnp.float32)}
-    got = {_path_of(kp): getattr(a, "shape", None) for kp, a in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    per_layer = jax.eval_shape(layer_stack.unstacked_params, model.params) if layer_stack.is_stacked(model.params) \
+        else model.params
+    got = {_path_of(kp): getattr(a, "shape", None) for kp, a in jax.tree_util.tree_flatten_with_path(per_layer)[0]}
     if not any(p[0] == "mtp" for p in got):
         expected = {p: v for p, v in expected.items() if p[0] != "mtp"}
     for path in sorted(set(expected) | set(got), key=str):
@@ -699,7 +702,7 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
         os.remove(f)
     shards: list[list[tuple[str, Any, str, int | None]]] = [[]]
     size = 0
-    for entry in _export(model.config, model.params):
+    for entry in _export(model.config, layer_stack.unstacked_host(model.params)):
         n = _nbytes(entry[1], entry[3])
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
 
@@ -79,7 +80,8 @@ def write_params(params: Any, directory: str) -> None:
     """Orbax write of a params pytree into `directory`/params (synchronous)."""
     import orbax.checkpoint as ocp
 
-    host = jax.tree.map(np.asarray, params)  # numpy leaves: no device placement recorded in the checkpoint
+    host = layer_stack.unstacked_host(params)  # numpy leaves: no device placement recorded in the checkpoint;
+    # per-layer dicts: the stored layout does not depend on how a model runs its layers
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(os.path.abspath(directory), PARAMS_DIR), host)
         ckptr.wait_until_finished()
@@ -153,4 +155,4 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
     except Exception as e:
         raise _error(f"cannot restore {ckpt_dir}/{PARAMS_DIR}: {type(e).__name__}: {e}") from None
     params = jax.tree.map(lambda a, t: a if a.dtype == t.dtype else jnp.asarray(a).astype(t.dtype), raw, target)
-    return Model(config=cfg, params=params, layout=layout)
+    return Model(config=cfg, params=layer_stack.for_loader(cfg, params, layout), layout=layout)

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ds4jax.io import checkpoint as ck
+from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 
 
@@ -154,4 +155,4 @@ def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool 
         tree.pop("mtp", None)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     params = jax.tree_util.tree_unflatten(treedef, [arrays[ck._path_of(kp)] for kp, _ in flat])
-    return Model(config=cfg, params=params, layout=layout)
+    return Model(config=cfg, params=layer_stack.for_loader(cfg, params, layout), layout=layout)

@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.model import sharding
+from ds4jax.model import layer_stack, sharding
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.model.layers.attention import attention_sequence
 from ds4jax.model.layers.linear import linear
@@ -68,14 +68,13 @@ class ForwardOutput(NamedTuple):
 
 def forward_full(cfg: Config, params: dict, token_ids: jax.Array) -> ForwardOutput:
     """Full-sequence forward of the target model from position 0 (no cache)."""
-    x = embed(params, token_ids, cfg)
-    hidden, aux = [], []
-    for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
-        with jax.named_scope(f"layer{i}_{kind.name.lower()}"):
-            attn = lambda h, p=p, kind=kind: attention_sequence(h, p["attn"], cfg, kind)
-            x, a = block(x, token_ids, p, cfg, mlp, attn)
-        hidden.append(x)
-        aux.append(a)
+    def layer(x, p, at):
+        attn = lambda h: attention_sequence(h, p["attn"], cfg, at.attention)
+        x, a = block(x, token_ids, p, cfg, at.mlp, attn)
+        return x, (x, a)
+
+    x, per_layer = layer_stack.run(cfg, params["layers"], embed(params, token_ids, cfg), layer)
+    hidden, aux = [h for h, _ in per_layer], [a for _, a in per_layer]
     logits = logits_from_streams(x, params["hc_head"], params["norm"], params["head"], cfg)
     return ForwardOutput(logits, hidden, aux)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ds4jax.model import layer_stack
 from ds4jax.model.config import Config
 
 
@@ -15,12 +16,30 @@ class Model:
     The ``"mtp"`` subtree is present only when the checkpoint shipped MTP weights (HF checkpoints do not),
     so `has_mtp` can be False even when ``config.num_mtp_layers == 1``. `layout` is set by
     ``ds4jax.load(..., mesh=...)`` / `MeshLayout.place_model`; the public calls then run on that mesh.
+
+    ``params["layers"]`` is a `layer_stack.LayerStack` (layers of one kind stacked, run under `lax.scan`: compile
+    time flat in depth) unless `scan_layers` is False, which keeps a list of per-layer dicts run unrolled (for
+    debugging; the outputs are the same). A layer split (a layout with several stages) keeps the list: its
+    stages slice it. Either layout given is converted on construction.
     """
 
     config: Config
     params: dict[str, Any]
     layout: Any = None  # a `ds4jax.runtime.mesh.MeshLayout` when the params are placed on a mesh
+    scan_layers: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self):
+        split = self.layout is not None and getattr(self.layout, "num_stages", 1) > 1
+        if self.scan_layers and not split:
+            params = layer_stack.stacked_params(self.config, self.params)
+        else:
+            params = layer_stack.unstacked_params(self.params)
+        object.__setattr__(self, "params", params)
 
     @property
     def has_mtp(self) -> bool:
         return "mtp" in self.params
+
+    def unrolled(self) -> "Model":
+        """The same model with per-layer params (unrolled programs)."""
+        return dataclasses.replace(self, scan_layers=False)

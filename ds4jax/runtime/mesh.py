@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ds4jax.errors import InputError
-from ds4jax.model import params as params_lib
+from ds4jax.model import layer_stack, params as params_lib
 from ds4jax.model.config import Config
 from ds4jax.model.sharding import MESH_AXES, STAGE_AXIS, Rules, default_rules, mesh_spec
 
@@ -96,6 +96,8 @@ class MeshLayout:
                                                 is_leaf=lambda x: isinstance(x, params_lib.ParamInfo))
         if params is not None and "mtp" not in params:
             tree.pop("mtp", None)
+        if layer_stack.is_stacked(params):  # the stacked axis (layers of one segment member) stays whole
+            tree["layers"] = layer_stack.stack(cfg, tree["layers"], combine=_with_stacked_axis)
         return tree
 
     def place(self, params: Any, cfg: Config) -> Any:
@@ -270,7 +272,13 @@ def place_model(model, layout: MeshLayout):
     from ds4jax.model.handle import Model
 
     layout.stage_ranges(model.config.num_layers)  # fail early on a bad split
-    return Model(model.config, layout.place(model.params, model.config), layout)
+    params = layer_stack.unstacked_params(model.params) if layout.num_stages > 1 else model.params
+    return Model(model.config, layout.place(params, model.config), layout, scan_layers=model.scan_layers)
+
+
+def _with_stacked_axis(first: NamedSharding, *_same) -> NamedSharding:
+    """The sharding of a stacked leaf: the per-layer sharding behind a replicated leading axis."""
+    return NamedSharding(first.mesh, P(None, *first.spec))
 
 
 def init_distributed(**kwargs) -> bool:

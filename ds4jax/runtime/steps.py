@@ -27,7 +27,9 @@ from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, resolve, routed_experts, sinkhorn
 from ds4jax.runtime import data_parallel, pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
+from ds4jax.model import layer_stack
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
+from ds4jax.model.layer_stack import LayerAt
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import KVPool, PoolError, check_pool
 from ds4jax.runtime.roles import Role
@@ -90,45 +92,44 @@ def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batc
         raise PoolError(f"{name}: {b} rows exceed the pool's {spec.max_slots} slots")
 
 
-def _load_layer(pool: KVPool, rows: jax.Array, layer: int, cfg: Config) -> LayerPools:
-    """Layer `layer`'s view of the pools (arrays and fields from `pool_layout`): slot rings of the step's `rows`
+def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt) -> LayerPools:
+    """A layer's view of the pools (arrays and fields from `pool_layout`): slot rings of the step's `rows`
     (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index."""
     fields = {}
-    for a in layout.of_layer(cfg.attention_types[layer]):
-        arr, i = getattr(pool, a.name), layout.layer_index(cfg.attention_types, layer, a)
+    for a in layout.of_layer(at.attention):
+        arr, i = getattr(pool, a.name), at.rank(a.layers)
         fields[a.field] = arr.at[i, rows].get(mode="fill", fill_value=0) if a.per_slot else PagedLayer(arr, i)
     return LayerPools(**fields)
 
 
-def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, layer: int, cfg: Config) -> KVPool:
+def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) -> KVPool:
     """Write a layer's updated rings back to their slots in place (padding rows' null slot is dropped); paged
     pools were already updated in place."""
     changes = {}
-    for a in layout.of_layer(cfg.attention_types[layer]):
+    for a in layout.of_layer(at.attention):
         value = getattr(new, a.field)
         if a.per_slot:
-            arr, i = getattr(pool, a.name), layout.layer_index(cfg.attention_types, layer, a)
+            arr, i = getattr(pool, a.name), at.rank(a.layers)
             changes[a.name] = arr.at[i, rows].set(value.astype(arr.dtype), mode="drop")
         else:
             changes[a.name] = value.pool
     return pool.replace(**changes)
 
 
-def _pooled_block(x, token_ids, p, pool, rows, g, layer: int, kind: AttentionType, mlp: MlpType, cfg: Config,
-                  spec: PoolSpec, impl: Impl):
+def _pooled_block(x, token_ids, p, pool, rows, g, at: LayerAt, cfg: Config, spec: PoolSpec, impl: Impl):
     """`model.block` with the pooled attention; returns (streams, pool with this layer updated, selection)."""
-    layer_pools = _load_layer(pool, rows, layer, cfg)
+    layer_pools = _load_layer(pool, rows, at)
 
     def attention(h):
         y, new, selection = attention_pooled(
-            h, layer_pools, g, p["attn"], cfg, kind, page_size=spec.page_size,
+            h, layer_pools, g, p["attn"], cfg, at.attention, page_size=spec.page_size,
             max_entries=spec.pages_per_slot * spec.page_size, window=cfg.sliding_window, impl=impl)
         return y, (new, selection)
 
     routed = functools.partial(routed_experts, impl=impl)
-    x, aux = block(x, token_ids, p, cfg, mlp, attention, routed, functools.partial(sinkhorn, impl=impl))
+    x, aux = block(x, token_ids, p, cfg, at.mlp, attention, routed, functools.partial(sinkhorn, impl=impl))
     new, selection = aux.attention
-    return x, _store_layer(pool, new, rows, layer, cfg), selection
+    return x, _store_layer(pool, new, rows, at), selection
 
 
 def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits):
@@ -169,11 +170,15 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
     selections = []
     if role is Role.TARGET:
         x = embed(params, token_ids, cfg) if streams_in is None else streams_in
-        for i, (p, kind, mlp) in enumerate(zip(params["layers"], cfg.attention_types, cfg.mlp_types)):
-            with jax.named_scope(f"target/layer{i}_{kind.name.lower()}"):
-                x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, i, kind, mlp, cfg, spec, kernels)
-            if sel is not None:
-                selections.append(sel)
+
+        def layer(carry, p, at: LayerAt):
+            x, pool = carry
+            x, pool, sel = _pooled_block(x, token_ids, p, pool, slots, g, at, cfg, spec, kernels)
+            return (x, pool), sel
+
+        with jax.named_scope("target"):
+            (x, pool), per_layer = layer_stack.run(cfg, params["layers"], (x, pool), layer)
+        selections = [sel for sel in per_layer if sel is not None]
         head_params, norm = params.get("hc_head"), params.get("norm")
     else:
         if "mtp" not in params:
@@ -181,8 +186,9 @@ def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, sp
         mtp = params["mtp"]
         with jax.named_scope("draft/mtp"):
             x = mtp_inputs(cfg, params, streams_in, token_ids)
-            x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, 0, AttentionType.SLIDING,
-                                       MlpType.TOPK, _draft_view(cfg), spec, kernels)
+            view = _draft_view(cfg)
+            at = LayerAt(AttentionType.SLIDING, MlpType.TOPK, first=0, schedule=layer_stack.kinds(view))
+            x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, at, view, spec, kernels)
         head_params, norm = mtp["hc_head"], mtp["norm"]
     pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"))
     out = StepOutput(_logits(x, head_params, norm, params.get("head"), batch, cfg, logits), x, tuple(selections))

@@ -1,0 +1,266 @@
+"""Decoder layers stacked by kind, so one traced body serves every layer of that kind (`jax.lax.scan`).
+
+Unrolling the layers in Python makes every program's trace, lowering and XLA compile grow linearly with depth
+(a 43-layer Flash decode step compiled for ~1 minute on CPU). DeepSeek-V4's schedules repeat: Flash is two
+sliding-window layers, then CSA / HCA alternating, with the first three MoE layers hash-routed. `plan` cuts a
+schedule into *segments*: a unit of consecutive layer kinds (attention type, MLP type) repeated r times. A
+segment with r > 1 runs under `lax.scan` over parameters stacked on a leading axis of size r, so the program
+holds one body per unit member however deep the model is (MaxText's ``scan_layers``, generalised to a mixed
+schedule). Flash: ``[(SWA, hash)] x 2, [(CSA, hash)] x 1, [(HCA, top-k), (CSA, top-k)] x 20`` -> four bodies.
+
+`LayerStack` is that layout as a pytree node: ``groups[s][u]`` holds the params of member u of segment s with
+every leaf stacked over the segment's repeats; the segment plan is static (tree structure). Indexing it gives
+one layer's params (a copy: for inspection and tests). `run` iterates any layout: a plain list of per-layer
+dicts runs unrolled (the debugging path, `Model(..., scan_layers=False)`), a `LayerStack` runs scanned; the
+body sees the same `LayerAt` either way, so both paths trace the same per-layer code.
+
+The KV pools need no restacking: their arrays are already per layer kind (`pool_layout`), and a scanned body
+finds its rows through `LayerAt.rank`, which is affine in the scan index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.model.config import AttentionType, Config, MlpType
+
+LayerKind = tuple[AttentionType, MlpType]
+_MAX_UNIT = 4  # longest repeating unit looked for (DSv4 schedules repeat with period 1 or 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: int  # first model layer
+    unit: tuple[LayerKind, ...]  # the kinds of one repetition, in layer order
+    repeats: int
+
+    @property
+    def period(self) -> int:
+        return len(self.unit)
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def layer(self, rep: int, member: int) -> int:
+        return self.start + rep * self.period + member
+
+
+def kinds(cfg: Config) -> tuple[LayerKind, ...]:
+    return tuple(zip(cfg.attention_types, cfg.mlp_types))
+
+
+def plan(schedule: Sequence[LayerKind]) -> tuple[Segment, ...]:
+    """Greedy cut of a layer schedule into repeating segments: at each layer, the unit (length <= 4) whose
+    repetitions cover the most layers (ties: the shorter unit). Deterministic, so equal configs stack equally."""
+    schedule, segments, i = tuple(schedule), [], 0
+    while i < len(schedule):
+        best = (1, 1)  # (covered layers, -period) maximised below
+        choice = (1, 1)  # (period, repeats)
+        for period in range(1, _MAX_UNIT + 1):
+            unit = schedule[i:i + period]
+            if len(unit) < period:
+                break
+            reps = 1
+            while schedule[i + reps * period: i + (reps + 1) * period] == unit:
+                reps += 1
+            if reps > 1 and (period * reps, -period) > best:
+                best, choice = (period * reps, -period), (period, reps)
+        period, reps = choice
+        segments.append(Segment(i, schedule[i:i + period], reps))
+        i += period * reps
+    return tuple(segments)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class LayerStack:
+    """Per-layer parameter trees stacked by segment (see the module docstring). Behaves as a read-only
+    sequence of layers: ``len``, iteration and ``stack[i]`` give per-layer dicts (sliced copies)."""
+
+    def __init__(self, segments: tuple[Segment, ...], groups: tuple[tuple[Any, ...], ...]):
+        self.segments = segments
+        self.groups = groups
+
+    def tree_flatten_with_keys(self):
+        children = [(jax.tree_util.GetAttrKey(f"segment{s}_member{u}"), g)
+                    for s, members in enumerate(self.groups) for u, g in enumerate(members)]
+        return children, self.segments
+
+    @classmethod
+    def tree_unflatten(cls, segments, children):
+        children, groups = list(children), []
+        for seg in segments:
+            groups.append(tuple(children[:seg.period]))
+            del children[:seg.period]
+        return cls(segments, tuple(groups))
+
+    def __len__(self) -> int:
+        return self.segments[-1].stop if self.segments else 0
+
+    def locate(self, layer: int) -> tuple[int, int, int]:
+        """(segment, repetition, member) holding model layer `layer`."""
+        for s, seg in enumerate(self.segments):
+            if seg.start <= layer < seg.stop:
+                rep, member = divmod(layer - seg.start, seg.period)
+                return s, rep, member
+        raise IndexError(f"layer {layer} is outside the {len(self)} stacked layers")
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self)))]
+        layer = layer + len(self) if layer < 0 else layer
+        s, rep, member = self.locate(layer)
+        return jax.tree.map(lambda a: a[rep], self.groups[s][member])
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"LayerStack({len(self)} layers, segments {[(s.start, s.period, s.repeats) for s in self.segments]})"
+
+
+def _stack_leaves(*xs):
+    """Stack one leaf of every repetition; a leaf placed on a mesh keeps its sharding (leading axis replicated)."""
+    first = xs[0]
+    sharding = getattr(first, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+        return jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
+    return jnp.stack(xs)
+
+
+def _stack_consuming(*xs):
+    """`_stack_leaves`, then free the per-layer device arrays (a loader's own copies: peak memory stays one
+    stacked leaf above the model instead of doubling)."""
+    out = _stack_leaves(*xs)
+    for x in xs:
+        if isinstance(x, jax.Array) and x is not out:
+            x.delete()
+    return out
+
+
+def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leaves,
+          is_leaf: Callable | None = None) -> LayerStack:
+    """Per-layer trees (params, or any tree shaped like them: shardings, ParamInfo) -> a `LayerStack`.
+    `combine(*leaves)` merges one leaf of every repetition of a segment member (default: `jnp.stack`)."""
+    if isinstance(layers, LayerStack):
+        return layers
+    if len(layers) != cfg.num_layers:
+        raise ValueError(f"{len(layers)} layer trees for a config of {cfg.num_layers} layers")
+    segments = plan(kinds(cfg))
+    groups = tuple(
+        tuple(jax.tree.map(combine, *[layers[seg.layer(r, u)] for r in range(seg.repeats)], is_leaf=is_leaf)
+              for u in range(seg.period))
+        for seg in segments)
+    return LayerStack(segments, groups)
+
+
+def unstack(layers: Any) -> list:
+    """A `LayerStack` back to a list of per-layer trees (a list is returned as is)."""
+    return list(layers) if isinstance(layers, LayerStack) else layers
+
+
+def unstacked_host(params: dict) -> dict:
+    """Params as numpy with per-layer dicts (for writers: the per-layer views of a stacked leaf copy nothing)."""
+    return unstacked_params(jax.tree.map(np.asarray, params))
+
+
+def is_stacked(params: Any) -> bool:
+    return isinstance(params, dict) and isinstance(params.get("layers"), LayerStack)
+
+
+def stacked_params(cfg: Config, params: dict) -> dict:
+    return params if is_stacked(params) or "layers" not in params else {**params, "layers": stack(cfg, params["layers"])}
+
+
+def for_loader(cfg: Config, params: dict, layout: Any = None) -> dict:
+    """A loader's freshly read params in the layout `Model` keeps for `layout`: stacked (consuming the per-layer
+    arrays, which nothing else references) unless the layout splits layers across stages."""
+    if layout is not None and getattr(layout, "num_stages", 1) > 1 or is_stacked(params):
+        return params
+    return {**params, "layers": stack(cfg, params["layers"], combine=_stack_consuming)}
+
+
+def unstacked_params(params: dict) -> dict:
+    return {**params, "layers": unstack(params["layers"])} if is_stacked(params) else params
+
+
+# ---- running ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerAt:
+    """Where a traced layer body runs: its kinds, and its model layer index (a tracer inside a scan)."""
+
+    attention: AttentionType
+    mlp: MlpType
+    first: int  # model layer of this body at repetition 0
+    schedule: tuple[LayerKind, ...] = ()  # the model's layer kinds (for `rank`)
+    unit: tuple[LayerKind, ...] = ()  # the scanned unit ((): unrolled)
+    rep: Any = 0  # repetition index (traced under scan)
+
+    @property
+    def index(self):
+        return self.first + self.rep * max(len(self.unit), 1)
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.first}" + (f"+{len(self.unit)}j" if self.unit else "") + f"_{self.attention.name.lower()}"
+
+    def rank(self, attention_kinds: Sequence[AttentionType]):
+        """This layer's index among the layers whose attention kind is in `attention_kinds` (e.g. its row on a
+        pool array of those layers): static for an unrolled layer, affine in the repetition under scan."""
+        base = sum(1 for a, _ in self.schedule[:self.first] if a in attention_kinds)
+        if not self.unit:
+            return base
+        return base + self.rep * sum(1 for a, _ in self.unit if a in attention_kinds)
+
+
+Body = Callable[[Any, Any, LayerAt], tuple[Any, Any]]
+
+
+def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) -> tuple[Any, list]:
+    """Fold `body(carry, layer_params, at) -> (carry, out)` over the layers in order.
+
+    `layers` is a list (unrolled: one traced body per layer) or a `LayerStack` (a `lax.scan` per repeated
+    segment). `offset` is the model layer of ``layers[0]`` when they are a stage's slice (list only). Returns the
+    final carry and the per-layer outputs as a list in layer order (scan outputs unstacked)."""
+    schedule = kinds(cfg)
+    if not isinstance(layers, LayerStack):
+        outs = []
+        for j, p in enumerate(layers):
+            i = offset + j
+            at = LayerAt(*schedule[i], first=i, schedule=schedule)
+            with jax.named_scope(at.name):
+                carry, out = body(carry, p, at)
+            outs.append(out)
+        return carry, outs
+    if offset:
+        raise ValueError("a LayerStack holds every layer of its model (offset must be 0)")
+    outs: list = [None] * len(layers)
+    for seg, group in zip(layers.segments, layers.groups):
+        if seg.repeats == 1:  # nothing to share: run the unit unrolled on the squeezed params
+            for u, p in enumerate(group):
+                at = LayerAt(*seg.unit[u], first=seg.layer(0, u), schedule=schedule)
+                with jax.named_scope(at.name):
+                    carry, outs[seg.layer(0, u)] = body(carry, jax.tree.map(lambda a: a[0], p), at)
+            continue
+
+        def step(c, xs, seg=seg):
+            rep, members = xs
+            ys = []
+            for u, p in enumerate(members):
+                at = LayerAt(*seg.unit[u], first=seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)
+                with jax.named_scope(at.name):
+                    c, y = body(c, p, at)
+                ys.append(y)
+            return c, tuple(ys)
+
+        carry, ys = jax.lax.scan(step, carry, (jnp.arange(seg.repeats, dtype=jnp.int32), group))
+        for u, y in enumerate(ys):
+            for r in range(seg.repeats):
+                outs[seg.layer(r, u)] = jax.tree.map(lambda a, r=r: a[r], y)
+    return carry, outs

@@ -1,0 +1,153 @@
+"""Layers under `lax.scan` (issue 22): the segment plan, the stacked layout, and scanned == unrolled.
+
+CFG repeats both a one-layer unit ((SWA, hash) x 2) and a two-layer unit ((HCA, top-k), (CSA, top-k)) x 2, so
+every scan shape the real schedules use runs here (the suite's other tiny configs do not repeat, so they run
+unrolled whatever the layout)."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ds4jax
+from ds4jax.generation.generate import SamplingParams
+from ds4jax.model import forward as forward_lib
+from ds4jax.model import layer_stack, params as params_lib
+from ds4jax.model.config import AttentionType as A, MlpType as M, flash, pro, tiny
+from ds4jax.model.handle import Model
+from ds4jax.runtime import pools, steps
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.roles import Role
+
+S, C, H = A.SLIDING, A.CSA, A.HCA
+CFG = tiny(num_layers=7, attention_types=(S, S, C, H, C, H, C), mlp_types=(M.HASH,) * 3 + (M.TOPK,) * 4)
+
+
+@pytest.fixture(scope="module")
+def models():
+    params = params_lib.init(CFG, jax.random.key(3), jnp.float32)
+    return Model(CFG, params), Model(CFG, params, scan_layers=False)
+
+
+def test_plan_of_the_published_schedules():
+    segs = layer_stack.plan(layer_stack.kinds(flash()))
+    assert [(s.start, s.period, s.repeats) for s in segs] == [(0, 1, 2), (2, 1, 1), (3, 2, 20)]
+    assert segs[-1].unit == ((H, M.TOPK), (C, M.TOPK)) and segs[-1].stop == 43
+    segs = layer_stack.plan(layer_stack.kinds(pro()))
+    assert sum(s.period * s.repeats for s in segs) == 61
+    bodies = {k for s in segs for k in s.unit}
+    assert len(segs) <= 4 and len(bodies) <= 4, segs  # one body per layer kind, whatever the depth
+    assert [(s.start, s.period, s.repeats) for s in layer_stack.plan(layer_stack.kinds(CFG))] == \
+        [(0, 1, 2), (2, 1, 1), (3, 2, 2)]
+
+
+def test_stack_round_trip_and_indexing(models):
+    scanned, unrolled = models
+    stack = scanned.params["layers"]
+    assert isinstance(stack, layer_stack.LayerStack) and isinstance(unrolled.params["layers"], list)
+    assert len(stack) == CFG.num_layers
+    for i, layer in enumerate(unrolled.params["layers"]):
+        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stack[i], layer)
+        assert all(jax.tree.leaves(same)), i
+    back = layer_stack.unstack(stack)
+    assert jax.tree.structure(back) == jax.tree.structure(unrolled.params["layers"])
+    # a stacked leaf holds one segment member's layers on its leading axis
+    assert stack.groups[2][1]["attn"]["wq_b"].shape[0] == 2
+    assert unrolled.unrolled().params["layers"] is unrolled.params["layers"]
+    assert layer_stack.is_stacked(Model(CFG, unrolled.params).params)
+
+
+def test_forward_scanned_equals_unrolled(models):
+    scanned, unrolled = models
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 40)), jnp.int32)
+    a = jax.jit(forward_lib.forward_full, static_argnums=0)(CFG, scanned.params, ids)
+    b = jax.jit(forward_lib.forward_full, static_argnums=0)(CFG, unrolled.params, ids)
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert len(a.hidden) == len(b.hidden) == CFG.num_layers
+    for x, y in zip(a.hidden, b.hidden):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(a.aux, b.aux):  # expert and indexer selections per layer, in layer order
+        np.testing.assert_array_equal(x.routing.experts, y.routing.experts)
+        if x.attention is not None:
+            np.testing.assert_array_equal(x.attention, y.attention)
+
+
+def test_generation_scanned_equals_unrolled(models):
+    scanned, unrolled = models
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (37, 9, 70)]
+    sp = SamplingParams(max_new_tokens=12)
+    got = ds4jax.generate(scanned, prompts, sp, prefill_chunk=16)
+    assert got == ds4jax.generate(unrolled, prompts, sp, prefill_chunk=16)
+    assert ds4jax.generate(scanned, prompts, sp, prefill_chunk=16, speculative=2) == got
+
+
+def _decode_jaxpr_size(cfg, scan: bool = True) -> int:
+    spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
+    layout = layer_stack.stacked_params if scan else (lambda cfg, p: p)
+    params = jax.eval_shape(lambda: layout(cfg, params_lib.init(cfg, jax.random.key(0))))
+    batch = steps.StepBatch(jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32),
+                            jax.ShapeDtypeStruct((2,), jnp.int32))
+    fn = lambda p, pool, b: steps.step(p, pool, b, None, cfg=cfg, spec=spec, role=Role.TARGET,
+                                       logits=steps.Logits.LAST)
+    jaxpr = jax.make_jaxpr(fn)(params, pools.abstract(spec), batch)
+
+    def count(jx):
+        return sum(1 + sum(count(s.jaxpr if hasattr(s, "jaxpr") else s) for s in jax.extend.core.jaxprs_in_params(e.params))
+                   for e in jx.eqns)
+
+    return count(jaxpr.jaxpr)
+
+
+def test_traced_program_is_flat_in_depth():
+    """Doubling the repeated segment leaves the decode step's traced program the same size up to the per-layer
+    outputs sliced out of the scan (a few equations per layer), where unrolled it grows by whole layers."""
+    deeper = CFG.replace(num_layers=11, attention_types=CFG.attention_types + (H, C) * 2,
+                         mlp_types=CFG.mlp_types + (M.TOPK,) * 4)
+    scanned = _decode_jaxpr_size(deeper) - _decode_jaxpr_size(CFG)
+    unrolled = _decode_jaxpr_size(deeper, scan=False) - _decode_jaxpr_size(CFG, scan=False)
+    assert 0 <= scanned <= 2 * 4, scanned  # 4 more layers: at most two bookkeeping equations each
+    assert unrolled > 100 * 4, unrolled  # the same 4 layers unrolled: hundreds of equations each
+
+
+def test_pooled_steps_scanned_equal_unrolled_on_poisoned_pools(models):
+    """Prefill + decode through the step functions on NaN-poisoned pools: the scanned step reads only rows its
+    layer wrote (a wrong per-kind pool index would read poison or another layer's rows) and leaves the same pool."""
+    scanned, unrolled = models
+    spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
+    ids = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32)
+    results = []
+    for model in (scanned, unrolled):
+        book, pool = pools.PoolBook(spec, CFG.vocab_size), pools.poisoned(spec)
+        for s in (0, 1):
+            book.admit(s)
+            book.reserve(s, 32)
+        pool = book.sync(pool)
+        out, pool = steps.prefill(model.params, pool, steps.StepBatch(jnp.asarray([0, 1]), jnp.asarray(ids),
+                                                                      jnp.asarray([24, 17])), cfg=CFG, spec=spec)
+        book.commit([0, 1], [24, 17])
+        nxt = jnp.argmax(out.logits, -1).astype(jnp.int32)[:, None]
+        dec, pool = steps.decode(model.params, pool, steps.StepBatch(jnp.asarray([0, 1]), nxt, jnp.asarray([1, 1])),
+                                 cfg=CFG, spec=spec)
+        results.append((out, dec, jax.tree.map(np.asarray, pool)))
+    (pa, da, poola), (pb, db, poolb) = results
+    assert np.isfinite(np.asarray(pa.logits)).all() and np.isfinite(np.asarray(da.logits)).all()
+    np.testing.assert_allclose(pa.logits, pb.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(da.logits, db.logits, rtol=1e-5, atol=1e-5)
+    for x, y in zip(pa.selections, pb.selections):
+        np.testing.assert_array_equal(x, y)
+    for name in pools.KVPool.__dataclass_fields__:
+        np.testing.assert_allclose(getattr(poola, name), getattr(poolb, name), rtol=1e-5, atol=1e-5,
+                                   equal_nan=True, err_msg=name)
+
+
+def test_save_and_load_round_trip_stacked(models, tmp_path):
+    scanned, unrolled = models
+    ds4jax.save(scanned, tmp_path / "st")
+    loaded = ds4jax.load(tmp_path / "st", dtype=jnp.float32)
+    assert layer_stack.is_stacked(loaded.params)
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), loaded.params, scanned.params)
+    assert all(jax.tree.leaves(same))
