@@ -21,6 +21,7 @@ from safetensors.torch import save_file as torch_save_file  # noqa: E402
 from ds4jax.io import checkpoint  # noqa: E402
 from ds4jax.io.checkpoint import CheckpointError, dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: E402
 from ds4jax.model.config import AttentionType, Config, MlpType, tiny  # noqa: E402
+from ds4jax.model import layer_stack
 from ds4jax.model.params import abstract  # noqa: E402
 
 
@@ -130,6 +131,8 @@ def expected_params(sd: dict, cfg: Config) -> dict:
 
 
 def assert_params_equal(params, expected, dtype=jnp.float32, cfg: Config | None = None):
+    # a loaded Model stacks its layers for lax.scan
+    params, expected = layer_stack.unstacked_params(params), layer_stack.unstacked_params(expected)
     assert jax.tree.structure(params) == jax.tree.structure(expected)
     if cfg is not None:  # dtypes and shapes exactly as declared
         want = abstract(cfg, dtype)
