@@ -151,3 +151,18 @@ def test_save_and_load_round_trip_stacked(models, tmp_path):
     assert layer_stack.is_stacked(loaded.params)
     same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), loaded.params, scanned.params)
     assert all(jax.tree.leaves(same))
+
+
+def test_snapshot_fingerprint_does_not_depend_on_the_layout(models):
+    """A prefix snapshot names the weights, not how layers run: scanned and unrolled engines of one model agree,
+    and changing one element of one stacked layer changes it."""
+    from ds4jax.generation import snapshots
+
+    scanned, unrolled = models
+    spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16)
+    a, b = snapshots.fingerprint(scanned, spec, None), snapshots.fingerprint(unrolled, spec, None)
+    assert a == b
+    layers = layer_stack.unstack(scanned.params["layers"])
+    layers[5]["attn"]["wq_a"] = layers[5]["attn"]["wq_a"].at[0, 0].add(1.0)
+    changed = Model(CFG, {**scanned.params, "layers": layers})
+    assert snapshots.fingerprint(changed, spec, None)["model"] != a["model"]

@@ -28,12 +28,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.model import layer_stack
 from ds4jax.runtime.pool_layout import POOL_ARRAYS
 from ds4jax.runtime.pools import KVPool
 
@@ -210,24 +211,46 @@ def _leaf_digest(x) -> jax.Array:
     return jnp.stack([jnp.sum(bits * odd, dtype=jnp.uint32), jnp.sum((bits ^ pos) * mixed, dtype=jnp.uint32)])
 
 
-@jax.jit
-def _digests(leaves):
-    return jnp.stack([_leaf_digest(leaf) for leaf in leaves])
+@functools.partial(jax.jit, static_argnums=1)
+def _digests(leaves, rows):
+    """Digest of each leaf, or of row `rows[i]` of a stacked leaf (a layer of a `LayerStack`)."""
+    return jnp.stack([_leaf_digest(leaf if r is None else leaf[r]) for leaf, r in zip(leaves, rows)])
+
+
+class _Row:
+    """Stands for a stacked leaf while unstacking the params' structure: indexing it names (leaf, row)."""
+
+    def __init__(self, leaf: int, row: int | None = None):
+        self.leaf, self.row = leaf, row
+
+    def __getitem__(self, row: int) -> "_Row":
+        return _Row(self.leaf, row)
+
+
+def _per_layer(params) -> tuple[list, list, Any]:
+    """The params' leaves as the per-layer layout orders them: ([leaf], [row or None], treedef). The digest is
+    then the same whether a model runs its layers stacked (scan) or unrolled, so snapshots move between them."""
+    leaves, treedef = jax.tree.flatten(params)
+    refs = layer_stack.unstacked_params(jax.tree.unflatten(treedef, [_Row(i) for i in range(len(leaves))]))
+    refs, per_layer = jax.tree.flatten(refs, is_leaf=lambda x: isinstance(x, _Row))
+    return [leaves[r.leaf] for r in refs], [r.row for r in refs], per_layer
 
 
 def fingerprint(model, tspec, dspec) -> dict[str, str]:
     """What must match for a snapshot to be valid: model weights (every element of every tensor, one pass over
     them in one program), config, dtype, pool specs."""
     h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
-    leaves, treedef = jax.tree.flatten(model.params)
-    digest = hashlib.sha256(repr((treedef, [(x.shape, str(x.dtype)) for x in leaves])).encode())
+    leaves, at_row, treedef = _per_layer(model.params)
+    shapes = [(x.shape if r is None else x.shape[1:], str(x.dtype)) for x, r in zip(leaves, at_row)]
+    digest = hashlib.sha256(repr((treedef, shapes)).encode())
     # one program per device set (a layer split's stages hold disjoint devices), rows back in leaf order
     groups = collections.defaultdict(list)
     for i, x in enumerate(leaves):
         groups[tuple(sorted(d.id for d in x.devices())) if isinstance(x, jax.Array) else ()].append(i)
     rows = [None] * len(leaves)
     for idx in groups.values():
-        for i, row in zip(idx, np.asarray(jax.device_get(_digests([leaves[i] for i in idx])))):
+        got = _digests([leaves[i] for i in idx], tuple(at_row[i] for i in idx))
+        for i, row in zip(idx, np.asarray(jax.device_get(got))):
             rows[i] = row
     digest.update(np.stack(rows).tobytes())
     return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
