@@ -14,7 +14,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "compilation_cache_worker.py")
-MODEL_PROGRAMS = ("jit(prefill_call)", "jit(decode_loop)")  # the engine's programs for the model
+pytestmark = pytest.mark.slow  # fresh processes that compile the tiny model: about 100 s of CPU in all
+
+
+def model_programs(report: dict) -> list[str]:
+    """The engine's programs that run the model (prefill, decode), by jit name."""
+    names = [name for name in report["programs"] if "prefill" in name or "decode" in name]
+    assert names, report["programs"]
+    return names
 
 
 def run(cache: str, *args: str, home: str | None = None) -> dict:
@@ -48,7 +55,7 @@ def test_the_api_writes_every_program(filled):
     cache, first = filled
     assert first["directory"] == cache
     assert outcomes(first) == {"written"}, first["programs"]  # small programs too: no minimum time or size
-    assert all(p in first["programs"] for p in MODEL_PROGRAMS)
+    model_programs(first)
     assert len(entries(cache)) == sum(len(o) for o in first["programs"].values())
 
 
@@ -65,8 +72,8 @@ def test_a_new_process_loads_every_program_from_the_cache(filled):
 def test_another_config_misses(filled):
     cache, first = filled
     other = run(cache, "other-config", "generate")
-    for name in MODEL_PROGRAMS:
-        assert other["programs"][name] == ["written"], other["programs"]
+    for name in model_programs(first):
+        assert set(other["programs"][name]) == {"written"}, other["programs"]
     assert other["programs"]["jit(init)"] == ["compiled"]  # ran before any entry point enabled the cache
 
 
