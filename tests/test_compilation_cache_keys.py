@@ -75,5 +75,6 @@ def test_device_kind_where_a_backend_has_no_topology(monkeypatch):
         raise _jax.JaxRuntimeError("no topology")
 
     monkeypatch.setattr(xla_client, "get_topology_for_devices", no_topology)
-    kinds = [key(devices=np.array([[types.SimpleNamespace(device_kind=kind)]])) for kind in ("NVIDIA H200", "NVIDIA A100")]
-    assert kinds[0] != kinds[1]
+    keys = [key(devices=np.array([[types.SimpleNamespace(device_kind=kind)]]))
+            for kind in ("NVIDIA H200", "NVIDIA A100")]
+    assert keys[0] != keys[1]
