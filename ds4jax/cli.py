@@ -90,24 +90,16 @@ def describe(cfg, name: str) -> str:
 
 
 def enable_compilation_cache() -> None:
-    """Persist compiled programs across runs (the first ``generate`` compiles for about a minute on CPU).
-
-    ``DS4JAX_COMPILATION_CACHE`` overrides the directory (``off`` disables); an explicit JAX setting wins.
-    ``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's cache but not ours (which also skips tracing)."""
-    import jax
-
-    where = os.environ.get("DS4JAX_COMPILATION_CACHE")
-    if where == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
-        return
-    if not where:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        where = os.path.join(base, "ds4jax", "jax")
-    jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small programs add up at startup
+    """Persist compiled programs across runs (the first ``generate`` compiles for about a minute on CPU): JAX's
+    cache, as for every entry point (`ds4jax.compilation_cache`: ``DS4JAX_COMPILATION_CACHE`` overrides
+    the directory, ``off`` disables, a JAX setting of the user's wins), plus, for the CLI only, our executable
+    cache under it, which also skips tracing and lowering (``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's only)."""
+    from ds4jax import compilation_cache
     from ds4jax.runtime import executable_cache
 
-    if os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off":
-        executable_cache.enable(os.path.join(where, "executables"))  # skips tracing too (see that module)
+    where = compilation_cache.ensure_compilation_cache()
+    if where is not None and os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off":
+        executable_cache.enable(os.path.join(where, "executables"))
 
 
 # ---- errors --------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.request_checks import request_problem
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
@@ -166,6 +167,7 @@ class Engine:
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20):
+        ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
         if k < 0:

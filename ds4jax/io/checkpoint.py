@@ -38,6 +38,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
 from ds4jax.model import layer_stack
@@ -594,6 +595,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
     With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
     straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
     """
+    ensure_compilation_cache()  # casting and placing the weights compiles too (ds4jax.compilation_cache)
     dtype = check_dtype(dtype)
     ckpt_dir = os.fspath(path)
     if not os.path.isdir(ckpt_dir):

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.io.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ds4jax.model import params as _params
 from ds4jax.model.config import Config, load_config, tiny
@@ -81,6 +82,7 @@ def _init(key, *, cfg: Config):
 @functools.lru_cache(maxsize=4)
 def random_model(dtype: Any = jnp.float32) -> Model:
     """Weights are drawn once in float32 and cast, so every dtype holds the same model (up to rounding)."""
+    ensure_compilation_cache()  # (ds4jax.compilation_cache)
     cfg = random_config()
     weights = _init(jax.random.key(SEED), cfg=cfg)
     target = _params.abstract(cfg, dtype)  # per-leaf dtypes: norms/mHC/sinks stay float32, tid2eid int32

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.model import forward as _model
 from ds4jax.errors import ArgumentError
 from ds4jax.model.handle import Model
@@ -21,6 +22,7 @@ def forward_logits(model: Model, token_ids) -> jax.Array:
 
     Ids are checked on the host (`ArgumentError` for a float, empty, out-of-vocabulary or negative id, a rank
     other than 1 or 2, or more positions than ``max_position_embeddings``); traced ids (inside jit) are not."""
+    ensure_compilation_cache()
     if isinstance(token_ids, jax.core.Tracer):
         ids = jnp.asarray(token_ids, jnp.int32)
     else:
