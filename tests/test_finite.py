@@ -7,6 +7,7 @@ import pytest
 from ds4jax.errors import NonFiniteError
 from ds4jax.generation.generate import SamplingParams, generate
 from ds4jax.io.default_model import random_model as default_model, random_tokenizer as default_tokenizer
+from ds4jax.model import layer_stack
 from ds4jax.model.finite import first_nonfinite
 from ds4jax.model.handle import Model
 
@@ -14,7 +15,7 @@ from ds4jax.model.handle import Model
 def test_nan_logits_name_the_first_layer():
     model = default_model(jnp.float32)
     ids = default_tokenizer().encode("Hello", add_bos=True)  # the CLI tests' prompt shape: shared programs
-    params = jax.tree.map(lambda x: x, model.params)
+    params = layer_stack.unstacked_params(model.params)  # per-layer dicts to edit (a Model stacks its layers)
     params["layers"][1]["attn"]["wq_a"] = jnp.full_like(params["layers"][1]["attn"]["wq_a"], jnp.nan)
     poisoned = Model(config=model.config, params=params)
     with pytest.raises(NonFiniteError) as e:

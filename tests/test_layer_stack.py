@@ -1,8 +1,8 @@
 """Layers under `lax.scan` (issue 22): the segment plan, the stacked layout, and scanned == unrolled.
 
-CFG repeats both a one-layer unit ((SWA, hash) x 2) and a two-layer unit ((HCA, top-k), (CSA, top-k)) x 2, so
-every scan shape the real schedules use runs here (the suite's other tiny configs do not repeat, so they run
-unrolled whatever the layout)."""
+CFG repeats both a one-layer unit ((SWA, hash) x 3) and a two-layer unit ((HCA, top-k), (CSA, top-k)) x 3 around
+a single (CSA, hash) layer, so every segment shape of the real schedules runs here (the suite's other tiny configs
+do not repeat three times, so they run unrolled whatever the layout)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.roles import Role
 
 S, C, H = A.SLIDING, A.CSA, A.HCA
-CFG = tiny(num_layers=7, attention_types=(S, S, C, H, C, H, C), mlp_types=(M.HASH,) * 3 + (M.TOPK,) * 4)
+CFG = tiny(num_layers=10, attention_types=(S, S, S, C) + (H, C) * 3, mlp_types=(M.HASH,) * 4 + (M.TOPK,) * 6)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +34,17 @@ def models():
 
 def test_plan_of_the_published_schedules():
     segs = layer_stack.plan(layer_stack.kinds(flash()))
-    assert [(s.start, s.period, s.repeats) for s in segs] == [(0, 1, 2), (2, 1, 1), (3, 2, 20)]
+    assert [(s.start, s.period, s.repeats) for s in segs] == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 2, 20)]
     assert segs[-1].unit == ((H, M.TOPK), (C, M.TOPK)) and segs[-1].stop == 43
     segs = layer_stack.plan(layer_stack.kinds(pro()))
     assert sum(s.period * s.repeats for s in segs) == 61
     bodies = {k for s in segs for k in s.unit}
-    assert len(segs) <= 4 and len(bodies) <= 4, segs  # one body per layer kind, whatever the depth
+    assert len(segs) <= 5 and len(bodies) <= 4, segs  # one body per layer kind, whatever the depth
     assert [(s.start, s.period, s.repeats) for s in layer_stack.plan(layer_stack.kinds(CFG))] == \
-        [(0, 1, 2), (2, 1, 1), (3, 2, 2)]
+        [(0, 1, 3), (3, 1, 1), (4, 2, 3)]
+    # two repetitions stay unrolled (a loop of two compiles slower than two layers) unless asked for
+    assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(CFG)[:8])] == [3, 1, 1, 1, 1, 1]
+    assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(CFG)[:8], min_reps=2)] == [3, 1, 2]
 
 
 def test_stack_round_trip_and_indexing(models):
@@ -50,12 +53,15 @@ def test_stack_round_trip_and_indexing(models):
     assert isinstance(stack, layer_stack.LayerStack) and isinstance(unrolled.params["layers"], list)
     assert len(stack) == CFG.num_layers
     for i, layer in enumerate(unrolled.params["layers"]):
-        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stack[i], layer)
+        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stack.layer(i), layer)
         assert all(jax.tree.leaves(same)), i
+        assert jnp.array_equal(stack[i]["attn"]["wq_a"], layer["attn"]["wq_a"])
+    with pytest.raises(Exception, match="immutable"):  # an edit of a copy would be lost: it raises instead
+        stack[1]["attn"]["wq_a"] = jnp.zeros(1)
     back = layer_stack.unstack(stack)
     assert jax.tree.structure(back) == jax.tree.structure(unrolled.params["layers"])
     # a stacked leaf holds one segment member's layers on its leading axis
-    assert stack.groups[2][1]["attn"]["wq_b"].shape[0] == 2
+    assert stack.groups[2][1]["attn"]["wq_b"].shape[0] == 3
     assert unrolled.unrolled().params["layers"] is unrolled.params["layers"]
     assert layer_stack.is_stacked(Model(CFG, unrolled.params).params)
 
@@ -105,7 +111,7 @@ def _decode_jaxpr_size(cfg, scan: bool = True) -> int:
 def test_traced_program_is_flat_in_depth():
     """Doubling the repeated segment leaves the decode step's traced program the same size up to the per-layer
     outputs sliced out of the scan (a few equations per layer), where unrolled it grows by whole layers."""
-    deeper = CFG.replace(num_layers=11, attention_types=CFG.attention_types + (H, C) * 2,
+    deeper = CFG.replace(num_layers=14, attention_types=CFG.attention_types + (H, C) * 2,
                          mlp_types=CFG.mlp_types + (M.TOPK,) * 4)
     scanned = _decode_jaxpr_size(deeper) - _decode_jaxpr_size(CFG)
     unrolled = _decode_jaxpr_size(deeper, scan=False) - _decode_jaxpr_size(CFG, scan=False)
@@ -163,6 +169,6 @@ def test_snapshot_fingerprint_does_not_depend_on_the_layout(models):
     a, b = snapshots.fingerprint(scanned, spec, None), snapshots.fingerprint(unrolled, spec, None)
     assert a == b
     layers = layer_stack.unstack(scanned.params["layers"])
-    layers[5]["attn"]["wq_a"] = layers[5]["attn"]["wq_a"].at[0, 0].add(1.0)
+    layers[7]["attn"]["wq_a"] = layers[7]["attn"]["wq_a"].at[0, 0].add(1.0)
     changed = Model(CFG, {**scanned.params, "layers": layers})
     assert snapshots.fingerprint(changed, spec, None)["model"] != a["model"]

@@ -21,8 +21,10 @@ finds its rows through `LayerAt.rank`, which is affine in the scan index.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Iterator, Sequence
 
+import flax.core
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,9 +57,19 @@ def kinds(cfg: Config) -> tuple[LayerKind, ...]:
     return tuple(zip(cfg.attention_types, cfg.mlp_types))
 
 
-def plan(schedule: Sequence[LayerKind]) -> tuple[Segment, ...]:
+def min_repeats() -> int:
+    """Fewest repetitions worth a scan. A loop of two costs XLA more to compile than two unrolled layers (measured
+    on CPU, docs/benchmarks/compile_cpu.md), so short runs stay unrolled: shallow models (the default model,
+    `flash_slice(4)`) keep their unrolled programs and deep ones scan. ``DS4JAX_SCAN_MIN_REPEATS`` overrides it
+    (benchmarks measure the scanned path on shallow models that way)."""
+    return max(int(os.environ.get("DS4JAX_SCAN_MIN_REPEATS", "3")), 2)
+
+
+def plan(schedule: Sequence[LayerKind], min_reps: int | None = None) -> tuple[Segment, ...]:
     """Greedy cut of a layer schedule into repeating segments: at each layer, the unit (length <= 4) whose
-    repetitions cover the most layers (ties: the shorter unit). Deterministic, so equal configs stack equally."""
+    repetitions (at least `min_reps`, default `min_repeats()`) cover the most layers (ties: the shorter unit);
+    layers in no such run are segments of their own. Deterministic, so equal configs stack equally."""
+    min_reps = min_repeats() if min_reps is None else min_reps
     schedule, segments, i = tuple(schedule), [], 0
     while i < len(schedule):
         best = (1, 1)  # (covered layers, -period) maximised below
@@ -69,7 +81,7 @@ def plan(schedule: Sequence[LayerKind]) -> tuple[Segment, ...]:
             reps = 1
             while schedule[i + reps * period: i + (reps + 1) * period] == unit:
                 reps += 1
-            if reps > 1 and (period * reps, -period) > best:
+            if reps >= min_reps and (period * reps, -period) > best:
                 best, choice = (period * reps, -period), (period, reps)
         period, reps = choice
         segments.append(Segment(i, schedule[i:i + period], reps))
@@ -80,7 +92,7 @@ def plan(schedule: Sequence[LayerKind]) -> tuple[Segment, ...]:
 @jax.tree_util.register_pytree_with_keys_class
 class LayerStack:
     """Per-layer parameter trees stacked by segment (see the module docstring). Behaves as a read-only
-    sequence of layers: ``len``, iteration and ``stack[i]`` give per-layer dicts (sliced copies)."""
+    sequence of layers: ``len``, iteration and ``stack[i]`` give per-layer read-only FrozenDicts (sliced copies)."""
 
     def __init__(self, segments: tuple[Segment, ...], groups: tuple[tuple[Any, ...], ...]):
         self.segments = segments
@@ -110,12 +122,18 @@ class LayerStack:
                 return s, rep, member
         raise IndexError(f"layer {layer} is outside the {len(self)} stacked layers")
 
-    def __getitem__(self, layer):
-        if isinstance(layer, slice):
-            return [self[i] for i in range(*layer.indices(len(self)))]
+    def layer(self, layer: int) -> Any:
+        """Layer `layer`'s params as a plain (mutable) tree of sliced copies."""
         layer = layer + len(self) if layer < 0 else layer
         s, rep, member = self.locate(layer)
         return jax.tree.map(lambda a: a[rep], self.groups[s][member])
+
+    def __getitem__(self, layer):
+        """Read-only views (a FrozenDict): assigning into a copy would silently change nothing, so it raises;
+        edit `unstack(...)`'s plain dicts and build a new `Model` instead."""
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self)))]
+        return flax.core.freeze(self.layer(layer))
 
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(len(self)))
@@ -162,7 +180,7 @@ def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leav
 
 def unstack(layers: Any) -> list:
     """A `LayerStack` back to a list of per-layer trees (a list is returned as is)."""
-    return list(layers) if isinstance(layers, LayerStack) else layers
+    return [layers.layer(i) for i in range(len(layers))] if isinstance(layers, LayerStack) else layers
 
 
 def unstacked_host(params: dict) -> dict:
