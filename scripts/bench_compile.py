@@ -467,7 +467,8 @@ def main(argv=None) -> int:
                                                        "backend", "device_kind"))
         ok = {key(r) for r in data["records"] if r["status"] == "ok"}
         kept = [r for r in data["records"] if r["status"] == "ok" or key(r) not in ok]
-        data["meta"]["superseded_errors"] = data["meta"].get("superseded_errors", 0) + len(data["records"]) - len(kept)
+        dropped = len(data["records"]) - len(kept)
+        data["meta"]["superseded_errors"] = data["meta"].get("superseded_errors", 0) + dropped
         data["records"] = kept
         if args.render_only:
             with open(args.out, "w") as f:
