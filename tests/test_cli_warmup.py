@@ -33,7 +33,8 @@ def test_report_table_lists_every_program_and_the_total():
 
 def test_warmup_prints_the_engine_programs(capsys):
     # 2 slots, 16 prompt tokens per prefill call: one prefill row bucket (2 rows would get 8 < 16 tokens each)
-    code = main(["warmup", "--max-slots", "2", "--max-context", "64", "--prefill-chunk", "16", "--steps-per-call", "4"])
+    code = main(["warmup", "--max-slots", "2", "--max-context", "64", "--prefill-chunk", "16", "--prefill-tokens",
+                 "16", "--steps-per-call", "4"])
     out, err = capsys.readouterr()
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()[2:-2]]

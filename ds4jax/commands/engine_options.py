@@ -20,7 +20,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="C",
                    help="most prompt tokens a request takes per prefill step")
     p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
-                   help="most prompt tokens one prefill step takes over all its requests (default: C)")
+                   help="most prompt tokens one prefill step takes over all its requests (default: the larger of C "
+                        "and 16 x B)")
     p.add_argument("--steps-per-call", type=positive_int, default=8, metavar="M",
                    help="tokens (or speculative rounds) per host round trip")
 

@@ -7,7 +7,10 @@ compiles each once; nothing compiles afterwards):
   `max_slots`, in units of the mesh's data size), each running `steps_per_call` steps or rounds;
 * prefill calls: one program per prefill row bucket, of one width from a token budget: a call of R rows takes
   min(prefill_chunk, prefill_tokens // R) prompt tokens per row. A prefill call computes at most `prefill_tokens`
-  tokens whatever its rows, and there are as many prefill programs as prefill row buckets (not rows x widths);
+  tokens whatever its rows, and there are as many prefill programs as prefill row buckets (not rows x widths).
+  The default budget, max(prefill_chunk, 16 x max_slots), gives every row bucket a prefill program whose rows
+  take at least 16 tokens each (the whole chunk when it is smaller): max_slots=8, prefill_chunk=256 prefill
+  [1, 256], [2, 128], [4, 64], [8, 32];
 * the snapshot restore: one program, on the widest prefill row bucket.
 
 `one_shot` sizes the engine of a `ds4jax.generate` call from buckets of the call's arguments, so a new prompt
@@ -21,7 +24,7 @@ from typing import Sequence
 
 from ds4jax.errors import PoolError
 
-MIN_WIDTH = 16  # default prefill row buckets stop where a row's share of the token budget gets narrower
+MIN_WIDTH = 16  # the narrowest prefill share of a row the defaults give (below it calls are mostly overhead)
 ONE_SHOT_MIN = 16  # smallest prompt and new-token bucket of a one-shot engine (short runs share programs)
 ONE_SHOT_STEPS = 16  # steps (or rounds) per host call of a one-shot engine: fixed, so max_new_tokens picks no
 # program (a call returns early when its rows finish; tokens reach on_token every <= 16 steps)
@@ -76,11 +79,11 @@ def engine_buckets(slots: int, data: int, *, prefill_chunk: int, prefill_tokens:
                    row_buckets: Sequence[int] | None, prefill_row_buckets: Sequence[int] | None) -> Buckets:
     """The buckets of an engine with `slots` slots over `data` data shards (a call's rows split evenly over them).
 
-    prefill_tokens: the budget of one prefill call (default `prefill_chunk`: a one-row call takes a whole chunk,
-    eight rows an eighth each). Default prefill row buckets: the row buckets whose width stays >= 16 tokens (or
-    the whole chunk when it is smaller), at least the first."""
+    prefill_tokens: the budget of one prefill call (default max(prefill_chunk, MIN_WIDTH x slots)). Default
+    prefill row buckets: the row buckets whose share of the budget is >= MIN_WIDTH tokens (or the whole chunk when
+    it is smaller), at least the first; with the default budget, every row bucket."""
     chunk = _positive(prefill_chunk, "prefill_chunk")
-    budget = chunk if prefill_tokens is None else _positive(prefill_tokens, "prefill_tokens")
+    budget = max(chunk, MIN_WIDTH * slots) if prefill_tokens is None else _positive(prefill_tokens, "prefill_tokens")
     rows = _checked_rows(row_buckets or tuple(b * data for b in powers_up_to(slots // data)), "row buckets", slots)
     if rows[-1] < slots:  # a decode call can always take every slot
         rows += (slots,)

@@ -136,7 +136,8 @@ class Engine:
     steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
     host loop of single steps).
     prefill_chunk: the most prompt tokens a row takes per prefill call; prefill_tokens: the most one prefill call
-    takes in all (default prefill_chunk), so a call of R rows takes min(prefill_chunk, prefill_tokens // R) per row.
+    takes in all (default max(prefill_chunk, 16 x max_slots)), so a call of R rows takes
+    min(prefill_chunk, prefill_tokens // R) per row.
     row_buckets / prefill_row_buckets: the row counts of decode / prefill calls (`buckets.engine_buckets`).
     kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
 
