@@ -38,11 +38,11 @@ def test_warmup_prints_the_engine_programs(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()[2:-2]]
-    assert [r[0] for r in rows] == ["prefill", "decode", "decode", "restore", "snapshot-save", "snapshot-load",
-                                    "slot-reset"]
+    assert [r[0] for r in rows] == ["prefill", "decode", "decode", "fingerprint", "restore", "snapshot-save",
+                                    "snapshot-load", "slot-reset"]
     assert rows[0][1:5] == ["1", "row", "x", "16"] and rows[2][1:5] == ["2", "rows", "x", "4"]
-    assert out.splitlines()[-1].startswith("total (7 programs)")
-    assert "compilation cache: off" in err and "7 programs" in err
+    assert out.splitlines()[-1].startswith("total (8 programs)")
+    assert "compilation cache: off" in err and "8 programs" in err
 
 
 @pytest.mark.parametrize("flags, message", [

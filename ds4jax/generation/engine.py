@@ -12,8 +12,9 @@ device state. Requests wait in a FIFO queue and join free slots between calls; e
 
 Shapes come only from the buckets (`buckets.py`: one prefill width per prefill row bucket from a token budget,
 `row_buckets` for decode), so `warmup()` compiles a small, fixed set of programs (it returns them with their
-compile seconds, `programs.WarmupReport`) and after it no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots and
-after unpark, weights committed to the device as loaded checkpoints are). Decode never pays for prefill
+compile seconds, `programs.WarmupReport`) and after it no workload compiles anything (tests/test_engine.py
+counts; tests/test_snapshots.py with snapshots and after unpark, weights committed to the device as loaded
+checkpoints are). Decode never pays for prefill
 width: the two are separate programs.
 
 On one device and on one-stage meshes the calls are the fused programs of `loops` / `spec_rounds`; on a layer
@@ -324,7 +325,8 @@ class Engine:
                 with rec.program("speculative", rows, self.steps_per_call):
                     self._spec_call(self._padding_rows([None] * rows))
         if self.snapshots.budget_bytes > 0:  # restore and snapshot programs (snapshot_bytes=0: none)
-            self.fingerprint()
+            with rec.program("fingerprint"):  # digests of the weights, which every snapshot carries
+                self.fingerprint()
             rows = self.buckets.restore_rows
             with rec.program("restore", rows):
                 self._restore_call(self._padding_rows([None] * rows), np.zeros(rows, bool), np.zeros(rows, np.int32))

@@ -17,11 +17,12 @@ from ds4jax.generation import compiles
 
 # what the second number of a program's shape counts, per kind
 _WIDTH_UNIT = {"prefill": "tokens", "decode": "steps", "speculative": "rounds"}
+_WHOLE = {"slot-reset": "every slot (mask)", "fingerprint": "every weight"}  # programs without rows
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    kind: str  # prefill, decode, speculative, restore, snapshot-save, snapshot-load, slot-reset
+    kind: str  # prefill, decode, speculative, fingerprint, restore, snapshot-save, snapshot-load, slot-reset
     rows: int  # rows of the call (slots it serves); 0 for whole-pool programs
     width: int  # prefill: prompt tokens per row; decode: steps per call; speculative: rounds per call; else 0
     compiles: int  # XLA compilations during its warm-up call (0: already compiled in this process)
@@ -31,8 +32,8 @@ class Program:
 
     @property
     def shape(self) -> str:
-        if self.kind == "slot-reset":
-            return "every slot (mask)"
+        if self.kind in _WHOLE:
+            return _WHOLE[self.kind]
         rows = f"{self.rows} row{'s' * (self.rows != 1)}"
         return f"{rows} x {self.width} {_WIDTH_UNIT[self.kind]}" if self.kind in _WIDTH_UNIT else rows
 
