@@ -25,7 +25,7 @@ from typing import Sequence
 from ds4jax.errors import PoolError
 
 MIN_WIDTH = 16  # the narrowest prefill share of a row the defaults give (below it calls are mostly overhead)
-ONE_SHOT_MIN = 16  # smallest prompt and new-token bucket of a one-shot engine (short runs share programs)
+ONE_SHOT_MIN = 32  # smallest prompt and new-token bucket of a one-shot engine (short runs share programs)
 ONE_SHOT_STEPS = 16  # steps (or rounds) per host call of a one-shot engine: fixed, so max_new_tokens picks no
 # program (a call returns early when its rows finish; tokens reach on_token every <= 16 steps)
 
