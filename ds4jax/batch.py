@@ -24,24 +24,18 @@ _FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids"
 
 
 def add_parser(sub) -> None:
+    from ds4jax.commands.engine_options import add_engine_options
+
     p = sub.add_parser("batch", help="generate for every line of a JSONL file (resumable)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("input", metavar="INPUT.jsonl", help="one JSON object per line: id, prompt, optional fields")
     p.add_argument("output", metavar="OUTPUT.jsonl", help="results, appended; ids already there are skipped")
-    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="compute dtype (default: bfloat16 for a checkpoint, float32 for the embedded model)")
+    add_engine_options(p)
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default per request")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default per request (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default per request")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="default per request (0 = off)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="default per request")
-    p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per round (0 = off)")
-    p.add_argument("--max-slots", type=int, default=8, metavar="B", help="requests decoded together")
-    p.add_argument("--max-context", type=int, default=4096, metavar="T", help="prompt + new tokens per request")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C", help="prefill width per step")
-    p.add_argument("--steps-per-call", type=int, default=8, metavar="M",
-                   help="tokens (or speculative rounds) per host round trip")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -102,7 +96,7 @@ def _parse(lineno: int, raw: str, defaults: dict, seen: set):
 def run(args, model=None, tokenizer=None) -> int:
     from tqdm import tqdm
 
-    from ds4jax.generation.engine import Engine
+    from ds4jax.commands.engine_options import build_engine
     from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
 
     if model is None:
@@ -151,9 +145,7 @@ def run(args, model=None, tokenizer=None) -> int:
                 write(key, rid, lineno, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"line {lineno}: {e}"))
                 bar.update(1)
         if valid:
-            engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context,
-                            speculative=args.speculative, prefill_chunk=args.prefill_chunk,
-                            steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+            engine = build_engine(model, args, tokenizer)  # the engine `ds4jax warmup` with these flags compiles
 
             def finished(i: int, result: GenerateResult) -> None:
                 key, rid, lineno, _ = valid[i]

@@ -30,6 +30,7 @@ SUBCOMMANDS = (
     "ds4jax.commands.info",
     "ds4jax.io.convert",
     "ds4jax.batch",
+    "ds4jax.commands.warmup",
 )
 
 

@@ -13,6 +13,7 @@ not asserted) and every request must finish without an error. Results are writte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -95,13 +96,16 @@ def main(argv=None) -> int:
             json.dump(results, f, indent=1)
 
     engine = Engine(model, max_slots=args.requests, max_context=args.max_len + args.new + args.k + 1,
-                    speculative=args.k, prefill_chunk=args.prefill_chunk, chunk_buckets=(args.prefill_chunk,),
+                    speculative=args.k, prefill_chunk=args.prefill_chunk,
+                    prefill_tokens=args.prefill_chunk * min(args.prefill_rows, args.requests),
                     row_buckets=(args.requests,), prefill_row_buckets=(min(args.prefill_rows, args.requests),),
                     steps_per_call=args.steps_per_call, snapshot_bytes=0)
     results["kernels"] = engine.kernels.value
     results["pool_bytes"] = {"target": total_bytes(engine.tspec), "draft": total_bytes(engine.dspec)}
     t = time.perf_counter()
-    results["warmup_compiles"] = engine.warmup()
+    warm = engine.warmup()
+    results["warmup_compiles"] = warm.compiles
+    results["warmup_programs"] = [dataclasses.asdict(p) for p in warm.programs]
     results["warmup_s"] = time.perf_counter() - t
     save()
     print("warmup", results["warmup_compiles"], f"{results['warmup_s']:.1f}s", flush=True)

@@ -175,7 +175,7 @@ def split_engine_run(model) -> dict:
     from ds4jax.generation.engine import Engine, compile_count
 
     cfg = model.config
-    engine = Engine(model, max_slots=2, max_context=32, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,),
+    engine = Engine(model, max_slots=2, max_context=32, prefill_chunk=CHUNK,
                     row_buckets=(2,), steps_per_call=4)
     engine.warmup()
     requests = split_requests(cfg)
@@ -216,7 +216,7 @@ def split_snapshot_run(model, placed) -> dict:
     rng = np.random.default_rng(2)
     base = rng.integers(0, model.config.vocab_size, 20).tolist()
     other = base[:12] + rng.integers(0, model.config.vocab_size, 6).tolist()
-    sizes = dict(max_slots=2, max_context=48, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
+    sizes = dict(max_slots=2, max_context=48, prefill_chunk=CHUNK, row_buckets=(2,),
                  steps_per_call=4)
     ask = lambda p, **kw: Request(prompt=p, max_new_tokens=4, **kw)
     ref = [r.tokens for r in Engine(model, snapshot_bytes=0, **sizes).generate([ask(base), ask(other)])]
@@ -249,7 +249,7 @@ def split_spec_run(model) -> dict:
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
-    sizes = dict(max_slots=2, max_context=40, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
+    sizes = dict(max_slots=2, max_context=40, prefill_chunk=CHUNK, row_buckets=(2,),
                  steps_per_call=4)
     engine = Engine(model, speculative=2, **sizes)
     engine.warmup()

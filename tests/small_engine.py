@@ -22,5 +22,5 @@ def one_layer_model(seed: int = 3) -> Model:
 
 def small_engine(model: Model) -> Engine:
     """Four slots of MAX_CONTEXT tokens, speculative k=1, one prefill width and one row bucket."""
-    return Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=1, prefill_chunk=8, chunk_buckets=(8,),
+    return Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=1, prefill_chunk=8,
                   row_buckets=(4,), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0)

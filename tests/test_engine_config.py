@@ -10,7 +10,7 @@ from ds4jax.errors import PoolSpecError
 from ds4jax.runtime.pool_spec import total_bytes
 from spec_helpers import agreeable_model, tiny3
 
-SHAPE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, chunk_buckets=(8,))
+SHAPE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8)
 
 
 def test_pools_from_a_memory_budget_equal_the_explicit_ones():

@@ -22,7 +22,7 @@ _rng = np.random.default_rng(5)
 PROMPT = _rng.integers(3, 256, 19).tolist()  # three chunks of 8; a snapshot at 11 splits the second one
 OTHER = PROMPT[:11] + _rng.integers(3, 256, 6).tolist()  # shares an 11-token prefix with PROMPT
 NEW = 10
-ENGINE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, chunk_buckets=(8,), row_buckets=(2,),
+ENGINE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, row_buckets=(2,),
               steps_per_call=4)
 
 

@@ -10,9 +10,11 @@ device state. Requests wait in a FIFO queue and join free slots between calls; e
 4. delivery: tokens go to `on_token` / the stream in order; finished or cancelled requests free and reset
    their slot.
 
-Shapes come only from the buckets (`row_buckets` x `chunk_buckets` for prefill, `row_buckets` for decode), so
-after `warmup()` no workload compiles anything (tests/test_engine.py counts; tests/test_snapshots.py with snapshots and
-after unpark, weights committed to the device as loaded checkpoints are). Decode never pays for prefill
+Shapes come only from the buckets (`buckets.py`: one prefill width per prefill row bucket from a token budget,
+`row_buckets` for decode), so `warmup()` compiles a small, fixed set of programs (it returns them with their
+compile seconds, `programs.WarmupReport`) and after it no workload compiles anything (tests/test_engine.py
+counts; tests/test_snapshots.py with snapshots and after unpark, weights committed to the device as loaded
+checkpoints are). Decode never pays for prefill
 width: the two are separate programs.
 
 On one device and on one-stage meshes the calls are the fused programs of `loops` / `spec_rounds`; on a layer
@@ -36,6 +38,9 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.generation import loops, snapshots, spec_rounds
+from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
+from ds4jax.generation.compiles import compile_count
+from ds4jax.generation.programs import Recorder, WarmupReport
 from ds4jax.generation.request_checks import request_problem
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS, NO_LIMIT, Rows, SlotState
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
@@ -50,21 +55,6 @@ from ds4jax.runtime.pools import PoolBook, PoolError
 from ds4jax.runtime.roles import Role
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = [0]
-
-
-def _count_compiles(event, duration, **kwargs):
-    if event == _COMPILE_EVENT:
-        _compiles[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def compile_count() -> int:
-    """XLA compilations in this process so far (every jitted program, ours or not)."""
-    return _compiles[0]
 
 
 def default_page_size(cfg) -> int:
@@ -75,18 +65,6 @@ def default_page_size(cfg) -> int:
 
 def pool_dtype(model: Model) -> str:
     return jnp.dtype(model.params["embed"].dtype).name
-
-
-def bucket(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _powers_up_to(top: int, low: int = 1) -> tuple[int, ...]:
-    out, b = [], min(low, top)
-    while b < top:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (top,)
 
 
 @jax.jit
@@ -159,11 +137,15 @@ class Engine:
     Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
     steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
     host loop of single steps).
+    prefill_chunk: the most prompt tokens a row takes per prefill call; prefill_tokens: the most one prefill call
+    takes in all (default max(prefill_chunk, 16 x max_slots)), so a call of R rows takes
+    min(prefill_chunk, prefill_tokens // R) per row.
+    row_buckets / prefill_row_buckets: the row counts of decode / prefill calls (`buckets.engine_buckets`).
     kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
-                 prefill_chunk: int = 256, chunk_buckets: Sequence[int] | None = None,
+                 prefill_chunk: int = 256, prefill_tokens: int | None = None,
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20):
@@ -194,21 +176,11 @@ class Engine:
                       draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
         self.tspec: PoolSpec = self._configure(Role.TARGET, common)
         self.dspec: PoolSpec | None = self._configure(Role.DRAFT, common) if k else None
-        slots = self.tspec.max_slots
-        d = self.data  # data-parallel pools: every call's rows split evenly over the data shards
-        self.row_buckets = tuple(sorted(set(row_buckets or (b * d for b in _powers_up_to(slots // d)))))
-        self.chunk_buckets = tuple(sorted(set(chunk_buckets or _powers_up_to(prefill_chunk, 16))))
-        if self.row_buckets[-1] > slots or self.row_buckets[0] < 1:
-            raise PoolError(f"row buckets {self.row_buckets} must lie in [1, max_slots={slots}]")
-        if self.row_buckets[-1] < slots:
-            self.row_buckets += (slots,)
-        # prefill steps may take fewer rows than decode (a [rows, chunk] prefill step is rows x chunk tokens)
-        self.prefill_row_buckets = tuple(sorted(set(prefill_row_buckets or self.row_buckets)))
-        if self.prefill_row_buckets[-1] > slots or self.prefill_row_buckets[0] < 1:
-            raise PoolError(f"prefill row buckets {self.prefill_row_buckets} must lie in [1, max_slots={slots}]")
-        if any(b % d for b in self.row_buckets + self.prefill_row_buckets):
-            raise PoolError(f"row buckets {self.row_buckets} / {self.prefill_row_buckets} must be multiples of the "
-                            f"mesh's data={d} (each data shard runs an equal share of a call's rows)")
+        # data-parallel pools: every call's rows split evenly over the data shards
+        self.buckets = engine_buckets(self.tspec.max_slots, self.data, prefill_chunk=prefill_chunk,
+                                      prefill_tokens=prefill_tokens, row_buckets=row_buckets,
+                                      prefill_row_buckets=prefill_row_buckets)
+        self.row_buckets, self.prefill_row_buckets = self.buckets.rows, self.buckets.prefill_rows
         self.stats = EngineStats()
         self._warm = False
         self._on_result = None
@@ -337,34 +309,43 @@ class Engine:
         finally:
             gen.close()
 
-    def warmup(self) -> int:
-        """Compile every bucket's programs once (on padding rows, which write nothing). Returns compilations."""
+    def warmup(self) -> WarmupReport:
+        """Compile every program the engine can run, once each (on padding rows, which write nothing): a prefill
+        program per prefill row bucket, a decode (and speculative) program per row bucket, and with snapshots on
+        the restore and snapshot programs; then the slot reset. Returns the programs with their compile seconds
+        (`print(engine.warmup())` shows the table; `.compiles` counts XLA compilations)."""
         if self._slots or self._parked:
             raise PoolError("warmup() needs an idle engine with nothing parked")
-        before = compile_count()
-        for rows in self.prefill_row_buckets:
-            for chunk in self.chunk_buckets:
-                self._prefill_call(self._padding_rows([None] * rows), np.zeros((rows, chunk), np.int32),
-                                   np.zeros(rows, np.int32), np.zeros((rows, chunk), np.int32), np.zeros(rows, bool))
+        rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
+        for rows, width in self.buckets.prefill:
+            with rec.program("prefill", rows, width):
+                self._prefill_call(self._padding_rows([None] * rows), np.zeros((rows, width), np.int32),
+                                   np.zeros(rows, np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, bool))
         for rows in self.row_buckets:
-            self._decode_call(self._padding_rows([None] * rows))
+            with rec.program("decode", rows, self.steps_per_call):
+                self._decode_call(self._padding_rows([None] * rows))
             if self.k:
-                self._spec_call(self._padding_rows([None] * rows))
+                with rec.program("speculative", rows, self.steps_per_call):
+                    self._spec_call(self._padding_rows([None] * rows))
         if self.snapshots.budget_bytes > 0:  # restore and snapshot programs (snapshot_bytes=0: none)
-            self.fingerprint()
-            for rows in self.prefill_row_buckets:
-                pad = self._padding_rows([None] * rows)
-                self._restore_call(pad, np.zeros(rows, bool), np.zeros(rows, np.int32))
+            with rec.program("fingerprint"):  # digests of the weights, which every snapshot carries
+                self.fingerprint()
+            rows = self.buckets.restore_rows
+            with rec.program("restore", rows):
+                self._restore_call(self._padding_rows([None] * rows), np.zeros(rows, bool), np.zeros(rows, np.int32))
             # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
             # pages: every paged write is dropped; slot 0 is reset below)
-            self._write_snapshot(0, self._snapshot_arrays(0, 0), pages=0, length=1)
-        self._to_reset.add(0)
-        self._apply_resets()
-        jax.block_until_ready(self.tpool)
+            with rec.program("snapshot-save", 1):
+                arrays = self._snapshot_arrays(0, 0)
+            with rec.program("snapshot-load", 1):
+                self._write_snapshot(0, arrays, pages=0, length=1)
+        with rec.program("slot-reset"):
+            self._to_reset.add(0)
+            self._apply_resets()
         self._warm = True
-        n = compile_count() - before
-        self.stats.compiles += n
-        return n
+        report = rec.report()
+        self.stats.compiles += report.compiles
+        return report
 
     # ---- validation ------------------------------------------------------------------------------------------
     def _validate(self, index: int, req: Request, now: float) -> _Live | GenerateResult:
@@ -639,10 +620,11 @@ class Engine:
         return Rows(**arr)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
-    def _chunk_plan(self, lv: _Live) -> int:
-        """Tokens of `lv`'s prompt the next chunk takes (a chunk ends exactly at each snapshot position)."""
+    @staticmethod
+    def _chunk_plan(lv: _Live, width: int) -> int:
+        """Tokens of `lv`'s prompt the next chunk of `width` takes (a chunk ends exactly at each snapshot position)."""
         end = next((p for p in lv.snap_points if p > lv.pos), len(lv.ids))
-        return min(end - lv.pos, self.chunk_buckets[-1])
+        return min(end - lv.pos, width)
 
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
         if self.stages is not None:
@@ -659,8 +641,8 @@ class Engine:
     def _prefill_once(self, live: list[_Live], events: list[TokenEvent]) -> None:
         plan = self._row_plan(live, self.prefill_row_buckets)
         row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        n = [self._chunk_plan(lv) for lv in live]
-        width = next(c for c in self.chunk_buckets if c >= max(n))
+        width = self.buckets.width(len(plan))  # the token budget's share per row of this row bucket
+        n = [self._chunk_plan(lv, width) for lv in live]
         rows = self._padding_rows(plan)
         b = rows.slots.shape[0]
         tok = np.zeros((b, width), np.int32)
@@ -914,9 +896,9 @@ class Engine:
             return
         rest = list(live)
         while rest:
-            part = self._fit(rest, self.prefill_row_buckets[-1])
+            part = self._fit(rest, self.buckets.restore_rows)
             rest = rest[len(part):] if self.data == 1 else [lv for lv in rest if lv not in part]
-            plan = self._row_plan(part, self.prefill_row_buckets)
+            plan = self._row_plan(part, (self.buckets.restore_rows,))
             row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
             rows = self._padding_rows(plan)
             b = rows.slots.shape[0]

@@ -1,7 +1,8 @@
 """`generate` / `greedy_generate`: batch calls over a one-shot `Engine` (the one generation path).
 
-The engine is sized from the call (slots and context rounded up to powers of two, one prefill width, one
-multi-step length), so calls of the same buckets share compiled programs. Bad arguments raise `PoolError` here
+The engine is sized from power-of-two buckets of the call (`buckets.one_shot`: prompt count, prompt length and
+max_new_tokens; a fixed number of steps per host call), so a call whose arguments fall in the same buckets as an
+earlier one compiles nothing (tests/test_generate_buckets.py counts). Bad arguments raise `PoolError` here
 (these are the simple functional API); `Engine.generate` returns error results instead.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 from typing import Callable
 
 from ds4jax.errors import ArgumentError, DeviceMemoryError, RuntimeFailure
+from ds4jax.generation import buckets
 from ds4jax.generation.engine import Engine, bucket, default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
 from ds4jax.model.finite import nonfinite_error
@@ -109,14 +111,11 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
     """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
     `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
-    longest = max(len(p) for p in prompts)
-    new_bucket = bucket(params.max_new_tokens)
-    max_context = bucket(longest + new_bucket + (k + 1 if k else 0))
     data = 1 if model.layout is None else model.layout.axis_sizes["data"]
-    slots = -(-bucket(len(prompts)) // data) * data  # data-parallel pools: slots split evenly over data
-    engine = Engine(model, max_slots=slots, max_context=max_context, speculative=k,
-                    prefill_chunk=prefill_chunk or bucket(longest), chunk_buckets=(prefill_chunk or bucket(longest),),
-                    row_buckets=(slots,), steps_per_call=new_bucket)
+    shape = buckets.one_shot([len(p) for p in prompts], params.max_new_tokens, speculative=k, data=data,
+                             max_position_embeddings=model.config.max_position_embeddings,
+                             prefill_chunk=prefill_chunk)
+    engine = Engine(model, **shape)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
                         stop_ids=tuple(params.stop_ids),

@@ -1,0 +1,96 @@
+"""What `Engine.warmup` compiled: one `Program` record per engine program, with its shape and its compile time.
+
+A record covers one warm-up call: the program itself plus the small helpers its first call needed (page-table
+syncs, placements), so `compiles` may exceed 1; 0 means the program was already compiled in this process.
+`disk_hits` counts compiles served by JAX's persistent compilation cache. `seconds` is the call's wall time
+(tracing, lowering, compiling and one run on padding rows); `compile_seconds` the part spent in XLA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+from ds4jax.generation import compiles
+
+# what the second number of a program's shape counts, per kind
+_WIDTH_UNIT = {"prefill": "tokens", "decode": "steps", "speculative": "rounds"}
+_WHOLE = {"slot-reset": "every slot (mask)", "fingerprint": "every weight"}  # programs without rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    kind: str  # prefill, decode, speculative, fingerprint, restore, snapshot-save, snapshot-load, slot-reset
+    rows: int  # rows of the call (slots it serves); 0 for whole-pool programs
+    width: int  # prefill: prompt tokens per row; decode: steps per call; speculative: rounds per call; else 0
+    compiles: int  # XLA compilations during its warm-up call (0: already compiled in this process)
+    disk_hits: int  # of which served by the persistent compilation cache
+    compile_seconds: float
+    seconds: float  # wall time of the warm-up call
+
+    @property
+    def shape(self) -> str:
+        if self.kind in _WHOLE:
+            return _WHOLE[self.kind]
+        rows = f"{self.rows} row{'s' * (self.rows != 1)}"
+        return f"{rows} x {self.width} {_WIDTH_UNIT[self.kind]}" if self.kind in _WIDTH_UNIT else rows
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """`Engine.warmup`'s result: its programs in the order compiled; `str()` is a table."""
+
+    programs: tuple[Program, ...]
+
+    @property
+    def compiles(self) -> int:
+        return sum(p.compiles for p in self.programs)
+
+    @property
+    def disk_hits(self) -> int:
+        return sum(p.disk_hits for p in self.programs)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(p.compile_seconds for p in self.programs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.programs)
+
+    def table(self) -> str:
+        head = ("program", "shape", "compiles", "from cache", "compile s", "wall s")
+        rows = [(p.kind, p.shape, str(p.compiles), str(p.disk_hits), f"{p.compile_seconds:.2f}", f"{p.seconds:.2f}")
+                for p in self.programs]
+        rows.append((f"total ({len(self.programs)} programs)", "", str(self.compiles), str(self.disk_hits),
+                     f"{self.compile_seconds:.2f}", f"{self.seconds:.2f}"))
+        widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+        line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        rule = "-" * len(line(head))
+        return "\n".join([line(head), rule] + [line(r) for r in rows[:-1]] + [rule, line(rows[-1])])
+
+    __str__ = table
+
+
+class Recorder:
+    """Times the warm-up calls: `with recorder.program(kind, rows, width): <run it once>`. `wait` blocks until
+    the call's device work is done, so each record's wall time is its own."""
+
+    def __init__(self, wait: Callable[[], None]):
+        self._wait = wait
+        self._programs: list[Program] = []
+
+    @contextlib.contextmanager
+    def program(self, kind: str, rows: int = 0, width: int = 0) -> Iterator[None]:
+        before, start = compiles.totals(), time.perf_counter()
+        yield
+        self._wait()
+        seconds = time.perf_counter() - start
+        spent = compiles.totals() - before
+        self._programs.append(Program(kind, int(rows), int(width), spent.compiles, spent.disk_hits, spent.seconds,
+                                      seconds))
+
+    def report(self) -> WarmupReport:
+        return WarmupReport(tuple(self._programs))
