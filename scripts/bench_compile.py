@@ -156,10 +156,11 @@ def child_engine(model_name: str, layout: str) -> None:
     elif model_name == "flash_slice4":  # random bf16 weights, drawn in one program (as scripts/bench_engine.py)
         import jax.numpy as jnp
 
-        from ds4jax.model import params as P
+        from ds4jax.model import layer_stack, params as P
 
         cfg = ds4jax.flash_slice(4)
-        model = ds4jax.Model(cfg, jax.jit(lambda k: P.init(cfg, k, jnp.bfloat16))(jax.random.key(0)))
+        model = ds4jax.Model(cfg, jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, jnp.bfloat16)))(
+            jax.random.key(0)))  # stacked inside the jit: no second copy of the weights
     else:
         raise ValueError(f"engine model {model_name!r}: expected default or flash_slice4")
     if layout == "unrolled":

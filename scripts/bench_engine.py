@@ -27,6 +27,7 @@ import ds4jax
 from ds4jax import Engine, Request
 from ds4jax.generation import engine as engine_lib
 from ds4jax.model import params as P
+from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.runtime.pool_spec import total_bytes
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     else:
         cfg, dtype = ds4jax.flash_slice(4), jnp.bfloat16
     t = time.perf_counter()
-    params = jax.jit(lambda k: P.init(cfg, k, dtype))(jax.random.key(0))
+    params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, dtype)))(jax.random.key(0))  # no copy
     jax.block_until_ready(params)
     model = Model(cfg, params)
     rng = np.random.default_rng(0)

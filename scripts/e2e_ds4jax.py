@@ -19,6 +19,7 @@ import numpy as np
 
 import ds4jax
 from ds4jax.model import params as P
+from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.runtime import steps
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -140,7 +141,8 @@ class Bench:
 def main(args) -> int:
     cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
     t = time.perf_counter()
-    params = jax.jit(lambda k: P.init(cfg, k, jnp.bfloat16))(jax.random.key(common.SEED))
+    # stacked inside the jit (layer_stack): building a Model from per-layer arrays would copy them, doubling memory
+    params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, jnp.bfloat16)))(jax.random.key(common.SEED))
     jax.block_until_ready(params)
     model = Model(cfg, params)
     gpu = jax.default_backend() != "cpu"
