@@ -92,9 +92,9 @@ def _release_executables():
 
 
 # Fixtures that take minutes (tests/test_mesh.py's one subprocess running every mesh case). Their tests run first:
-# with `-n 2` (xdist's `load` scheduling hands each worker a contiguous first chunk of the collection) one worker
-# takes them all at the start while the other runs the rest, rather than a worker starting them late and the suite
-# waiting on it, or a chunk boundary splitting them so that two workers each run the subprocess.
+# with `-n 2` (.ci/run; xdist hands each worker a contiguous part of the collection, in order) one worker takes
+# them all at the start while the other runs the rest, rather than a worker starting them late and the suite
+# waiting on it, or a boundary between the parts splitting them so that two workers each run the subprocess.
 _LONG_FIXTURES = {"mesh_cases"}
 
 
