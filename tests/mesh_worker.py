@@ -66,8 +66,9 @@ FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 # The engine sizes of the split, snapshot and speculative cases: one set, so that their one-device references and
 # the split engines on the same layout share compiled programs (a program is keyed by the pool spec, and the pool
-# spec by these sizes); 48 tokens hold the longest request of each (a 20-token prompt + 6 new + k = 2 drafts).
-SIZES = dict(max_slots=2, max_context=48, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
+# spec by these sizes). 32 tokens: ds4jax.generate's one-shot engine for the split requests (19-token prompt, 4 new)
+# has this max_context, so it shares them too; the longest request (19 + 6 new + k = 2 drafts) fits.
+SIZES = dict(max_slots=2, max_context=32, prefill_chunk=CHUNK, chunk_buckets=(CHUNK,), row_buckets=(2,),
              steps_per_call=4)
 PROMPTS = (19, 11)
 
