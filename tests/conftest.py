@@ -89,3 +89,14 @@ def _release_executables():
         executable_cache.clear_memory()
         jax.clear_caches()
         gc.collect()
+
+
+# Fixtures that take minutes (tests/test_mesh.py's one subprocess running every mesh case). Their tests run first:
+# with `-n 2` (.ci/run; xdist hands each worker a contiguous part of the collection, in order) one worker takes
+# them all at the start while the other runs the rest, rather than a worker starting them late and the suite
+# waiting on it, or a boundary between the parts splitting them so that two workers each run the subprocess.
+_LONG_FIXTURES = {"mesh_cases"}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not _LONG_FIXTURES & set(getattr(item, "fixturenames", ())))  # stable: else as collected

@@ -28,6 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import ds4jax  # noqa: E402
 from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
+from ds4jax.model.config import AttentionType, MlpType  # noqa: E402
 from ds4jax.model.handle import Model  # noqa: E402
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
@@ -63,12 +64,35 @@ SPLIT_SPEC = {"spec_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
 SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
+# The engine sizes of the split, snapshot and speculative cases: one set, so that their one-device references and
+# the split engines on the same layout share compiled programs (a program is keyed by the pool spec, and the pool
+# spec by these sizes). 32 tokens: ds4jax.generate's one-shot engine for the split requests (19-token prompt, 4 new)
+# has this max_context, so it shares them too; the longest request (19 + 6 new + k = 2 drafts) fits.
+# The engines of the split, snapshot and speculative cases share these sizes, and they are the sizes
+# `ds4jax.generate` picks for PROMPTS with max_new_tokens 4 (`buckets.one_shot`), so the engine's compiled
+# programs also serve generate (`generate_compiles == 0`); `_check_sizes` fails loudly if bucketing changes.
+SIZES = dict(max_slots=2, max_context=64, prefill_chunk=CHUNK, prefill_tokens=2 * CHUNK, row_buckets=(2,),
+             steps_per_call=16)
+
+
+def _check_sizes(cfg, data: int) -> None:
+    from ds4jax.generation import buckets
+
+    want = buckets.one_shot(PROMPTS, 4, speculative=0, data=data, max_position_embeddings=cfg.max_position_embeddings,
+                            prefill_chunk=CHUNK)
+    want.pop("speculative")
+    assert want == SIZES, f"ds4jax.generate now sizes its engine {want}; update SIZES to match"
 PROMPTS = (19, 11)
 
 
 def config():
-    # tiny with 8 heads / 8 output groups so TP 8 splits real heads; 8 experts so EP 8 holds one each.
-    return ds4jax.tiny(num_heads=8, o_groups=8)
+    # tiny with 8 heads / 8 output groups so TP 8 splits real heads; 8 experts so EP 8 holds one each. Four layers,
+    # not tiny's five: every kind is still there (sliding, CSA, HCA; hash and top-k MoE), layer_split=4 still has
+    # a stage per layer and layer_split=2 two layers of different kinds per stage, and every program this worker
+    # compiles (compile time dominates it) is a fifth smaller.
+    A = AttentionType
+    return ds4jax.tiny(num_heads=8, o_groups=8, num_layers=4, attention_types=(A.SLIDING, A.CSA, A.HCA, A.CSA),
+                       mlp_types=(MlpType.HASH, MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
 
 
 def experts_over_data():
@@ -175,8 +199,8 @@ def split_engine_run(model) -> dict:
     from ds4jax.generation.engine import Engine, compile_count
 
     cfg = model.config
-    engine = Engine(model, max_slots=2, max_context=32, prefill_chunk=CHUNK,
-                    row_buckets=(2,), steps_per_call=4)
+    _check_sizes(model.config, 1 if model.layout is None else model.layout.axis_sizes["data"])
+    engine = Engine(model, **SIZES)
     engine.warmup()
     requests = split_requests(cfg)
     results = engine.generate(requests)
@@ -216,8 +240,7 @@ def split_snapshot_run(model, placed) -> dict:
     rng = np.random.default_rng(2)
     base = rng.integers(0, model.config.vocab_size, 20).tolist()
     other = base[:12] + rng.integers(0, model.config.vocab_size, 6).tolist()
-    sizes = dict(max_slots=2, max_context=48, prefill_chunk=CHUNK, row_buckets=(2,),
-                 steps_per_call=4)
+    sizes = SIZES
     ask = lambda p, **kw: Request(prompt=p, max_new_tokens=4, **kw)
     ref = [r.tokens for r in Engine(model, snapshot_bytes=0, **sizes).generate([ask(base), ask(other)])]
     engine = Engine(placed, **sizes)
@@ -249,8 +272,7 @@ def split_spec_run(model) -> dict:
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
-    sizes = dict(max_slots=2, max_context=40, prefill_chunk=CHUNK, row_buckets=(2,),
-                 steps_per_call=4)
+    sizes = SIZES
     engine = Engine(model, speculative=2, **sizes)
     engine.warmup()
     requests = split_requests(model.config)

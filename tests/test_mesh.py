@@ -28,18 +28,21 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def layouts():
+def mesh_cases():
+    """Every case of the worker in one subprocess: the split, snapshot and speculative cases share their
+    one-device references and the split engines' programs there (one jit cache), which two processes would
+    each compile. conftest.py runs these tests first, so one test worker takes them all at the start."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py")], capture_output=True, text=True,
-                          env=env, timeout=1500)
+                          env=env, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.LAYOUTS))
-def test_layout_matches_single_device(layouts, name):
-    res = layouts[name]
+def test_layout_matches_single_device(mesh_cases, name):
+    res = mesh_cases[name]
     assert res["devices"] == 8, res["devices"]  # the layout really spreads the params over 8 devices
     assert res["prefill"] <= TOL and res["decode"] <= TOL, (res["prefill"], res["decode"])
     assert res["tokens_equal"], res["tokens"]
@@ -52,10 +55,10 @@ def test_layout_matches_single_device(layouts, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.ENGINES))
-def test_engine_on_a_mesh_matches_single_device(layouts, name):
+def test_engine_on_a_mesh_matches_single_device(mesh_cases, name):
     """`ds4jax.Engine` with sharded params and data-parallel pools: plain and speculative greedy tokens equal the
     single-device ones, and a second identical call compiles nothing."""
-    res = layouts[name]
+    res = mesh_cases[name]
     assert res["devices"] == 8 and not res["errors"], res
     assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
     assert res["accepted"][0] is None and sum(res["accepted"][1]) > 0, res["accepted"]  # row 1 drafted, accepted
@@ -65,12 +68,12 @@ def test_engine_on_a_mesh_matches_single_device(layouts, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_ENGINES))
-def test_engine_on_a_layer_split_matches_single_device(layouts, name):
+def test_engine_on_a_layer_split_matches_single_device(mesh_cases, name):
     """`ds4jax.Engine` stage by stage on layer splits of 2 (x data 2 x expert 2) and 4 (x tensor 2): a ragged batch (two requests join mid-flight,
     prompts over several chunks) gives the single-device tokens, greedy and seeded top-k (top-k 1 = greedy), the
     pools at the committed positions and the last prefill logits equal, nothing compiles after warmup (park /
     unpark included); `ds4jax.generate` on the split (top-k honoured) equals one device and compiles nothing."""
-    res = layouts[name]
+    res = mesh_cases[name]
     assert res["devices"] == 8 and not res["errors"], res
     assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
     assert res["tokens"][3][:3] == res["tokens"][1], res["tokens"]  # top_k=1 at temperature 0.7 is greedy (prompt 1)
@@ -81,25 +84,14 @@ def test_engine_on_a_layer_split_matches_single_device(layouts, name):
     assert res["generate_compiles"] == 0, res["generate_compiles"]  # the engine's programs serve generate
 
 
-@pytest.fixture(scope="module")
-def split_sessions():
-    """The snapshot and speculative cases of the worker, in a subprocess of their own (they need none of the
-    layouts' runs, so another test worker can run them beside those)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), *mesh_worker.SPLIT_SNAPSHOTS,
-                           *mesh_worker.SPLIT_SPEC], capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_SNAPSHOTS))
-def test_prefix_snapshots_on_a_layer_split(split_sessions, name):
+def test_prefix_snapshots_on_a_layer_split(mesh_cases, name):
     """Prefix snapshots on a layer split (x data 2 x expert 2): a snapshot of the whole prompt restores with zero
     prefill steps, one of its first 12 tokens prefills only the suffix; tokens equal the one-device engine
     without snapshots, and so do the split's snapshots restored on one device (the same layout); a snapshot from
     another pool spec is INVALID_SNAPSHOT; nothing compiles after warmup."""
-    res = split_sessions[name]
+    res = mesh_cases[name]
     assert not res["errors"], res
     assert res["made"] == res["exact"] == res["ref"][0] and res["suffix"] == res["ref"][1], res
     assert res["exact_prefill"] == 0 and res["exact_steps"] == 0 and res["suffix_prefill"] == 6, res
@@ -109,13 +101,13 @@ def test_prefix_snapshots_on_a_layer_split(split_sessions, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_SPEC))
-def test_speculative_decoding_on_a_layer_split(split_sessions, name):
+def test_speculative_decoding_on_a_layer_split(mesh_cases, name):
     """Speculation (k = 2) on a layer split x data 2 x expert 2: the ragged batch (two requests join mid-flight,
     greedy, seeded top-k, top-k 1) gives the one-device speculative engine's tokens and drafts accepted per
     round, and its draft ring; greedy rows equal plain decoding; an exact snapshot hit restores the draft's
     pending row (no prefill) and continues identically; after park / unpark of the draft the batch repeats
     bit for bit; nothing compiles after warmup."""
-    res = split_sessions[name]
+    res = mesh_cases[name]
     ref = res["ref"]
     assert res["stages"] == 2 and not res["errors"] and not ref["errors"], res
     assert res["tokens"] == ref["tokens"] and res["accepted"] == ref["accepted"], res
