@@ -39,10 +39,13 @@ import traceback
 ENV0 = dict(os.environ)  # the caller's environment, for the child processes (which must use their own cache)
 # Our measurements must not hit any cache: ds4jax's executable cache and JAX's persistent cache off (set before
 # JAX is imported; the in-memory caches are cleared per program below).
-os.environ["DS4JAX_COMPILATION_CACHE"] = "off"
-os.environ["DS4JAX_EXECUTABLE_CACHE"] = "off"
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# The engine children run this file too: they measure the on-disk cache, so they keep the environment their
+# parent gave them (a first GPU run set "off" here in the children as well, and its "cached" warm-ups recompiled).
+if "--child-engine" not in sys.argv:
+    os.environ["DS4JAX_COMPILATION_CACHE"] = "off"
+    os.environ["DS4JAX_EXECUTABLE_CACHE"] = "off"
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 # This process only compiles (abstract inputs); on a GPU it must not take 75 % of the memory the engine and CLI
 # child processes need (flash_slice(4)'s weights alone are ~55 GB).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -178,6 +181,7 @@ def child_engine(model_name: str, layout: str) -> None:
     except TypeError:
         programs = None
     print(json.dumps({"seconds": warmup_s, "load_s": load_s, "engine_s": engine_s, "programs": programs,
+                      "compiles": getattr(report, "compiles", None), "disk_hits": getattr(report, "disk_hits", None),
                       "report": None if isinstance(report, int) else str(report)[:4000],
                       "kernels": engine.kernels.value, "n_layers": model.config.num_layers}), flush=True)
 
@@ -202,6 +206,10 @@ def engine_record(model_name: str, layout: str, phase: str, cache: str, timeout:
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if phase == "cached" and out.get("compiles") and out.get("disk_hits") != out["compiles"]:
+        # a cached warm-up that compiled anything is not the figure it claims to be: an error record
+        raise RuntimeError(f"cached warm-up: {out['disk_hits']} of {out['compiles']} compilations came from the "
+                           f"on-disk cache")
     return {**out, "process_s": total}
 
 
