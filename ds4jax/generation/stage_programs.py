@@ -41,6 +41,7 @@ from ds4jax.runtime.data_parallel import check_rows, rows_over_data
 from ds4jax.runtime.mesh_steps import stage_config, stage_step
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.roles import Role
+from ds4jax.model import layer_stack
 
 
 class _Carry(NamedTuple):
@@ -196,7 +197,7 @@ class StagePrograms:
     def _params(self, params, s: int) -> dict:
         lo, hi = self.ranges[s]
         keys = (("embed",) if s == 0 else ()) + (("hc_head", "norm", "head") if s == self.last else ())
-        return {**{k: params[k] for k in keys}, "layers": params["layers"][lo:hi]}
+        return {**{k: params[k] for k in keys}, "layers": layer_stack.layer_range(params["layers"], lo, hi)}
 
     # ---- prefix snapshots: every stage's rows of a slot, held as one pool's (layer axes concatenated) -----------
     def _ratios(self, spec: PoolSpec) -> list:

@@ -188,6 +188,14 @@ def unstacked_host(params: dict) -> dict:
     return unstacked_params(jax.tree.map(np.asarray, params))
 
 
+def layer_range(layers: Any, lo: int, hi: int) -> Any:
+    """Layers [lo, hi) for a stage's program: all of a `LayerStack` as is (a one-stage mesh runs it scanned),
+    else a list (a layer split's model keeps per-layer params, so a stage's slice copies nothing)."""
+    if isinstance(layers, LayerStack):
+        return layers if (lo, hi) == (0, len(layers)) else [layers.layer(i) for i in range(lo, hi)]
+    return layers[lo:hi]
+
+
 def is_stacked(params: Any) -> bool:
     return isinstance(params, dict) and isinstance(params.get("layers"), LayerStack)
 

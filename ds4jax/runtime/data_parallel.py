@@ -28,6 +28,7 @@ from ds4jax.model.config import Config
 from ds4jax.model.sharding import default_rules, mesh_spec, spec_axes
 from ds4jax.runtime import pool_layout
 from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.model import layer_stack
 
 DATA = "data"
 
@@ -93,7 +94,10 @@ def _param_specs(params: dict, cfg: Config, rules) -> dict:
         spec = mesh_spec(info.shape, info.axes, sizes, rules)
         return P(*[(DATA if DATA in spec_axes(e) else None) for e in spec])
 
-    return {k: jax.tree.map(one, decl[k], is_leaf=lambda v: isinstance(v, params_lib.ParamInfo)) for k in params}
+    specs = {k: jax.tree.map(one, decl[k], is_leaf=lambda v: isinstance(v, params_lib.ParamInfo)) for k in params}
+    if layer_stack.is_stacked(params):  # a stacked leaf: the per-layer spec behind its (unsharded) layer axis
+        specs["layers"] = layer_stack.stack(cfg, specs["layers"], combine=lambda first, *_: P(None, *first))
+    return specs
 
 
 def _pool_specs(pool):

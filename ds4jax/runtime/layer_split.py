@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from ds4jax.model.config import Config
 from ds4jax.model.forward import block, embed, logits_from_streams
 from ds4jax.model.layers.attention import attention_sequence
+from ds4jax.model import layer_stack
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rules", "lo", "first", "last"))
@@ -23,12 +24,12 @@ def _stage(params, layers, token_ids, x, *, cfg: Config, rules, lo: int, first: 
     with nn.logical_axis_rules(rules):
         if first:
             x = embed(params, token_ids, cfg)
-        for j, p in enumerate(layers):
-            i = lo + j
-            kind, mlp = cfg.attention_types[i], cfg.mlp_types[i]
-            with jax.named_scope(f"layer{i}_{kind.name.lower()}"):
-                attention = lambda h, p=p, kind=kind: attention_sequence(h, p["attn"], cfg, kind)
-                x, _ = block(x, token_ids, p, cfg, mlp, attention)
+
+        def layer(x, p, at):
+            attention = lambda h: attention_sequence(h, p["attn"], cfg, at.attention)
+            return block(x, token_ids, p, cfg, at.mlp, attention)[0], None
+
+        x, _ = layer_stack.run(cfg, layers, x, layer, offset=lo)
         if last:
             return logits_from_streams(x, params["hc_head"], params["norm"], params["head"], cfg)
         return x
@@ -49,6 +50,6 @@ def forward_logits(layout, model, token_ids) -> jax.Array:
             x = jax.device_put(x, layout.batch_sharding(x.shape, s))
         top = {k: params[k] for k in (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())}
         with layout.active(s):
-            x = _stage(top, params["layers"][lo:hi], ids_s, x, cfg=cfg, rules=layout.rules, lo=lo, first=first,
+            x = _stage(top, layer_stack.layer_range(params["layers"], lo, hi), ids_s, x, cfg=cfg, rules=layout.rules, lo=lo, first=first,
                        last=last)
     return x[0] if squeeze else x

@@ -34,6 +34,7 @@ from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolBook, PoolError
 from ds4jax.runtime.roles import Role
 from ds4jax.runtime.steps import Logits, StepBatch, StepOutput
+from ds4jax.model import layer_stack
 
 # Logical axes of every pool array, from the one pool-layout table; "slots" and "entries" go over ``data``.
 POOL_AXES = {a.name: a.axes for a in pool_layout.POOL_ARRAYS}
@@ -156,7 +157,7 @@ class MeshSteps:
             top = {k: params[k] for k in (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())}
             mode = logits if last else Logits.NONE
             with self.layout.active(s):
-                res, pool = stage_step({**top, "layers": params["layers"][lo:hi]}, pools[s], b, x,
+                res, pool = stage_step({**top, "layers": layer_stack.layer_range(params["layers"], lo, hi)}, pools[s], b, x,
                                        cfg=stage_config(self.cfg, lo, hi), spec=specs[s], rules=self.layout.rules,
                                        logits=mode, kernels=kernels)
             x, out = res.streams, res.logits
