@@ -254,7 +254,7 @@ def split_snapshot_run(model, placed) -> dict:
     for snap in engine.snapshots:
         one.snapshots.put(snap)
     on_one = [r.tokens for r in one.generate([ask(base), ask(other)])]
-    wider = Engine(placed, **dict(sizes, max_context=64))
+    wider = Engine(placed, **dict(sizes, max_context=2 * sizes["max_context"]))  # another pool spec
     for snap in engine.snapshots:
         wider.snapshots.put(snap)
     refused = wider.generate([ask(base)])[0]

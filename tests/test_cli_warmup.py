@@ -7,16 +7,7 @@ import pytest
 
 from ds4jax.cli import main
 from ds4jax.generation.programs import Program, WarmupReport
-from ds4jax.io import default_model as default_module
-from ds4jax.io.default_model import random_config, random_model, random_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def random_default(monkeypatch):
-    monkeypatch.setattr(default_module, "default_model", random_model)
-    monkeypatch.setattr(default_module, "default_tokenizer", random_tokenizer)
-    monkeypatch.setattr(default_module, "default_config", random_config)
-    monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")  # `main` would turn the on-disk cache on
+from random_default import random_default  # noqa: F401 (autouse: the random tiny model, cache off)
 
 
 def test_report_table_lists_every_program_and_the_total():

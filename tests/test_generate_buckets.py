@@ -7,22 +7,13 @@ Counted with JAX's compile events (`compile_count`), on the seeded random tiny m
 from __future__ import annotations
 
 import jax.numpy as jnp
-import pytest
 
 import ds4jax
 from ds4jax.cli import main
 from ds4jax.generation.buckets import ONE_SHOT_MIN, bucket, one_shot
 from ds4jax.generation.compiles import compile_count
-from ds4jax.io import default_model as default_module
-from ds4jax.io.default_model import random_config, random_model, random_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def random_default(monkeypatch):
-    monkeypatch.setattr(default_module, "default_model", random_model)
-    monkeypatch.setattr(default_module, "default_tokenizer", random_tokenizer)
-    monkeypatch.setattr(default_module, "default_config", random_config)
-    monkeypatch.setenv("DS4JAX_COMPILATION_CACHE", "off")  # `main` would turn the on-disk cache on
+from ds4jax.io.default_model import random_model
+from random_default import random_default  # noqa: F401 (autouse: the random tiny model, cache off)
 
 
 def test_one_shot_shapes_depend_only_on_the_buckets():
