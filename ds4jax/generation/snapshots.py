@@ -212,8 +212,9 @@ def _leaf_digest(x) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _digests(leaves, rows):
-    """Digest of each leaf, or of row `rows[i]` of a stacked leaf (a layer of a `LayerStack`)."""
+def _digests(leaves, rows=None):
+    """Digest of each leaf, or of row `rows[i]` of a stacked leaf (a layer of a `LayerStack`; None: whole leaves)."""
+    rows = rows or (None,) * len(leaves)
     return jnp.stack([_leaf_digest(leaf if r is None else leaf[r]) for leaf, r in zip(leaves, rows)])
 
 
