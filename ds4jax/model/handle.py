@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from ds4jax.model import layer_stack
 from ds4jax.model.config import Config
-
-
-def scan_by_default() -> bool:
-    """`Model.scan_layers` when not given: True unless ``DS4JAX_SCAN_LAYERS=0`` (debugging a whole program,
-    e.g. a CLI run, on the unrolled path)."""
-    return os.environ.get("DS4JAX_SCAN_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +26,7 @@ class Model:
     config: Config
     params: dict[str, Any]
     layout: Any = None  # a `ds4jax.runtime.mesh.MeshLayout` when the params are placed on a mesh
-    scan_layers: bool = dataclasses.field(default_factory=lambda: scan_by_default(), kw_only=True)
+    scan_layers: bool = dataclasses.field(default_factory=layer_stack.scan_by_default, kw_only=True)
 
     def __post_init__(self):
         split = self.layout is not None and getattr(self.layout, "num_stages", 1) > 1

@@ -57,6 +57,12 @@ def kinds(cfg: Config) -> tuple[LayerKind, ...]:
     return tuple(zip(cfg.attention_types, cfg.mlp_types))
 
 
+def scan_by_default() -> bool:
+    """`Model.scan_layers` when not given: True unless ``DS4JAX_SCAN_LAYERS=0`` (debugging a whole program,
+    e.g. a CLI run, on the unrolled path)."""
+    return os.environ.get("DS4JAX_SCAN_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def min_repeats() -> int:
     """Fewest repetitions worth a scan. A loop of two costs XLA more to compile than two unrolled layers (measured
     on CPU, docs/benchmarks/compile_cpu.md), so short runs stay unrolled: shallow models (the default model,
@@ -162,8 +168,7 @@ def _stack_consuming(*xs):
     return out
 
 
-def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leaves,
-          is_leaf: Callable | None = None) -> LayerStack:
+def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leaves) -> LayerStack:
     """Per-layer trees (params, or any tree shaped like them: shardings, ParamInfo) -> a `LayerStack`.
     `combine(*leaves)` merges one leaf of every repetition of a segment member (default: `jnp.stack`)."""
     if isinstance(layers, LayerStack):
@@ -172,7 +177,7 @@ def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leav
         raise ValueError(f"{len(layers)} layer trees for a config of {cfg.num_layers} layers")
     segments = plan(kinds(cfg))
     groups = tuple(
-        tuple(jax.tree.map(combine, *[layers[seg.layer(r, u)] for r in range(seg.repeats)], is_leaf=is_leaf)
+        tuple(jax.tree.map(combine, *[layers[seg.layer(r, u)] for r in range(seg.repeats)])
               for u in range(seg.period))
         for seg in segments)
     return LayerStack(segments, groups)
@@ -207,7 +212,7 @@ def stacked_params(cfg: Config, params: dict) -> dict:
 def for_loader(cfg: Config, params: dict, layout: Any = None) -> dict:
     """A loader's freshly read params in the layout `Model` keeps for `layout`: stacked (consuming the per-layer
     arrays, which nothing else references) unless the layout splits layers across stages."""
-    if layout is not None and getattr(layout, "num_stages", 1) > 1 or is_stacked(params):
+    if layout is not None and getattr(layout, "num_stages", 1) > 1 or is_stacked(params) or not scan_by_default():
         return params
     return {**params, "layers": stack(cfg, params["layers"], combine=_stack_consuming)}
 
