@@ -148,7 +148,8 @@ class Engine:
                  prefill_chunk: int = 256, prefill_tokens: int | None = None,
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
-                 tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20):
+                 tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
+                 check_finite: bool = True):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -170,6 +171,9 @@ class Engine:
         self._host: dict[str, dict] = {}
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
+        # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in
+        # token 0 replaces the bad draw) and only records `nonfinite_at` (`generate(check_finite=False)`)
+        self.check_finite = bool(check_finite)
         self.steps_per_call = int(steps_per_call)
         page = page_size or default_page_size(cfg)
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
@@ -295,10 +299,14 @@ class Engine:
                 break
         return results
 
-    def stream(self, requests: Sequence[Request], *, on_result=None) -> Iterator[TokenEvent]:
+    def stream(self, requests: Sequence[Request], *, on_result=None, feed=None) -> Iterator[TokenEvent]:
         """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards.
-        Closing the stream early (a `break`, an exception in the loop) cancels its unfinished requests."""
-        gen = self._run(list(requests), on_result)
+        Closing the stream early (a `break`, an exception in the loop) cancels its unfinished requests.
+
+        feed() (optional) is called before every iteration and returns more requests to join this stream (their
+        indices continue after `requests`); the stream ends once nothing is queued or running and feed() returned
+        nothing: a server's driver thread (`ds4jax.serving.driver`) keeps one engine busy this way."""
+        gen = self._run(list(requests), on_result, feed)
         try:
             while True:
                 try:
@@ -433,12 +441,14 @@ class Engine:
                      snap_points=tuple(sorted(points)), in_span=budget is not None and not budget.open_ids)
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _run(self, requests: list, on_result=None) -> Iterator[list[TokenEvent]]:
-        results: list[GenerateResult | None] = [None] * len(requests)
+    def _run(self, requests: list, on_result=None, feed=None) -> Iterator[list[TokenEvent]]:
+        results: list[GenerateResult | None] = []
         queue: collections.deque[_Live] = collections.deque()
         self._on_result = on_result
-        now = time.perf_counter()
-        for i, req in enumerate(requests):
+
+        def enqueue(req) -> None:
+            i, now = len(results), time.perf_counter()
+            results.append(None)
             try:
                 got = self._validate(i, req, now)
             except Exception as exc:  # noqa: BLE001 - e.g. a field of the wrong type: the request's problem
@@ -454,9 +464,16 @@ class Engine:
             else:
                 queue.append(got)
                 results[i] = got.result
+
+        for req in requests:
+            enqueue(req)
         before = compile_count()
         try:
-            while queue or self._slots:
+            while True:
+                for req in (feed() if feed is not None else ()):
+                    enqueue(req)
+                if not (queue or self._slots):
+                    break
                 events: list[TokenEvent] = []
                 restored = self._admit(queue)
                 if restored:
@@ -675,8 +692,11 @@ class Engine:
                 lv.first_token = now
                 lv.result.timings.prefill_s = now - lv.admitted
                 token = int(first[r])
-                if token < 0:  # the logits were not finite: deliver the greedy stand-in 0 and flag it
+                if token < 0:  # the logits were not finite
                     lv.result.nonfinite_at, token = 0, 0
+                    if self.check_finite:
+                        self._fail_nonfinite(lv)
+                        continue
                 self._deliver(lv, [token], events)
                 if not lv.done:
                     self._check_finished(lv)
@@ -731,7 +751,12 @@ class Engine:
                 self.dbook.lengths[lv.slot] = lengths[lv.slot]
             if accepted is not None:
                 lv.result.accepted_per_round.extend(int(a) for a in accepted[r] if a >= 0)
-            self._deliver(lv, [int(t) for t in tokens[r] if t >= 0], events)
+            emitted = [int(t) for t in tokens[r] if t >= 0]
+            if self.check_finite and bad[r] >= 0:  # only the tokens before the first bad one are real
+                emitted = emitted[: max(int(bad[r]) - len(lv.result.tokens), 0)]
+            self._deliver(lv, emitted, events)
+            if self.check_finite and bad[r] >= 0 and not lv.done:
+                self._fail_nonfinite(lv)
             if not lv.done:
                 self._check_finished(lv)
 
@@ -980,6 +1005,14 @@ class Engine:
                 lv.result.budget_forced_close = True
         elif ends_with(budget.open_ids):
             lv.in_span, lv.span_count = True, 0
+
+    def _fail_nonfinite(self, lv: _Live) -> None:
+        """The request's logits went NaN/Inf at token `nonfinite_at`: it ends there as an error (its slot is freed
+        like any other); the rest of the batch runs on, each row's numerics being its own."""
+        i = lv.result.nonfinite_at
+        self._finish(lv, FinishReason.ERROR, ErrorCode.NON_FINITE,
+                     f"request {lv.index}: the logits of generated token {i} were NaN/Inf; generation stopped there "
+                     f"({i} tokens kept)")
 
     def _check_finished(self, lv: _Live) -> None:
         toks = lv.result.tokens

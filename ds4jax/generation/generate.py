@@ -115,24 +115,22 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
     shape = buckets.one_shot([len(p) for p in prompts], params.max_new_tokens, speculative=k, data=data,
                              max_position_embeddings=model.config.max_position_embeddings,
                              prefill_chunk=prefill_chunk)
-    engine = Engine(model, **shape)
+    engine = Engine(model, **shape, check_finite=check_finite)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
                         stop_ids=tuple(params.stop_ids),
                         on_token=None if on_token is None else (lambda ev, r=r: on_token(r, ev.token) and None))
                 for r, p in enumerate(prompts)]
     results = engine.generate(requests)
-    for res in results:
+    for r, res in enumerate(results):
+        if check_finite and res.error is ErrorCode.NON_FINITE:  # name the first layer that produced them
+            i = res.nonfinite_at
+            raise nonfinite_error(model, prompts[r] + res.tokens[:i], where=f"prompt {r}, generated token {i}")
         if res.error is ErrorCode.INTERNAL:  # a failed step, not a bad request: a runtime failure (CLI exit 3)
             oom = "RESOURCE_EXHAUSTED" in res.message or "out of memory" in res.message.lower()
             raise (DeviceMemoryError if oom else RuntimeFailure)(res.message)
         if res.error is not None:
             raise PoolError(res.message)
-    if check_finite:
-        for r, res in enumerate(results):
-            if res.nonfinite_at is not None:
-                i = res.nonfinite_at
-                raise nonfinite_error(model, prompts[r] + res.tokens[:i], where=f"prompt {r}, generated token {i}")
     return results
 
 

@@ -21,6 +21,7 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"  # an engine step failed; the message says how
     MODEL_PARKED = "model_parked"  # the model the request needs is parked (`Engine.park`)
     INVALID_SNAPSHOT = "invalid_snapshot"  # a snapshot from another model, config, dtype or pool spec
+    NON_FINITE = "non_finite"  # the logits went NaN/Inf: the request stopped before that token (`nonfinite_at`)
 
 
 class FinishReason(str, enum.Enum):
@@ -108,4 +109,5 @@ class GenerateResult:
         return {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
                 "error": self.error.value if self.error else None, "message": self.message or None,
                 "timings": dataclasses.asdict(self.timings),
-                **({"accepted_per_round": self.accepted_per_round} if self.accepted_per_round is not None else {})}
+                **({"accepted_per_round": self.accepted_per_round} if self.accepted_per_round is not None else {}),
+                **({"nonfinite_at": self.nonfinite_at} if self.nonfinite_at is not None else {})}
