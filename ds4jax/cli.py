@@ -31,6 +31,7 @@ SUBCOMMANDS = (
     "ds4jax.io.convert",
     "ds4jax.batch",
     "ds4jax.commands.warmup",
+    "ds4jax.commands.serve",
 )
 
 

@@ -16,6 +16,7 @@ import unicodedata
 from ds4jax.commands.options import HelpFormatter, Progress, integer, non_negative_float, positive_int, probability
 
 NAME = "generate"
+STREAM_STEPS = 1  # one token per host call: each token prints as soon as it is sampled (docs/serving.md measures it)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,6 +41,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="speculative decoding: the checkpoint's MTP block drafts K tokens per round (greedy output "
                         "is identical to plain decoding); acceptance stats on stderr")
+    p.add_argument("--steps-per-call", type=positive_int, default=STREAM_STEPS, metavar="M",
+                   help="decode steps (speculative rounds) per host round trip: tokens print as each call returns, "
+                        "so 1 prints every token as it is sampled; larger M trades smoothness for throughput")
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="skip the NaN/Inf checks of the checkpoint's weights (at load) and of the logits (each step)")
     return p
@@ -223,13 +227,14 @@ def run(args) -> int:
         from ds4jax.generation.speculative import speculative_generate
 
         result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk,
-                                      check_finite=args.check_finite, on_token=lambda _row, token: printer.add(token))
+                                      check_finite=args.check_finite, on_token=lambda _row, token: printer.add(token),
+                                      steps_per_call=args.steps_per_call)
         new = result.tokens[0]
         progress(f"speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
                  f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round")
     else:
         new = generate(model, ids, sampling, prefill_chunk=args.prefill_chunk, check_finite=args.check_finite,
-                       on_token=lambda _row, token: printer.add(token))[0]
+                       on_token=lambda _row, token: printer.add(token), steps_per_call=args.steps_per_call)[0]
     printer.finish(new)
     seconds = time.perf_counter() - start
     first = "" if printer.first_token_at is None else f"; first token after {printer.first_token_at - start:.2f} s"

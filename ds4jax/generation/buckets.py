@@ -106,7 +106,8 @@ def engine_buckets(slots: int, data: int, *, prefill_chunk: int, prefill_tokens:
 
 
 def one_shot(prompt_lengths: Sequence[int], max_new_tokens: int, *, speculative: int, data: int,
-             max_position_embeddings: int, prefill_chunk: int | None = None) -> dict:
+             max_position_embeddings: int, prefill_chunk: int | None = None,
+             steps_per_call: int | None = None) -> dict:
     """Engine arguments for one batch call: slots, prompt width and context from power-of-two buckets (at least
     `ONE_SHOT_MIN`) of the prompts' count and length and of max_new_tokens, a fixed `ONE_SHOT_STEPS`. Two calls
     whose arguments fall in the same buckets build equal engines, so the second compiles nothing.
@@ -119,4 +120,5 @@ def one_shot(prompt_lengths: Sequence[int], max_new_tokens: int, *, speculative:
     slots = -(-bucket(len(prompt_lengths)) // data) * data  # data-parallel pools: slots split evenly over data
     width = prefill_chunk or prompt
     return dict(max_slots=slots, max_context=context, speculative=speculative, prefill_chunk=width,
-                prefill_tokens=width * slots, row_buckets=(slots,), steps_per_call=ONE_SHOT_STEPS)
+                prefill_tokens=width * slots, row_buckets=(slots,),
+                steps_per_call=steps_per_call or ONE_SHOT_STEPS)

@@ -107,14 +107,14 @@ def row_seed(seed: int, row: int) -> int:
 
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
               prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
-              check_finite: bool = False) -> list[GenerateResult]:
+              check_finite: bool = False, steps_per_call: int | None = None) -> list[GenerateResult]:
     """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
     `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
     data = 1 if model.layout is None else model.layout.axis_sizes["data"]
     shape = buckets.one_shot([len(p) for p in prompts], params.max_new_tokens, speculative=k, data=data,
                              max_position_embeddings=model.config.max_position_embeddings,
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, steps_per_call=steps_per_call)
     engine = Engine(model, **shape, check_finite=check_finite)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
@@ -136,7 +136,8 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
 
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
              prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None,
+             steps_per_call: int | None = None) -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
 
     Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
@@ -144,7 +145,9 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     it is delivered.
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
-    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`)."""
+    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`).
+    steps_per_call: decode steps per host round trip (default `buckets.ONE_SHOT_STEPS`); `on_token` sees a
+    call's tokens when it returns, so a streaming caller asks for few (`ds4jax generate`: 1)."""
     cfg = model.config
     if not isinstance(params, SamplingParams):
         raise ArgumentError("must be a SamplingParams", name="params", value=params)
@@ -155,8 +158,11 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     k = check_int(speculative, "speculative", low=0)
     if k and not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
+    if steps_per_call is not None:
+        check_int(steps_per_call, "steps_per_call", low=1)
     return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,
-                                        on_token=on_token, check_finite=check_finite)]
+                                        on_token=on_token, check_finite=check_finite,
+                                        steps_per_call=steps_per_call)]
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,

@@ -31,7 +31,8 @@ class SpecResult:
 
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
                          prefill_chunk: int | None = None, check_finite: bool = False,
-                         on_token: Callable[[int, int], None] | None = None) -> SpecResult:
+                         on_token: Callable[[int, int], None] | None = None,
+                         steps_per_call: int | None = None) -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
 
     `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf, and
@@ -49,7 +50,7 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
         check_int(prefill_chunk, "prefill_chunk", low=1)
     start = time.perf_counter()
     results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite,
-                        on_token=on_token)
+                        on_token=on_token, steps_per_call=steps_per_call)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]

@@ -1,0 +1,270 @@
+"""The Starlette app of ``ds4jax serve``: OpenAI's completions and chat completions over one `Engine`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with ``stream: true``), GET /v1/models,
+GET /health (200 once warm, 503 while warming or draining), GET /metrics (Prometheus text). With an API key every
+route but /health needs ``Authorization: Bearer <key>``. Errors are OpenAI's JSON shape (`errors.py`).
+
+Each HTTP request becomes n x prompts `Job`s for the `Driver`; their tokens come back on the event loop through a
+per-request asyncio queue. A client that goes away (a closed stream, or a dropped connection while waiting for a
+whole response) cancels its jobs, which frees their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ds4jax.generation.requests import Budget, ErrorCode, Request
+from ds4jax.serving import chat, params as params_mod
+from ds4jax.serving.config import ServerConfig
+from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull
+from ds4jax.serving.errors import APIError, ServerCode
+from ds4jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from ds4jax.serving.responses import Choice, Shape
+
+log = logging.getLogger("ds4jax.serve")
+DISCONNECT_POLL_S = 0.25  # how often a whole-response request checks that its client is still there
+
+
+class Server:
+    """The app's state: engine driver, limits, metrics. `app` is the ASGI application."""
+
+    def __init__(self, engine, tokenizer, config: ServerConfig = ServerConfig()):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.metrics = ServerMetrics()
+        self.metrics.slots.set(engine.tspec.max_slots)
+        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics)
+        self.limits = params_mod.Limits(
+            model=config.model_name, max_context=engine.tspec.max_context,
+            spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,
+            default_max_tokens=config.default_max_tokens, max_n=config.max_n, vocab_size=engine.cfg.vocab_size)
+        self.close_ids = chat.close_ids(tokenizer)
+        self.stop_ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        self.shutdown_report: tuple[list[str], list[str]] | None = None
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_route, methods=["GET"])]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={APIError: self._api_error, HTTPException: self._http_error,
+                                                 Exception: self._internal_error})
+
+    # ---- lifespan ----------------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.driver.start(warmup=self.config.warmup)
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, self.shutdown, self.config.shutdown_grace_s)
+
+    def shutdown(self, grace_s: float) -> tuple[list[str], list[str]]:
+        """Stop taking requests, give in-flight ones `grace_s`, cancel the rest; logs which (SIGTERM)."""
+        if self.shutdown_report is None:
+            finished, cancelled = self.driver.drain(grace_s)
+            self.shutdown_report = finished, cancelled
+            log.warning("shutdown: %d in-flight requests finished%s, %d cancelled%s", len(finished),
+                        f" ({', '.join(finished)})" if finished else "", len(cancelled),
+                        f" ({', '.join(cancelled)})" if cancelled else "")
+        return self.shutdown_report
+
+    # ---- guards ------------------------------------------------------------------------------------------------
+    def _authorize(self, request: HTTPRequest) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        import hmac
+
+        if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), key.encode()):
+            raise APIError(ServerCode.UNAUTHORIZED, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    async def _json_body(self, request: HTTPRequest):
+        cap = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise APIError(ServerCode.BODY_TOO_LARGE, f"the body has {declared} bytes; the limit is {cap} "
+                           "(--max-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body without Content-Length is counted as it comes
+            size += len(chunk)
+            if size > cap:
+                raise APIError(ServerCode.BODY_TOO_LARGE, f"the body exceeds the limit of {cap} bytes "
+                               "(--max-body-bytes)")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(ServerCode.INVALID_JSON, f"the body is not valid JSON ({e})") from None
+
+    # ---- routes ------------------------------------------------------------------------------------------------
+    async def health(self, request: HTTPRequest):
+        state = self.driver.state
+        waiting, running = self.driver.depth()
+        body = {"status": state, "model": self.config.model_name, "waiting": waiting, "running": running,
+                "slots": self.engine.tspec.max_slots}
+        if self.driver.error:
+            body["error"] = self.driver.error
+        return self._answer("/health", JSONResponse(body, status_code=200 if state == "ready" else 503))
+
+    async def models(self, request: HTTPRequest):
+        self._authorize(request)
+        data = [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "ds4jax",
+                 "max_model_len": self.limits.max_context}]
+        return self._answer("/v1/models", JSONResponse({"object": "list", "data": data}))
+
+    async def metrics_route(self, request: HTTPRequest):
+        self._authorize(request)
+        self.metrics.ready.set(1 if self.driver.ready else 0)
+        self.metrics.engine_stats(self.engine.stats)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: HTTPRequest):
+        return await self._generate(request, is_chat=False)
+
+    async def chat_completions(self, request: HTTPRequest):
+        return await self._generate(request, is_chat=True)
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    async def _generate(self, request: HTTPRequest, *, is_chat: bool):
+        route = "/v1/chat/completions" if is_chat else "/v1/completions"
+        self._authorize(request)
+        if not self.driver.ready:
+            raise APIError(ServerCode.NOT_READY, f"the server is {self.driver.state}; retry when GET /health "
+                           "says ready", headers={"Retry-After": str(self.config.retry_after_s)})
+        p = params_mod.parse(await self._json_body(request), self.limits, self.tokenizer, is_chat=is_chat)
+        shape = Shape(is_chat, self.config.model_name)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        choices, jobs = [], []
+        for i, ids in enumerate(p.prompts):
+            for j in range(p.n):
+                index = len(choices)
+                choices.append(Choice(index, self.tokenizer, p.stop, self.close_ids, p.thinking))
+                job = Job(request=None, sink=self._sink(loop, inbox, index), label=shape.id)
+                job.request = self._engine_request(p, ids, j, job)
+                jobs.append(job)
+        try:
+            self.driver.submit(jobs)
+        except QueueFull:
+            self.metrics.rejected.labels(ServerCode.QUEUE_FULL.value).inc()
+            raise APIError(ServerCode.QUEUE_FULL, f"the queue is full ({self.config.max_queue} generations waiting); "
+                           "retry later", headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except NotAccepting as e:
+            raise APIError(ServerCode.NOT_READY, f"the server is {e}", headers={
+                "Retry-After": str(self.config.retry_after_s)}) from None
+        prompt_tokens = sum(map(len, p.prompts))
+        if p.stream:
+            self.metrics.requests.labels(route, "200").inc()
+            return EventSourceResponse(self._events(shape, choices, jobs, inbox, p, prompt_tokens), ping=15,
+                                       sep="\n")
+        return self._answer(route, await self._whole(request, shape, choices, jobs, inbox, prompt_tokens))
+
+    def _engine_request(self, p, ids, choice: int, job: Job) -> Request:
+        budget = None
+        if p.thinking and p.thinking_budget is not None:
+            budget = Budget(max_tokens=p.thinking_budget, close_ids=self.close_ids)
+        return Request(prompt=list(ids), max_new_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
+                       top_p=p.top_p, seed=p.seed_of(choice), stop_ids=self.stop_ids, stop_strings=p.stop,
+                       on_token=self.driver.on_token(job), budget=budget)
+
+    @staticmethod
+    def _sink(loop, inbox: asyncio.Queue, index: int):
+        def sink(kind: str, value) -> None:  # driver thread -> this request's event loop
+            loop.call_soon_threadsafe(inbox.put_nowait, (index, kind, value))
+        return sink
+
+    async def _whole(self, request, shape: Shape, choices, jobs, inbox, prompt_tokens: int) -> Response:
+        pending = len(jobs)
+        try:
+            while pending:
+                try:
+                    index, kind, value = await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        log.info("%s: the client left; cancelling", shape.id)
+                        return Response(status_code=499)
+                    continue
+                if kind == "token":
+                    choices[index].add(value)
+                else:
+                    choices[index].finish(value)
+                    pending -= 1
+                    if not value.ok:
+                        raise _result_error(value)
+            return JSONResponse(shape.whole(choices, prompt_tokens))
+        finally:
+            for job in jobs:
+                if job.result is None:
+                    self.driver.cancel(job)
+
+    async def _events(self, shape: Shape, choices, jobs, inbox, p, prompt_tokens: int):
+        pending = len(jobs)
+        try:
+            if p.chat:
+                for c in choices:
+                    yield json.dumps(shape.chunk(c.index, role=True))
+            while pending:
+                index, kind, value = await inbox.get()
+                c = choices[index]
+                if kind == "token":
+                    r, t = c.add(value)
+                    if r or t:
+                        yield json.dumps(shape.chunk(index, r, t))
+                    continue
+                pending -= 1
+                r, t = c.finish(value)
+                if r or t:
+                    yield json.dumps(shape.chunk(index, r, t))
+                if not value.ok:  # a failure mid-stream is an error event, never a normal end
+                    yield json.dumps(_result_error(value).body())
+                    return
+                yield json.dumps(shape.chunk(index, finish_reason=c.finish_reason))
+            if p.include_usage:
+                yield json.dumps(shape.usage_chunk(choices, prompt_tokens))
+            yield "[DONE]"
+        finally:  # the client left (or the stream failed): cancel what still runs, which frees the slots
+            for job in jobs:
+                if job.result is None:
+                    self.driver.cancel(job)
+
+    # ---- answers -----------------------------------------------------------------------------------------------
+    def _answer(self, route: str, response: Response) -> Response:
+        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def _api_error(self, request: HTTPRequest, exc: APIError):
+        self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def _http_error(self, request: HTTPRequest, exc: HTTPException):
+        code = {404: ServerCode.NOT_FOUND, 405: ServerCode.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        err = APIError(code or ErrorCode.INVALID_REQUEST, f"{request.method} {request.url.path}: {exc.detail}")
+        err.status = exc.status_code
+        return await self._api_error(request, err)
+
+    async def _internal_error(self, request: HTTPRequest, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        err = APIError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log")
+        return await self._api_error(request, err)
+
+
+def _result_error(result) -> APIError:
+    code = result.error.value if result.error is not None else ErrorCode.INTERNAL.value
+    return APIError(code, result.message or code)
+
+
+def build_app(engine, tokenizer, config: ServerConfig = ServerConfig()):
+    """(Server, ASGI app) for `engine`."""
+    server = Server(engine, tokenizer, config)
+    return server, server.app

@@ -1,0 +1,22 @@
+"""`ServerConfig`: what ``ds4jax serve`` flags set beside the engine's own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS and, without --api-key, no auth
+API_KEY_ENV = "DS4JAX_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "ds4jax-default"
+    api_key: str | None = None  # requests must send "Authorization: Bearer <api_key>" (all routes but /health)
+    max_body_bytes: int = 1 << 20  # a larger request body is refused (413) before it is read
+    max_tokens_cap: int = 4096  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request does not say (clipped to the context left)
+    max_n: int = 8  # choices per request (n x prompts)
+    max_queue: int = 256  # generations waiting for a slot; more -> 429 with Retry-After
+    retry_after_s: int = 1
+    warmup: bool = True  # compile every engine program before /health says ready
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled

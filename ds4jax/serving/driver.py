@@ -1,0 +1,223 @@
+"""The one thread that owns the `Engine` (it is not thread-safe): HTTP handlers submit `Job`s to a bounded queue,
+the driver feeds them into one running `Engine.stream` as slots free up, and each job's tokens and result go
+back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop).
+
+* Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
+  `max_queue`; the handler answers 429 with Retry-After.
+* Only as many jobs as there are free slots are handed to the engine, so a cancelled job that still waits never
+  reaches it, and the queue depth is the server's own (metrics).
+* `cancel(job)`: a waiting job is dropped at once; a running one is cancelled at its next token (`on_token`
+  returns False), which frees its slot (the engine resets it).
+* `drain(grace_s)`: no new jobs; running and waiting ones may finish within the grace period, the rest are
+  cancelled; returns which finished and which were cancelled (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
+
+log = logging.getLogger("ds4jax.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotAccepting(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One choice of one HTTP request. `sink(kind, value)`: ("token", id) per token, then ("done", result)."""
+    request: Request
+    sink: Callable[[str, object], None]
+    label: str = ""  # the HTTP request's id, for logs
+    cancelled: bool = False
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token: float = 0.0
+    last_token: float = 0.0
+    result: GenerateResult | None = None
+
+
+class Driver:
+    def __init__(self, engine, *, max_queue: int, metrics=None):
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: set[Job] = set()
+        self._accepting, self._stopping = True, False
+        self._inflight: list[Job] | None = None  # what ran or waited when the server stopped accepting
+        self.state = "starting"  # -> warming -> ready -> draining -> stopped (or failed)
+        self.error: str | None = None
+        self.warmup_report = None
+        self._thread = threading.Thread(target=self._main, name="ds4jax-engine", daemon=True)
+
+    # ---- the handlers' side ------------------------------------------------------------------------------------
+    def start(self, warmup: bool = True) -> None:
+        self._warmup = warmup
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self._cv:
+            if not self._accepting or self.state != "ready":
+                raise NotAccepting(self.state)
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(len(self._waiting))
+            self._waiting.extend(jobs)
+            self._gauges()
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._gauges()
+                self._done(job, GenerateResult(finish_reason=FinishReason.CANCELLED.value, error=ErrorCode.CANCELLED,
+                                               message="cancelled before it started"))
+
+    def depth(self) -> tuple[int, int]:
+        """(waiting, running) jobs."""
+        with self._cv:
+            return len(self._waiting), len(self._running)
+
+    def stop_accepting(self) -> None:
+        """New submissions fail from now on (NotAccepting); what runs goes on. Remembers what was in flight."""
+        with self._cv:
+            self._accepting = False
+            if self.state == "ready":
+                self.state = "draining"
+            if self._inflight is None:
+                self._inflight = list(self._waiting) + list(self._running)
+
+    def drain(self, grace_s: float) -> tuple[list[str], list[str]]:
+        """Stop accepting; let jobs finish for up to `grace_s`, then cancel the rest. -> (finished, cancelled)
+        labels of the jobs that were in flight when the drain began."""
+        self.stop_accepting()
+        with self._cv:
+            inflight = self._inflight
+            deadline = time.monotonic() + grace_s
+            while (self._waiting or self._running) and time.monotonic() < deadline:
+                self._cv.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            for job in list(self._waiting) + list(self._running):
+                job.cancelled = True
+            for job in list(self._waiting):
+                self._waiting.remove(job)
+                self._done(job, GenerateResult(finish_reason=FinishReason.CANCELLED.value, error=ErrorCode.CANCELLED,
+                                               message="the server is shutting down"))
+            # running jobs are cancelled at their next token; wait (bounded) for the engine to report them
+            end = time.monotonic() + max(5.0, grace_s)
+            while self._running and time.monotonic() < end:
+                self._cv.wait(timeout=0.1)
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        # an HTTP request finished when all its choices did
+        cancelled = {j.label for j in inflight if j.result is None or not j.result.ok}
+        return sorted({j.label for j in inflight} - cancelled), sorted(cancelled)
+
+    # ---- the engine thread -------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            if self._warmup:
+                self.state = "warming"
+                self.warmup_report = self.engine.warmup()
+                log.info("warm-up done: %d programs, %d compilations",
+                         len(self.warmup_report.programs), self.warmup_report.compiles)
+            with self._cv:
+                self.state = "ready" if self._accepting else "draining"
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - a dead engine must show in /health, not kill the process silently
+            log.exception("the engine thread failed")
+            self.error, self.state = repr(exc), "failed"
+            with self._cv:
+                self._accepting = False
+                for job in list(self._waiting) + list(self._running):
+                    self._done(job, GenerateResult(error=ErrorCode.INTERNAL, message=f"engine failed: {exc!r}"))
+                self._waiting.clear()
+                self._running.clear()
+                self._cv.notify_all()
+            return
+        self.state = "stopped"
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._waiting:
+                    return
+            run: list[Job] = []  # index in this stream -> job
+            for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
+                                        feed=lambda: self._feed(run)):
+                self._sample_stats()
+
+    def _feed(self, run: list[Job]) -> list[Request]:
+        with self._cv:
+            free = self.engine.tspec.max_slots - len(self._running)
+            taken = []
+            while self._waiting and len(taken) < free:
+                job = self._waiting.popleft()
+                taken.append(job)
+                self._running.add(job)
+            self._gauges()
+        run.extend(taken)
+        return [job.request for job in taken]
+
+    def _finished(self, job: Job, result: GenerateResult) -> None:
+        with self._cv:
+            self._running.discard(job)
+            self._done(job, result)
+            self._gauges()
+            self._cv.notify_all()
+
+    def _done(self, job: Job, result: GenerateResult) -> None:
+        job.result = result
+        if self.metrics is not None:
+            self.metrics.finished(job, result)
+        try:
+            job.sink("done", result)
+        except Exception:  # noqa: BLE001 - a handler that went away must not stop the engine
+            log.debug("job %s: its handler is gone", job.label)
+
+    def on_token(self, job: Job) -> Callable[[TokenEvent], bool]:
+        """The `Request.on_token` of `job` (runs on this thread): False cancels it."""
+
+        def deliver(event: TokenEvent) -> bool:
+            if job.cancelled:
+                return False
+            now = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.token(job, now)
+            if not job.first_token:
+                job.first_token = now
+            job.last_token = now
+            try:
+                job.sink("token", event.token)
+            except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
+                job.cancelled = True
+                return False
+            return True
+
+        return deliver
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.depth(len(self._waiting), len(self._running))
+
+    def _sample_stats(self) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_stats(self.engine.stats)

@@ -1,0 +1,55 @@
+"""A live `ds4jax serve` in this process for the server tests: the one-layer engine of `small_engine` (its programs
+are shared with the other engine tests of the worker) behind uvicorn on a free 127.0.0.1 port."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+
+from ds4jax.io.tokenizer import ByteTokenizer
+from ds4jax.serving.app import Server
+from ds4jax.serving.config import ServerConfig
+from ds4jax.serving.server import free_port, uvicorn_server
+from small_engine import one_layer_model, small_engine
+
+READY_TIMEOUT_S = 600  # warm-up compiles the engine's programs (seconds on an idle CPU; minutes on a busy one)
+
+
+@contextlib.contextmanager
+def live_server(config: ServerConfig = ServerConfig(), engine=None):
+    """Yields (Server, base URL) once /health is 200; stops it (and checks it stopped) afterwards."""
+    engine = engine or small_engine(one_layer_model())
+    server = Server(engine, ByteTokenizer(), config)
+    port = free_port()
+    uv = uvicorn_server(server, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            assert thread.is_alive(), "the server thread died"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s: {server.driver.state}"
+            time.sleep(0.1)
+        yield server, base
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return 0.0
