@@ -60,13 +60,15 @@ def main(argv=None) -> int:
     import jax
 
     doc = {"device": jax.devices()[0].device_kind, "command": " ".join(["python", *sys.argv]),
-           "new_tokens": args.new, "prompt": args.prompt, "rows": rows}
+           "new_tokens": args.new, "prompt": args.prompt, "load_average_1min": round(os.getloadavg()[0], 2),
+           "cpus": os.cpu_count(), "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     lines = [f"# `ds4jax generate` streaming ({doc['device']})", "", f"`{doc['command']}`", "",
              f"{args.new} new tokens after `{args.prompt}` (default model, greedy, compilation cache warm); stdout "
-             "read as it arrives.", "",
+             f"read as it arrives. {doc['cpus']} CPUs, load average {doc['load_average_1min']} at the end (other "
+             "processes share the machine: gaps include their stalls).", "",
              "| --steps-per-call | stdout chunks | first chunk | last chunk | gap p50 | gap p99 | mean gap |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -159,9 +159,11 @@ def main(argv=None) -> int:
         model, tok = dm.default_model(), dm.default_tokenizer()
     levels = [int(c) for c in args.clients.split(",")]
     slots = max(levels)
+    # one program per measured concurrency (not every power of two): a shorter warm-up
     engine = Engine(model, max_slots=slots, max_context=args.prompt_tokens + args.new + 8,
                     prefill_chunk=args.prompt_tokens, steps_per_call=args.steps_per_call, tokenizer=tok,
-                    snapshot_bytes=0)
+                    snapshot_bytes=0, row_buckets=tuple(sorted(set(levels))),
+                    prefill_row_buckets=tuple(sorted(set(levels))))
     t = time.perf_counter()
     engine.warmup()
     warm = round(time.perf_counter() - t, 2)

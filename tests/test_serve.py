@@ -165,3 +165,45 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
     assert metric(text, "ds4jax_generations_total", outcome="cancelled") == before + 1
     assert metric(text, "ds4jax_running") == 0 and server.driver.depth() == (0, 0)
     assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_sigterm_drain_names_what_it_cancelled():
+    """What SIGTERM does (`server._Uvicorn.handle_exit`): stop accepting (health and new requests 503), give the
+    in-flight request the grace period, cancel it when that runs out, and report it; its stream ends with an error
+    event, not [DONE]."""
+    import threading
+
+    with live_server(ServerConfig(shutdown_grace_s=0.3)) as (server, base):
+        make = server.driver.on_token
+        held = threading.Event()
+
+        def on_token(job):
+            deliver = make(job)
+
+            def slow(event):  # hold the first token until the drain cancels the request
+                held.set()
+                while not job.cancelled:
+                    threading.Event().wait(0.01)
+                return deliver(event)
+            return slow
+
+        server.driver.on_token = on_token
+        events, label = [], []
+
+        def client():
+            body = {"prompt": "x", "max_tokens": 20, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert held.wait(60)
+        server.driver.stop_accepting()
+        assert httpx.get(base + "/health").status_code == 503
+        r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "retry-after" in r.headers
+        finished, cancelled = server.shutdown(server.config.shutdown_grace_s)
+        t.join(60)
+        assert finished == [] and len(cancelled) == 1 and cancelled[0].startswith("cmpl-")
+        last = json.loads(events[-1][len("data: "):])
+        assert last["error"]["code"] == "cancelled" and "data: [DONE]" not in events
