@@ -23,6 +23,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ds4jax.generation.loops import MAX_FORCED
 from ds4jax.generation.requests import Budget, ErrorCode, Request
 from ds4jax.serving import chat, params as params_mod
 from ds4jax.serving.config import ServerConfig
@@ -143,6 +144,10 @@ class Server:
             raise APIError(ServerCode.NOT_READY, f"the server is {self.driver.state}; retry when GET /health "
                            "says ready", headers={"Retry-After": str(self.config.retry_after_s)})
         p = params_mod.parse(await self._json_body(request), self.limits, self.tokenizer, is_chat=is_chat)
+        if p.thinking_budget is not None and not 1 <= len(self.close_ids) <= MAX_FORCED:
+            raise APIError(ServerCode.UNSUPPORTED_PARAMETER, f"thinking_budget: this tokenizer encodes </think> as "
+                           f"{len(self.close_ids)} tokens; the engine can force at most {MAX_FORCED}",
+                           param="thinking_budget")
         shape = Shape(is_chat, self.config.model_name)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()

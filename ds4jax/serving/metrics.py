@@ -11,8 +11,8 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("ds4jax_http_requests", "HTTP requests answered, by route and status", ["route", "status"],
-                                registry=r)
+        self.requests = Counter("ds4jax_http_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
         self.results = Counter("ds4jax_generations", "Finished generations (choices), by outcome "
                                "(stop, length, cancelled, or the error code)", ["outcome"], registry=r)
         self.tokens = Counter("ds4jax_generated_tokens", "Tokens generated", registry=r)
