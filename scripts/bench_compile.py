@@ -174,13 +174,11 @@ def child_engine(model_name: str, layout: str) -> None:
     engine = ds4jax.Engine(model, max_slots=8, max_context=512)
     engine_s = time.perf_counter() - t
     t = time.perf_counter()
-    report = engine.warmup()  # an int today; a program report once the engine reports its programs
+    report = engine.warmup()  # a WarmupReport (an int before the engine reported its programs)
     warmup_s = time.perf_counter() - t
-    try:
-        programs = report if isinstance(report, int) else len(report)
-    except TypeError:
-        programs = None
+    programs = len(report.programs) if hasattr(report, "programs") else None
     print(json.dumps({"seconds": warmup_s, "load_s": load_s, "engine_s": engine_s, "programs": programs,
+                      "compile_threads": getattr(report, "compile_threads", None),
                       "compiles": getattr(report, "compiles", None), "disk_hits": getattr(report, "disk_hits", None),
                       "report": None if isinstance(report, int) else str(report)[:4000],
                       "kernels": engine.kernels.value, "n_layers": model.config.num_layers}), flush=True)

@@ -115,6 +115,26 @@ def check(parts: str) -> dict:
     return out
 
 
+def failures(res: dict) -> list[str]:
+    """Why this run's figures cannot be published: a side or case that failed, a logits check that did not pass
+    (against HF, or the ds4jax self-check against its reference kernels, every row of every case). Empty = sound."""
+    out = [f"side {k}: {v['error']}" for k, v in res["sides"].items() if isinstance(v, dict) and v.get("error")]
+    for key, v in res["check"].items():
+        if isinstance(v, dict) and not v.get("pass"):
+            out.append(f"HF check {key}: cosine {v.get('cosine')}")
+    for name, r in res["cases"].items():
+        if "error" in r:
+            out.append(f"case {name}: {r['error'][:200]}")
+        c = r.get("self_check")
+        if c is not None and not c.get("pass"):
+            out.append(f"case {name}: self-check failed (min cosine {c.get('min_cosine')} over {c.get('rows')} rows, "
+                       f"finite {c.get('finite')})")
+        if "ms_per_step" in r or "seconds" in r:
+            if c is None and res.get("kernels") != "reference":
+                out.append(f"case {name}: no self-check recorded")
+    return out
+
+
 def merge(args, sides: dict, parts: str) -> dict:
     ours, hf, before = sides.get("ds4jax", {}), sides.get("hf", {}), sides.get("before", {})
     res = {"commit": args.commit, "command": " ".join(["python"] + sys.argv), "layers": args.layers,
@@ -164,19 +184,21 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
              f"{s.get('device')}; ds4jax: jax {s.get('jax')}, kernels={res['kernels']}, {s.get('params_b', 0):.2f} B "
              f"params (MTP included, not run); HF: transformers {h.get('transformers')}, torch {h.get('torch')}, "
              f"eager attention, {h.get('params_b', 0):.2f} B params. Measured in this run: copy bandwidth "
-             f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s, bf16 matmul {s.get('matmul_tflop_s') or 0:.0f} TFLOP/s.",
+             f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s (device-timed: the roofline's denominator; host-timed "
+             f"{s.get('copy_bandwidth_host_timed_tb_s') or 0:.2f} TB/s), bf16 matmul "
+             f"{s.get('matmul_tflop_s') or 0:.0f} TFLOP/s.",
              "", f"Commit `{res['commit']}`; command: `{res['command']}`", ""]
     for side, where in res.get("reused", {}).items():
         lines += [f"**The `{side}` column was not measured by this invocation**: {where}.", ""]
     lines += [
              "| case | ds4jax | tokens/s | roofline | fraction of roofline | HF transformers | speedup vs HF | "
-             f"before ({res['before_tree'] or '-'}) | ds4jax, 8 steps per call (engine) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"before ({res['before_tree'] or '-'}) | ds4jax, 8 steps per call (engine) | self-check (rows, min cosine) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["cases"].items():
         unit = "ms" if name.startswith("prefill") else "ms/step"
         key = "seconds" if name.startswith("prefill") else "ms_per_step"
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][:100]} | | | | | | | |")
+            lines.append(f"| {name} | error: {r['error'][:100]} | | | | | | | | |")
             continue
         ms, hf_ms = _ms(r, key), _ms(r, "hf_" + key)
         b = r.get("before", {})
@@ -195,6 +217,8 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
         cells.append(f"{loop:.2f} ms/step ({100 * r['fraction_of_roofline_loop']:.1f} % of roofline)"
                      if loop is not None else "-")
         del hf_h
+        c = r.get("self_check")
+        cells.append(("pass" if c["pass"] else "**FAIL**") + f" ({c['rows']}, {c['min_cosine']:.5f})" if c else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Decode profiles (8 steps traced; per step):", "",
               "| case | side | device busy | kernels | kernels per layer | heaviest kernels (us) |", "|---|---|---|---|---|---|"]
@@ -218,6 +242,12 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
     lines += ["", f"Logits agreement with HF (pass: cosine >= {res['check'].get('min_cosine')}; max_rel_err = "
               "max |ours - HF| / max |HF|): `" + json.dumps({k: v for k, v in res["check"].items()
                                                             if k != "min_cosine"}) + "`"]
+    lines += ["", "Self-check: every row of every case against ds4jax's reference (pure jnp) kernels on the same "
+              "inputs (prefill: last-token logits; decode: the first step on the same pool); the script exits "
+              "non-zero when any check fails."]
+    if res.get("failures"):
+        lines += ["", "**This run failed its checks**; its figures are not valid:", ""]
+        lines += [f"* {why}" for why in res["failures"]]
     if notes:
         lines += ["", notes.strip()]
     with open(path, "w") as f:
@@ -279,12 +309,16 @@ def main(argv=None) -> int:
         sides[side] = run_side(args, side, parts)
         res = merge(args, sides, parts)
         common.write_json(os.path.join(args.out, f"{args.name}.json"), res)
+    res["failures"] = failures(res)
+    common.write_json(os.path.join(args.out, f"{args.name}.json"), res)
     notes_path = os.path.join(args.out, f"{args.name}_notes.md")
     notes = open(notes_path).read() if os.path.exists(notes_path) else None
     write_markdown(res, os.path.join(args.out, f"{args.name}.md"), notes)
     plot(res, os.path.join(args.out, f"{args.name}.png"))
     print(open(os.path.join(args.out, f"{args.name}.md")).read())
-    return 0
+    for why in res["failures"]:
+        print("FAILED:", why, file=sys.stderr)
+    return 1 if res["failures"] else 0
 
 
 if __name__ == "__main__":

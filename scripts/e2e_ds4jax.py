@@ -30,11 +30,37 @@ import device_trace
 import e2e_common as common
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth() -> tuple[float, float | None]:
+    """(host-timed, device-timed) bytes/s of a 4 GiB read + write. The host-timed figure includes the launch and the
+    host round trip; the device-timed one is the kernel's own time from a profiler trace (None when the trace has no
+    device events), the denominator the roofline fractions use."""
     x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
     f = jax.jit(lambda a: a * 1.0000001)
     f(x).block_until_ready()
-    return 2 * x.nbytes / min(common.timed(lambda: f(x), 5))
+    moved = 2 * x.nbytes
+    host = moved / min(common.timed(lambda: f(x), 5))
+    try:
+        busy = device_trace.profile(lambda: [f(x).block_until_ready() for _ in range(5)], 5, 0)
+        device = moved / (busy["device_busy_ms_per_step"] * 1e-3)
+    except Exception:  # no device trace (CPU): the host figure stands alone
+        device = None
+    return host, device
+
+
+# Pallas vs reference agreement per case (both ds4jax, bf16, same rounding points: only the accumulation order
+# differs), every row of every batch size. A fast wrong kernel fails here even where HF is not run.
+SELF_CHECK_MIN_COSINE = 0.99  # bf16 smoke config: worst row 0.9954; a wrong kernel gives ~0
+
+
+def agreement(got, ref) -> dict:
+    """Row-wise comparison of [rows, vocab] logits: the worst cosine, argmax agreement and pass."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    finite = bool(np.isfinite(got).all() and np.isfinite(ref).all())
+    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+    worst = float(np.nanmin(cos)) if finite else float("nan")
+    return {"rows": int(got.shape[0]), "min_cosine": worst, "threshold": SELF_CHECK_MIN_COSINE,
+            "argmax_equal_rows": int((got.argmax(-1) == ref.argmax(-1)).sum()), "finite": finite,
+            "pass": finite and worst >= SELF_CHECK_MIN_COSINE}
 
 
 def matmul_flops() -> float:
@@ -57,9 +83,10 @@ class Bench:
             book.reserve(r, length)
         return book, book.sync(zeros(self.spec))
 
-    def prefill(self, rows: int, seq: int, chunk: int):
+    def prefill(self, rows: int, seq: int, chunk: int, kernels: str | None = None):
         cfg = self.model.config
         ids = common.prompt_ids(rows, seq, cfg.vocab_size)
+        kernels = kernels or self.kernels
 
         def run():
             book, pool = self.fresh(rows, seq + 64)
@@ -69,7 +96,7 @@ class Bench:
                 n = [tok.shape[1]] * rows
                 batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
                 out, pool = steps.prefill(self.model.params, pool, batch, cfg=cfg, spec=self.spec,
-                                          need_logits=s + chunk >= seq, kernels=self.kernels)
+                                          need_logits=s + chunk >= seq, kernels=kernels)
                 book.commit(range(rows), n)
             return out.logits, pool
 
@@ -85,17 +112,27 @@ class Bench:
                                            kernels=steps.resolve(self.kernels))
         return lowered.compile().as_text()
 
-    def decode(self, rows: int, ctx: int, new: int):
-        """(run: `new` greedy steps at context ctx, rolled back after each run; logits of the first step)."""
+    def decode(self, rows: int, ctx: int, new: int, self_check: bool = False):
+        """(run: `new` greedy steps at context ctx, rolled back after each run; logits of the first step (row 0);
+        with self_check, the first step's logits of every row compared with the reference kernels' step on the same
+        pool, else None)."""
         cfg = self.model.config
         logits, pool = self.prefill(rows, ctx, min(ctx, 2048))()
         slots = jnp.arange(rows, dtype=jnp.int32)
         ones = jnp.ones((rows,), jnp.int32)
-        step = lambda pool, tok: steps.decode(self.model.params, pool, steps.StepBatch(slots, tok, ones), cfg=cfg,
-                                               spec=self.spec, kernels=self.kernels)
+        step = lambda pool, tok, kernels=self.kernels: steps.decode(  # noqa: E731
+            self.model.params, pool, steps.StepBatch(slots, tok, ones), cfg=cfg, spec=self.spec, kernels=kernels)
         first_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        check = None
+        if self_check:  # the step donates its pool: the reference step gets a copy
+            ref, _ = step(jax.tree.map(jnp.copy, pool), first_token, "reference")
+            ref = np.asarray(ref.logits, np.float32)
         out, pool = step(pool, first_token)
+        if self_check:
+            check = agreement(out.logits, ref)
+            del ref
         first = np.asarray(out.logits[0], np.float32)
+        self.last_check = check
         state = {"pool": pool.replace(lengths=pool.lengths - 1), "logits": logits}
 
         def run(n=new):
@@ -146,11 +183,16 @@ def main(args) -> int:
     jax.block_until_ready(params)
     model = Model(cfg, params)
     gpu = jax.default_backend() != "cpu"
+    host_bw, device_bw = copy_bandwidth() if gpu else (None, None)
     res = {"side": "ds4jax", "label": args.label, "device": str(jax.devices()[0]), "jax": jax.__version__,
            "kernels": args.kernels, "moe": os.environ.get("DS4JAX_MOE", "auto"),
            "params_b": P.count(params) / 1e9, "init_s": time.perf_counter() - t,
-           "copy_bandwidth_tb_s": copy_bandwidth() / 1e12 if gpu else None,
+           # the roofline fractions divide by the device-timed copy bandwidth (host-timed kept for comparison)
+           "copy_bandwidth_tb_s": (device_bw or host_bw) / 1e12 if gpu else None,
+           "copy_bandwidth_host_timed_tb_s": host_bw / 1e12 if gpu else None,
+           "copy_bandwidth_device_timed_tb_s": device_bw / 1e12 if device_bw else None,
            "matmul_tflop_s": matmul_flops() / 1e12 if gpu else None, "cases": {}}
+    self_check = args.kernels != "reference"
     print(json.dumps({k: v for k, v in res.items() if k != "cases"}), flush=True)
     bench = Bench(model, args.kernels, max_context=common.max_context(args) + 256, max_slots=8)
     pb, active = common.param_bytes(cfg, params), common.active_params(cfg, params)
@@ -169,6 +211,10 @@ def main(args) -> int:
                     np.save(os.path.join(args.part_dir, f"check_prefill_{args.label}.npy"),
                             np.asarray(logits[0], np.float32))
                 compile_s = time.perf_counter() - t
+                if self_check:  # every row against the reference kernels (untimed, after the timed compile)
+                    ref, _ = bench.prefill(case.rows, case.size, case.chunk, kernels="reference")()
+                    check = agreement(logits, ref)
+                    del ref
                 secs = statistics.median(common.timed(fn, 3))
                 nbytes, flops = common.prefill_cost(cfg, pb, active, case.rows, case.size)
                 floor = max(nbytes / bw, flops / peak)
@@ -176,8 +222,10 @@ def main(args) -> int:
                      "weight_bytes": nbytes, "flops": flops, "roofline_ms": floor * 1e3,
                      "roofline_bound": "weights" if nbytes / bw >= flops / peak else "flops",
                      "fraction_of_roofline": floor / secs}
+                if self_check:
+                    r["self_check"] = check
             else:
-                fn, first, token = bench.decode(case.rows, case.size, case.new)
+                fn, first, token = bench.decode(case.rows, case.size, case.new, self_check=self_check)
                 if case.name == common.CHECK_DECODE:
                     np.save(os.path.join(args.part_dir, f"check_decode_{args.label}.npy"), first)
                     r0 = {"check_token": token}
@@ -190,6 +238,8 @@ def main(args) -> int:
                 r = {"ms_per_step": secs * 1e3, "tokens_per_s": case.rows / secs, "compile_s": compile_s,
                      "bytes_per_step": need, "roofline_ms": need / bw * 1e3, "fraction_of_roofline": need / bw / secs,
                      **r0}
+                if self_check:
+                    r["self_check"] = bench.last_check
                 try:  # the engine's way: 8 steps per compiled call
                     looped = bench.decode_looped(case.rows, case.size)
                     looped()

@@ -28,11 +28,15 @@ def test_warmup_prints_the_engine_programs(capsys):
                  "16", "--steps-per-call", "4"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    rows = [line.split() for line in out.splitlines()[2:-2]]
+    lines = out.splitlines()
+    rules = [i for i, line in enumerate(lines) if set(line) == {"-"}]
+    rows = [line.split() for line in lines[rules[0] + 1:rules[1]]]
     assert [r[0] for r in rows] == ["prefill", "decode", "decode", "fingerprint", "restore", "snapshot-save",
                                     "snapshot-load", "slot-reset"]
     assert rows[0][1:5] == ["1", "row", "x", "16"] and rows[2][1:5] == ["2", "rows", "x", "4"]
-    assert out.splitlines()[-1].startswith("total (8 programs)")
+    assert lines[rules[1] + 1].startswith("total (8 programs)")
+    # the fused programs (prefill, 2 decodes, restore) were compiled on a pool: the elapsed line says on how many
+    assert lines[rules[1] + 2].startswith("elapsed ") and "compiled on" in lines[rules[1] + 2]
     assert "compilation cache: off" in err and "8 programs" in err
 
 

@@ -8,6 +8,7 @@ early) and each persistent-cache hit separately, so a count minus its hits is th
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 
@@ -27,17 +28,21 @@ class CompileTotals:
 
 
 _totals = [CompileTotals()]  # one cell: the listeners replace it (a frozen record per event)
+_thread = threading.local()  # the same per thread (compiles run on a pool during warm-up: runtime/precompile.py)
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     if event == _BACKEND_COMPILE:
         t = _totals[0]
         _totals[0] = dataclasses.replace(t, compiles=t.compiles + 1, seconds=t.seconds + duration)
+        mine = thread_totals()
+        _thread.totals = dataclasses.replace(mine, compiles=mine.compiles + 1, seconds=mine.seconds + duration)
 
 
 def _on_event(event: str, **kwargs) -> None:
     if event == _DISK_HIT:
         _totals[0] = dataclasses.replace(_totals[0], disk_hits=_totals[0].disk_hits + 1)
+        _thread.totals = dataclasses.replace(thread_totals(), disk_hits=thread_totals().disk_hits + 1)
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -47,6 +52,11 @@ jax.monitoring.register_event_listener(_on_event)
 def totals() -> CompileTotals:
     """Compilations in this process so far."""
     return _totals[0]
+
+
+def thread_totals() -> CompileTotals:
+    """Compilations run on the calling thread so far."""
+    return getattr(_thread, "totals", CompileTotals())
 
 
 def compile_count() -> int:

@@ -47,7 +47,7 @@ from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, 
 from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.model.handle import Model
-from ds4jax.runtime import pools
+from ds4jax.runtime import pools, precompile
 from ds4jax.runtime.data_parallel import local_spec, rows_over_data
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec, configure
@@ -320,27 +320,45 @@ class Engine:
     def warmup(self) -> WarmupReport:
         """Compile every program the engine can run, once each (on padding rows, which write nothing): a prefill
         program per prefill row bucket, a decode (and speculative) program per row bucket, and with snapshots on
-        the restore and snapshot programs; then the slot reset. Returns the programs with their compile seconds
+        the restore and snapshot programs; then the slot reset. The fused prefill / decode / speculative / restore
+        programs are lowered first and compiled side by side on a thread pool (`runtime/precompile.py`,
+        ``DS4JAX_COMPILE_THREADS``), then each runs once. Returns the programs with their compile seconds
         (`print(engine.warmup())` shows the table; `.compiles` counts XLA compilations)."""
         if self._slots or self._parked:
             raise PoolError("warmup() needs an idle engine with nothing parked")
         rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
+        pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
+        calls = []  # (kind, rows, width, run once on padding rows): the programs worth compiling in parallel
         for rows, width in self.buckets.prefill:
-            with rec.program("prefill", rows, width):
-                self._prefill_call(self._padding_rows([None] * rows), np.zeros((rows, width), np.int32),
-                                   np.zeros(rows, np.int32), np.zeros((rows, width), np.int32), np.zeros(rows, bool))
+            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+            calls.append(("prefill", rows, width, lambda rows=rows, width=width: self._prefill_call(
+                pad(rows), z(rows, width), z(rows), z(rows, width), np.zeros(rows, bool))))
         for rows in self.row_buckets:
-            with rec.program("decode", rows, self.steps_per_call):
-                self._decode_call(self._padding_rows([None] * rows))
+            calls.append(("decode", rows, self.steps_per_call, lambda rows=rows: self._decode_call(pad(rows))))
             if self.k:
-                with rec.program("speculative", rows, self.steps_per_call):
-                    self._spec_call(self._padding_rows([None] * rows))
+                calls.append(("speculative", rows, self.steps_per_call, lambda rows=rows: self._spec_call(pad(rows))))
+        if self.snapshots.budget_bytes > 0:
+            rows = self.buckets.restore_rows
+            calls.append(("restore", rows, 0, lambda rows=rows: self._restore_call(
+                pad(rows), np.zeros(rows, bool), np.zeros(rows, np.int32))))
+        compiled = [None] * len(calls)
+        if self.stages is None:  # fused programs: lowered here, compiled side by side, then run below
+            with precompile.capturing() as jobs:
+                captured = [precompile.run_captured(run) for *_, run in calls]
+            done = iter(precompile.compile_all(jobs))
+            compiled = [next(done) if c else None for c in captured]
+            rec.compile_threads = precompile.threads(sum(c is not None for c in compiled))
+        for (kind, rows, width, run), pre in zip(calls, compiled):
+            if kind == "restore":
+                continue  # after the fingerprint, as before
+            with rec.program(kind, rows, width, precompiled=pre):
+                run()
         if self.snapshots.budget_bytes > 0:  # restore and snapshot programs (snapshot_bytes=0: none)
             with rec.program("fingerprint"):  # digests of the weights, which every snapshot carries
                 self.fingerprint()
-            rows = self.buckets.restore_rows
-            with rec.program("restore", rows):
-                self._restore_call(self._padding_rows([None] * rows), np.zeros(rows, bool), np.zeros(rows, np.int32))
+            kind, rows, width, run = calls[-1]
+            with rec.program(kind, rows, precompiled=compiled[-1]):
+                run()
             # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
             # pages: every paged write is dropped; slot 0 is reset below)
             with rec.program("snapshot-save", 1):

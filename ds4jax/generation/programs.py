@@ -3,7 +3,9 @@
 A record covers one warm-up call: the program itself plus the small helpers its first call needed (page-table
 syncs, placements), so `compiles` may exceed 1; 0 means the program was already compiled in this process.
 `disk_hits` counts compiles served by JAX's persistent compilation cache. `seconds` is the call's wall time
-(tracing, lowering, compiling and one run on padding rows); `compile_seconds` the part spent in XLA.
+(tracing, lowering, compiling and one run on padding rows); `compile_seconds` the part spent in XLA. Programs
+compiled side by side on a thread pool (`runtime/precompile.py`) count their compile there, so their `seconds`
+add up to more than the warm-up took: `WarmupReport.wall_seconds` is the elapsed time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class WarmupReport:
     """`Engine.warmup`'s result: its programs in the order compiled; `str()` is a table."""
 
     programs: tuple[Program, ...]
+    wall_seconds: float | None = None  # elapsed time of the whole warm-up (programs compiled in parallel overlap)
+    compile_threads: int = 1  # threads the programs compiled on
 
     @property
     def compiles(self) -> int:
@@ -69,7 +73,11 @@ class WarmupReport:
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
         line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
         rule = "-" * len(line(head))
-        return "\n".join([line(head), rule] + [line(r) for r in rows[:-1]] + [rule, line(rows[-1])])
+        out = [line(head), rule] + [line(r) for r in rows[:-1]] + [rule, line(rows[-1])]
+        if self.wall_seconds is not None:
+            out.append(f"elapsed {self.wall_seconds:.2f} s (compiled on {self.compile_threads} "
+                       f"thread{'s' * (self.compile_threads != 1)})")
+        return "\n".join(out)
 
     __str__ = table
 
@@ -82,15 +90,24 @@ class Recorder:
         self._wait = wait
         self._programs: list[Program] = []
 
+        self._start = time.perf_counter()
+        self.compile_threads = 1
+
     @contextlib.contextmanager
-    def program(self, kind: str, rows: int = 0, width: int = 0) -> Iterator[None]:
+    def program(self, kind: str, rows: int = 0, width: int = 0, precompiled=None) -> Iterator[None]:
+        """`precompiled`: the program's compile on precompile's pool (a `precompile.Compiled`), counted here."""
         before, start = compiles.totals(), time.perf_counter()
         yield
         self._wait()
         seconds = time.perf_counter() - start
         spent = compiles.totals() - before
+        if precompiled is not None:
+            spent = compiles.CompileTotals(spent.compiles + precompiled.totals.compiles,
+                                           spent.seconds + precompiled.totals.seconds,
+                                           spent.disk_hits + precompiled.totals.disk_hits)
+            seconds += precompiled.seconds
         self._programs.append(Program(kind, int(rows), int(width), spent.compiles, spent.disk_hits, spent.seconds,
                                       seconds))
 
     def report(self) -> WarmupReport:
-        return WarmupReport(tuple(self._programs))
+        return WarmupReport(tuple(self._programs), time.perf_counter() - self._start, self.compile_threads)

@@ -23,6 +23,7 @@ whose entries are native code run as is. A corrupt or incompatible entry is a mi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -102,13 +103,41 @@ class CachedJit:
         functools.update_wrapper(self, jitted)
 
     def __call__(self, *args, **static):
+        from ds4jax.runtime import precompile
+
+        if precompile.active():  # warm-up's capture pass: lower here, compile later on a thread pool
+            precompile.capture(self._job(args, static))
         if _directory is None:
             return self.uncached(*args, **static)
-        key = hashlib.sha256(f"{self._name}|{_fingerprint()}|{_signature(args, static)}".encode()).hexdigest()
+        key = self._key(args, static)
         compiled = _memory.get(key)
         if compiled is None:
             compiled = _memory[key] = _load(key) or _compile_and_store(self.uncached, key, args, static)
         return compiled(*args)
+
+    def _key(self, args: tuple, static: dict) -> str:
+        return hashlib.sha256(f"{self._name}|{_fingerprint()}|{_signature(args, static)}".encode()).hexdigest()
+
+    def _job(self, args: tuple, static: dict):
+        """The compile this call needs, with tracing and lowering done now (on the caller's thread)."""
+        from ds4jax.runtime.precompile import Job
+
+        if _directory is None:  # an AOT compile fills the jitted function's own cache, which the call then hits
+            lowered = self.uncached.trace(*args, **static).lower()
+            return Job(self._name, lowered.compile)
+        key = self._key(args, static)
+        if key in _memory:
+            return Job(self._name, None)
+        loaded = _load(key)
+        if loaded is not None:
+            _memory[key] = loaded
+            return Job(self._name, None)
+        lowered = self.uncached.trace(*args, **static).lower()
+
+        def compile_and_store():
+            _memory[key] = _store(key, lowered.compile(_FRESH))  # inside precompile's fresh_compiles() scope
+
+        return Job(self._name, compile_and_store)
 
     def __getattr__(self, name: str):  # _cache_size, lower, trace, ... of the jitted function
         return getattr(self.uncached, name)
@@ -130,24 +159,36 @@ def _load(key: str):
         return None
 
 
+@contextlib.contextmanager
+def fresh_compiles():
+    """Within: compiles are never written to JAX's persistent cache (see `_fresh_compile`). Process-wide: enter it
+    on one thread around every compile that needs it (precompile's pool does)."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
 def _fresh_compile(lowered):
     """Compile `lowered` with XLA, never taking it from JAX's persistent cache: an executable *loaded* from that
     cache serializes without its kernels (XLA:CPU; the copy we would store fails with "NOT_FOUND: Function
     wrapped_slice not found" when it runs). `_FRESH` (an option set to its default value) gives the program a key
     of its own in JAX's cache, and nothing is written under that key, so the lookup always misses."""
-    name = "jax_persistent_cache_min_compile_time_secs"
-    before = getattr(jax.config, name)
-    jax.config.update(name, float("inf"))
-    try:
+    with fresh_compiles():
         return lowered.compile(_FRESH)
-    finally:
-        jax.config.update(name, before)
 
 
 def _compile_and_store(jitted: Callable, key: str, args: tuple, static: dict):
+    return _store(key, _fresh_compile(jitted.trace(*args, **static).lower()))
+
+
+def _store(key: str, compiled):
+    """Write `compiled` under `key` (best effort) and return it."""
     from jax.experimental.serialize_executable import serialize
 
-    compiled = _fresh_compile(jitted.trace(*args, **static).lower())
     try:
         device_ids = [d.id for d in compiled._executable.xla_executable.local_devices()]
         blob = pickle.dumps((*serialize(compiled), device_ids))

@@ -1,0 +1,82 @@
+"""runtime/precompile.py: a captured program call is lowered but not run, the pool compiles it, and the real call
+afterwards compiles nothing (JAX's own cache, or executable_cache's memory when that cache is on)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ds4jax.generation.compiles import compile_count
+from ds4jax.runtime import executable_cache, precompile
+from ds4jax.runtime.executable_cache import cached_jit
+
+
+def _program(scale: float):
+    @cached_jit
+    @functools.partial(jax.jit, static_argnames=("k",))
+    def f(x, *, k):
+        for _ in range(k):
+            x = jnp.tanh(x * scale)
+        return x
+
+    return f
+
+
+def _capture_compile_call(f, args):
+    ran = []
+    with precompile.capturing() as jobs:
+        for x in args:
+            assert precompile.run_captured(lambda x=x: ran.append(f(x, k=3)))
+    assert ran == [] and len(jobs) == len(args)  # lowered, not run
+    results = precompile.compile_all(jobs)
+    assert all(r is not None and r.totals.compiles >= 1 for r in results)
+    before = compile_count()
+    outs = [f(x, k=3) for x in args]
+    assert compile_count() == before  # the calls found the pool's executables
+    return outs
+
+
+def test_captured_programs_compile_on_the_pool_and_calls_reuse_them(monkeypatch):
+    monkeypatch.setenv("DS4JAX_COMPILE_THREADS", "2")
+    f = _program(0.5)
+    args = [jnp.ones((4, 8)), jnp.ones((2, 3)), jnp.ones((5,))]  # three shapes: three programs
+    outs = _capture_compile_call(f, args)
+    for x, y in zip(args, outs):
+        assert jnp.allclose(y, jnp.tanh(jnp.tanh(jnp.tanh(x * 0.5) * 0.5) * 0.5))
+
+
+def test_with_the_executable_cache_the_pool_fills_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS4JAX_COMPILE_THREADS", "2")
+    executable_cache.enable(str(tmp_path))
+    try:
+        f = _program(0.25)
+        _capture_compile_call(f, [jnp.ones((3, 3)), jnp.ones((6,))])
+        assert len(list(tmp_path.rglob("*.exe"))) == 2  # stored for the next process
+        executable_cache.clear_memory()
+        with precompile.capturing() as jobs:  # a new process: loaded from disk, nothing left to compile
+            precompile.run_captured(lambda: f(jnp.ones((3, 3)), k=3))
+        assert [j.compile for j in jobs] == [None]
+    finally:
+        executable_cache.enable(None)
+
+
+def test_a_thunk_without_a_program_call_runs_to_the_end():
+    with precompile.capturing() as jobs:
+        assert not precompile.run_captured(lambda: None)
+    assert jobs == [] and precompile.compile_all(jobs) == []
+    assert not precompile.active()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_bad_thread_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("DS4JAX_COMPILE_THREADS", value)
+    with pytest.raises(ValueError, match="DS4JAX_COMPILE_THREADS"):
+        precompile.threads(4)
+
+
+def test_thread_count_defaults_to_cores_and_programs(monkeypatch):
+    monkeypatch.delenv("DS4JAX_COMPILE_THREADS", raising=False)
+    assert 1 <= precompile.threads(3) <= 3
+    monkeypatch.setenv("DS4JAX_COMPILE_THREADS", "8")
+    assert precompile.threads(3) == 3 and precompile.threads(0) == 1
