@@ -75,8 +75,9 @@ def run(args) -> int:
     except ImportError as e:
         raise UsageError(f"needs the serve extra: pip install 'ds4jax[serve]' ({e})") from None
 
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # our own lines at INFO; other libraries (orbax's loader is chatty) only at WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ds4jax").setLevel(logging.WARNING if args.quiet else logging.INFO)
     enable_compilation_cache()  # the warm-up loads what an earlier run (or `ds4jax warmup`) compiled
     server, host, port = build(args)
     if host not in ("127.0.0.1", "localhost", "::1") and server.config.api_key is None:
