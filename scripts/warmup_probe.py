@@ -3,6 +3,7 @@ printed as the per-program table plus the split between XLA compile time and the
 Run it in fresh processes under different XLA_FLAGS / DS4JAX_KERNELS to compare (scripts/gpu_warmup_probe.sh).
 
     PYTHONPATH=. python scripts/warmup_probe.py --label NAME --out results.jsonl
+    python scripts/warmup_probe.py --render results.jsonl   # -> results.md (one row per run)
 """
 
 from __future__ import annotations
@@ -15,14 +16,38 @@ import time
 START = time.perf_counter()
 
 
+def render(path: str) -> str:
+    """Markdown of a results file: one row per run (elapsed warm-up, summed XLA compile seconds, threads)."""
+    runs = [json.loads(line) for line in open(path) if line.strip()]
+    lines = [f"# Engine warm-up breakdown (`scripts/warmup_probe.py`, default model, max_slots=8, max_context=512)",
+             "", f"From `{os.path.basename(path)}`: one fresh process per row, compilation cache off. `XLA compile s` "
+             "sums the programs' compile times (on a pool they overlap, so it can exceed the elapsed warm-up).", "",
+             "| run | device | XLA_FLAGS | kernels | programs | compile threads | warmup() elapsed | XLA compile s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        threads = r.get("compile_threads", 1)
+        lines.append(f"| {r['label']} | {r['device']} | `{r['xla_flags'] or '-'}` | {r['kernels']} | "
+                     f"{len(r['programs'])} | {threads} | {r['warmup_s']:.1f} s | {r['compile_s']:.1f} s |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--label", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--render", default=None, help="write RESULTS.md from this results file and exit")
+    ap.add_argument("--label")
+    ap.add_argument("--out")
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--speculative", type=int, default=0)
     args = ap.parse_args()
+    if args.render:
+        md = os.path.splitext(args.render)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(render(args.render))
+        print(open(md).read())
+        return
+    if not (args.label and args.out):
+        ap.error("--label and --out are needed to measure")
     import jax
 
     import ds4jax
@@ -36,7 +61,7 @@ def main() -> None:
     report = engine.warmup()
     warm_s = time.perf_counter() - t
     print(report.table(), flush=True)
-    rec = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    rec = {"label": args.label, "compile_threads": report.compile_threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "kernels": os.environ.get("DS4JAX_KERNELS", "default"), "device": str(jax.devices()[0]),
            "load_s": load_s, "warmup_s": warm_s,
            "compile_s": report.compile_seconds, "compiles": report.compiles, "disk_hits": report.disk_hits,
