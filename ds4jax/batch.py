@@ -83,12 +83,13 @@ def _parse(lineno: int, raw: str, defaults: dict, seen: set):
 RETRIED_BY_DEFAULT = frozenset({"internal", "cancelled", "non_finite"})
 
 
-def _retry(row: dict, *, retry_failed: bool, digests: dict[str, str]) -> bool:
-    """Whether a rerun removes this output row and runs its request again (docs/errors.md, batch reruns)."""
-    key, error = row["key"], row.get("error")
+def _retry(row, *, retry_failed: bool, digests: dict[str, str]) -> bool:
+    """Whether a rerun removes this output row (a `batch_files.Row`) and runs its request again (docs/errors.md,
+    batch reruns)."""
+    key, error = row.key, row.error
     if error is None:
         return False  # a finished result is final
-    recorded, current = row.get("input_sha256"), digests.get(key)
+    recorded, current = row.input_sha256, digests.get(key)
     if key.startswith("line:"):  # a line that could not be read or parsed: no id, so only the line speaks for it
         return retry_failed or (recorded is not None and recorded != current)
     if current is None:
@@ -128,6 +129,7 @@ def run(args, model=None, tokenizer=None) -> int:
     defaults = _sampling_defaults(args)
     files.check_input(args.input)
     files.check_output(args.output)
+    previous = files.read_output(args.output)
     if model is None:
         from ds4jax.cli import _load, enable_compilation_cache
 
@@ -147,7 +149,8 @@ def run(args, model=None, tokenizer=None) -> int:
         digests.setdefault(key, line.digest)
         rows.append((key, rid, line.number, line.digest, parsed))
     retry_failed = getattr(args, "retry_failed", False)
-    existing = files.scan_output(args.output, lambda row: _retry(row, retry_failed=retry_failed, digests=digests))
+    existing = files.remove_retried(args.output, previous,
+                                    lambda row: _retry(row, retry_failed=retry_failed, digests=digests))
     todo = [r for r in rows if r[0] not in existing.done]
     out = files.Appender(args.output)
     written: dict[str, int] = {}

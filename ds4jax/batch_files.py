@@ -6,7 +6,7 @@ or UTF-16 input, an output that is not a batch result file, a full disk) raises 
 ``INPUT.jsonl`` or ``OUTPUT.jsonl`` (the CLI exits 2), never an internal error. Reads are bounded: only regular
 files (links followed), one line at most `MAX_LINE_BYTES`, streamed (memory holds the keys, not the file).
 
-How a rerun replaces a row (`scan_output`): the output is read once; the rows to retry are decided then, and if
+How a rerun replaces a row (`read_output`, then `remove_retried`): the output is read once; the rows to retry are decided then, and if
 there are any (or a torn last line from a kill, or a duplicate key), the output is rewritten *without* them into
 a temporary file beside it, fsynced and renamed over it (`os.replace`, atomic), before any request runs. So the
 file never holds two results for one key, and a kill at any moment loses nothing finished: before the rename the
@@ -118,35 +118,58 @@ class Existing(NamedTuple):
     retried: dict[str, int]  # error code -> rows removed to run again
 
 
-def scan_output(path: str, retry: Callable[[dict], bool]) -> Existing:
-    """The finished keys of the output at `path`; rows for which `retry(row)` holds (and a torn last line, and any
-    repeat of a key) are removed first, atomically (the module docstring says how)."""
+class Row(NamedTuple):
+    """What a rerun needs of one output line: its key, error code and recorded input digest (None when the line
+    is torn, i.e. to be dropped)."""
+
+    number: int
+    key: str | None
+    error: str | None
+    input_sha256: str | None
+
+
+def read_output(path: str) -> list[Row]:
+    """The rows of an existing output (none when there is no file), read without changing it; `UsageError` when a
+    line is not a batch result: the wrong file (the input given as the output?) is left alone."""
     if not os.path.lexists(path):
-        return Existing(set(), {})
+        return []
     regular_file(path, UsageError, name=OUTPUT)
-    done: set[str] = set()
-    retried: dict[str, int] = {}
-    drop: set[int] = set()
+    rows = []
     with _open(path, OUTPUT) as f:
         for number, raw in enumerate(_raw_lines(f), 1):
-            row = _result_row(raw)
             if raw is not None and not raw.endswith(b"\n"):  # torn by a kill (or a full disk) mid-write
-                drop.add(number)
+                rows.append(Row(number, None, None, None))
                 continue
+            row = _result_row(raw)
             if row is None:
                 raise UsageError(f"line {number} is not a ds4jax batch result (a JSON object with a \"key\"); is it "
                                  "the right file? (nothing was changed)", name=OUTPUT, value=path)
-            if row["key"] in done:
-                drop.add(number)
-            elif retry(row):
-                drop.add(number)
-                code = str(row.get("error"))
-                retried[code] = retried.get(code, 0) + 1
-            else:
-                done.add(row["key"])
+            rows.append(Row(number, row["key"], row.get("error"), row.get("input_sha256")))
+    return rows
+
+
+def remove_retried(path: str, rows: list[Row], retry: Callable[[Row], bool]) -> Existing:
+    """The keys that stay done; the rows for which `retry(row)` holds (and a torn last line, and any repeat of a
+    key) are removed from the file first, atomically (the module docstring says how)."""
+    done: set[str] = set()
+    retried: dict[str, int] = {}
+    drop: set[int] = set()
+    for row in rows:
+        if row.key is None or row.key in done:
+            drop.add(row.number)
+        elif retry(row):
+            drop.add(row.number)
+            retried[str(row.error)] = retried.get(str(row.error), 0) + 1
+        else:
+            done.add(row.key)
     if drop:
         _rewrite_without(path, drop)
     return Existing(done, retried)
+
+
+def scan_output(path: str, retry: Callable[[Row], bool]) -> Existing:
+    """`read_output` then `remove_retried`."""
+    return remove_retried(path, read_output(path), retry)
 
 
 def _result_row(raw: bytes | None) -> dict | None:
