@@ -6,12 +6,12 @@ or UTF-16 input, an output that is not a batch result file, a full disk) raises 
 ``INPUT.jsonl`` or ``OUTPUT.jsonl`` (the CLI exits 2), never an internal error. Reads are bounded: only regular
 files (links followed), one line at most `MAX_LINE_BYTES`, streamed (memory holds the keys, not the file).
 
-How a rerun replaces a row (`read_output`, then `remove_retried`): the output is read once; the rows to retry are decided then, and if
-there are any (or a torn last line from a kill, or a duplicate key), the output is rewritten *without* them into
-a temporary file beside it, fsynced and renamed over it (`os.replace`, atomic), before any request runs. So the
-file never holds two results for one key, and a kill at any moment loses nothing finished: before the rename the
-old file is intact (its failed rows are retried again next time), after it the retried keys are simply absent
-until they finish and are appended.
+How a rerun replaces a row (`read_output`, then `remove_retried`): the output is read once; the rows to retry are
+decided then, and if there are any (or a torn last line from a kill, or a duplicate key), the output is rewritten
+*without* them into a temporary file beside it, fsynced and renamed over it (`os.replace`, atomic), before any
+request runs. So the file never holds two results for one key, and a kill at any moment loses nothing finished:
+before the rename the old file is intact (its failed rows are retried again next time), after it the retried keys
+are simply absent until they finish and are appended.
 """
 
 from __future__ import annotations
