@@ -71,11 +71,11 @@ def test_bad_values_on_a_namespace_name_the_flag(tmp_path, attr, value, says):
 
 
 def test_engine_flags_the_model_cannot_take_name_the_flag():
+    from bad_inputs import small_config
     from ds4jax.commands.engine_options import build_engine
-    from small_engine import one_layer_model
+    from ds4jax.model.handle import Model
 
-    model = one_layer_model()
-    model = type(model)(model.config.replace(num_mtp_layers=0), {k: v for k, v in model.params.items() if k != "mtp"})
+    model = Model(config=small_config(), params={})  # no mtp.* weights; the engine refuses before reading any
     args = argparse.Namespace(max_slots=1, max_context=32, speculative=2, prefill_chunk=8, steps_per_call=1)
     with pytest.raises(UsageError, match="--speculative=2: the engine cannot be built: .*MTP"):
         build_engine(model, args)
