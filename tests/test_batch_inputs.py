@@ -158,3 +158,18 @@ def test_a_full_disk_is_a_usage_error_and_keeps_whole_lines(tmp_path, monkeypatc
     out.close()
     assert isinstance(out.failed, UsageError) and "No space left on device" in str(out.failed)
     assert (tmp_path / "out.jsonl").read_text().count('"key": "c"') == 0
+
+
+@pytest.mark.parametrize("error, by_default", [(None, False), ("internal", True), ("cancelled", True),
+                                               ("non_finite", True), ("invalid_request", False),
+                                               ("prompt_too_long", False), ("capacity_exceeded", False)])
+def test_which_rows_a_rerun_retries(error, by_default):
+    row = batch_files.Row(1, 'id:"a"', error, "d1")
+    same, edited = {'id:"a"': "d1"}, {'id:"a"': "d2"}
+    assert batch._retry(row, retry_failed=False, digests=same) is by_default
+    assert batch._retry(row, retry_failed=True, digests=same) is (error is not None)
+    assert batch._retry(row, retry_failed=False, digests=edited) is (error is not None)  # the line was fixed
+    assert batch._retry(row, retry_failed=True, digests={}) is False  # the id left the input: its row stays
+    line = batch_files.Row(2, "line:2", "invalid_request", "d1")  # a line that could not be parsed
+    assert [batch._retry(line, retry_failed=False, digests=d) for d in ({"line:2": "d1"}, {"line:2": "d2"}, {})] == [
+        False, True, True]
