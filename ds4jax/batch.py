@@ -208,7 +208,7 @@ def _summary(written: dict[str, int], existing, retry_failed: bool) -> str:
         text += f"; retried {counts(existing.retried)}"
     failed = sum(n for code, n in written.items() if code != "ok" and code not in RETRIED_BY_DEFAULT)
     if failed and not retry_failed:
-        text += f"; --retry-failed runs the other {failed} failed rows again"
+        text += f"; {failed} failed because of their request (--retry-failed runs them again)"
     return text
 
 

@@ -130,7 +130,7 @@ def test_request_failures_wait_for_retry_failed_or_an_edited_line(model, tmp_pat
     first = {r["key"]: r for r in _lines(args.output)}
     assert first["line:2"]["error"] == "invalid_request" and "line 2: not valid UTF-8" in first["line:2"]["message"]
     assert first['id:"long"']["error"] == "prompt_too_long" and first['id:"a"']["error"] is None
-    assert "--retry-failed runs the other 2 failed rows again" in capsys.readouterr().err
+    assert "2 failed because of their request (--retry-failed runs them again)" in capsys.readouterr().err
 
     assert batch.run(args, model, ByteTokenizer()) == 0  # nothing outside the requests failed: nothing to redo
     assert {r["key"]: r for r in _lines(args.output)} == first
