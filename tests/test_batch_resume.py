@@ -158,3 +158,15 @@ def test_progress_bar_shows_tokens_per_second(model, tmp_path, capsys):
     assert batch.run(args, model, ByteTokenizer()) == 0
     err = capsys.readouterr().err
     assert f"{len(IDS)}/{len(IDS)}" in err and "tok_s=" in err, err[-500:]
+
+
+def test_a_prefill_step_too_big_for_the_free_memory_names_the_flags(model, monkeypatch):
+    from ds4jax.commands.engine_options import build_engine
+    from ds4jax.errors import DeviceMemoryError
+    from ds4jax.runtime import memory
+
+    answers = iter([1 << 40])  # the pools fit; then 1000 bytes are left for the step
+    monkeypatch.setattr(memory, "free_bytes", lambda device: next(answers, 1000))
+    args = argparse.Namespace(max_slots=2, max_context=64, speculative=0, prefill_chunk=8, steps_per_call=2)
+    with pytest.raises(DeviceMemoryError, match=r"a prefill step's working memory \(16 tokens: --prefill-tokens"):
+        build_engine(model, args)

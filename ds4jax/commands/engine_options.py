@@ -57,7 +57,7 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
     check_engine_values(args)
     try:
         # a Namespace built by hand (older callers of batch.run) may not name --prefill-tokens: its default then
-        return Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
+        engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
                       prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
                       steps_per_call=args.steps_per_call, tokenizer=tokenizer)
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
@@ -67,3 +67,18 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
         attr = next((a for a in flags if a in str(e)), None)
         where = {} if attr is None else dict(name=flags[attr], value=getattr(args, attr, None))
         raise UsageError(f"the engine cannot be built: {e}", **where) from None
+    if engine.layout is None:  # one device runs every step (a mesh splits them)
+        _check_step_memory(engine)
+    return engine
+
+
+def _check_step_memory(engine) -> None:
+    """The widest prefill call's working memory (a lower bound from the config) against the free memory left once
+    the weights and pools are in place: too little is a `DeviceMemoryError` naming the flags, before any step."""
+    from ds4jax.model import footprint
+    from ds4jax.runtime import memory
+
+    tokens = max(rows * width for rows, width in engine.buckets.prefill)
+    memory.check_fits(footprint.step_bytes(engine.cfg, tokens, engine.tspec.dtype),
+                      f"a prefill step's working memory ({tokens} tokens: --prefill-tokens, --prefill-chunk; x "
+                      f"{footprint.STEP_FIELDS})")

@@ -90,3 +90,18 @@ def weights(cfg, dtype: Any) -> tuple[int, str]:
     part = max(counts, key=counts.get)
     return weight_bytes(cfg, dtype), (f"the weights ({sum(counts.values()):,} parameters in {np.dtype(dtype).name}; "
                                       f"most are {part}: {PART_FIELDS[part]})")
+
+
+def step_bytes(cfg, tokens: int, dtype: Any) -> int:
+    """A lower bound on the working memory of one step over `tokens` tokens in activation dtype `dtype`: the mHC
+    streams in and out, plus the larger of one layer's attention queries and outputs and its routed experts'
+    hidden activations (what any implementation holds at once; attention scores, which kernels may never write,
+    are not counted)."""
+    b = np.dtype(dtype).itemsize
+    streams = 2 * tokens * cfg.hc_mult * cfg.hidden_size * b
+    attention = 2 * tokens * cfg.num_heads * cfg.head_dim * b
+    experts = 2 * tokens * cfg.num_experts_per_tok * cfg.moe_intermediate_size * b
+    return streams + max(attention, experts)
+
+
+STEP_FIELDS = "hc_mult x hidden_size, num_heads x head_dim, num_experts_per_tok x moe_intermediate_size"
