@@ -9,6 +9,7 @@ dominates it. `ds4jax info` prints these counts; the loader compares `weight_byt
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -61,10 +62,15 @@ def _leaves(cfg) -> list[tuple[tuple[str, ...], Any]]:
 
 def parameter_counts(cfg) -> dict[str, int]:
     """Parameters of each part (`PART_FIELDS`), the MTP block included, from the declaration (Python ints)."""
+    return dict(_counts(cfg))
+
+
+@functools.lru_cache(maxsize=256)  # every Config validates through here; derived configs (mesh slices) repeat
+def _counts(cfg) -> tuple[tuple[str, int], ...]:
     counts = dict.fromkeys(PART_FIELDS, 0)
     for path, info in _leaves(cfg):
         counts[_part(path)] += math.prod(info.shape)
-    return counts
+    return tuple(counts.items())
 
 
 def weight_bytes(cfg, dtype: Any) -> int:
