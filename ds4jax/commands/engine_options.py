@@ -24,6 +24,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "and 16 x B)")
     p.add_argument("--steps-per-call", type=positive_int, default=8, metavar="M",
                    help="tokens (or speculative rounds) per host round trip")
+    p.add_argument("--max-logprobs", type=non_negative_int, default=0, metavar="N",
+                   help="the programs also return each token's log-probability and N alternatives (0 = off; "
+                        "serve: 20, OpenAI's cap)")
 
 
 def build_engine(model, args: argparse.Namespace, tokenizer=None):
@@ -33,4 +36,5 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
     # a Namespace built by hand (older callers of batch.run) may not name --prefill-tokens: its default then
     return Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
                   prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
-                  steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+                  steps_per_call=args.steps_per_call, tokenizer=tokenizer,
+                  logprobs=getattr(args, "max_logprobs", 0))

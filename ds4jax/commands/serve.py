@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="take requests at once (the first ones compile)")
-    p.set_defaults(steps_per_call=4)  # tokens reach clients every 4 steps (engine default 8): smoother streams
+    # tokens reach clients every 4 steps (engine default 8): smoother streams; logprobs up to OpenAI's cap of 20
+    p.set_defaults(steps_per_call=4, max_logprobs=20)
     return p
 
 

@@ -451,7 +451,7 @@ class Engine:
                 if not least <= len(seq) <= MAX_FORCED or any(not 0 <= int(t) < v for t in seq):
                     return fail(ErrorCode.INVALID_REQUEST, f"budget.{name} must hold {least}..{MAX_FORCED} ids "
                                                            f"in the vocabulary [0, {v}), got {seq}")
-        if req.logprobs is not None and req.logprobs > self.logprobs:
+        if req.logprobs is not None and (not self.logprobs or req.logprobs > self.logprobs):
             return fail(ErrorCode.INVALID_REQUEST, f"logprobs={req.logprobs}: this engine returns at most "
                                                    f"{self.logprobs} alternatives (Engine(logprobs=N))"
                         if self.logprobs else "logprobs needs an engine built with Engine(logprobs=N)")

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from ds4jax.generation.loops import MAX_FORCED
 from ds4jax.generation.requests import Budget, ErrorCode, Request
-from ds4jax.serving import chat, params as params_mod
+from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull
 from ds4jax.serving.errors import APIError, ServerCode
@@ -47,7 +47,9 @@ class Server:
         self.limits = params_mod.Limits(
             model=config.model_name, max_context=engine.tspec.max_context,
             spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,
-            default_max_tokens=config.default_max_tokens, max_n=config.max_n, vocab_size=engine.cfg.vocab_size)
+            default_max_tokens=config.default_max_tokens, max_n=config.max_n, vocab_size=engine.cfg.vocab_size,
+            max_logprobs=engine.logprobs)
+        self.token_text = logprobs_mod.TokenText(tokenizer)
         self.close_ids = chat.close_ids(tokenizer)
         self.stop_ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.shutdown_report: tuple[list[str], list[str]] | None = None
@@ -148,7 +150,7 @@ class Server:
             raise APIError(ServerCode.UNSUPPORTED_PARAMETER, f"thinking_budget: this tokenizer encodes </think> as "
                            f"{len(self.close_ids)} tokens; the engine can force at most {MAX_FORCED}",
                            param="thinking_budget")
-        shape = Shape(is_chat, self.config.model_name)
+        shape = Shape(is_chat, self.config.model_name, self.token_text if p.logprobs is not None else None)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         choices, jobs = [], []
@@ -181,7 +183,7 @@ class Server:
             budget = Budget(max_tokens=p.thinking_budget, close_ids=self.close_ids)
         return Request(prompt=list(ids), max_new_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                        top_p=p.top_p, seed=p.seed_of(choice), stop_ids=self.stop_ids, stop_strings=p.stop,
-                       on_token=self.driver.on_token(job), budget=budget)
+                       on_token=self.driver.on_token(job), budget=budget, logprobs=p.logprobs)
 
     @staticmethod
     def _sink(loop, inbox: asyncio.Queue, index: int):
@@ -225,16 +227,17 @@ class Server:
                 if kind == "token":
                     r, t = c.add(value)
                     if r or t:
-                        yield json.dumps(shape.chunk(index, r, t))
+                        yield json.dumps(shape.chunk(index, r, t, logprobs=shape.logprobs(c.unsent())))
                     continue
                 pending -= 1
                 r, t = c.finish(value)
                 if r or t:
-                    yield json.dumps(shape.chunk(index, r, t))
+                    yield json.dumps(shape.chunk(index, r, t, logprobs=shape.logprobs(c.unsent())))
                 if not value.ok:  # a failure mid-stream is an error event, never a normal end
                     yield json.dumps(_result_error(value).body())
                     return
-                yield json.dumps(shape.chunk(index, finish_reason=c.finish_reason))
+                yield json.dumps(shape.chunk(index, finish_reason=c.finish_reason,
+                                             logprobs=shape.logprobs(c.unsent())))
             if p.include_usage:
                 yield json.dumps(shape.usage_chunk(choices, prompt_tokens))
             yield "[DONE]"

@@ -36,7 +36,7 @@ class NotAccepting(Exception):
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One choice of one HTTP request. `sink(kind, value)`: ("token", id) per token, then ("done", result)."""
+    """One choice of one HTTP request. `sink(kind, value)`: ("token", TokenEvent) per token, then ("done", result)."""
     request: Request
     sink: Callable[[str, object], None]
     label: str = ""  # the HTTP request's id, for logs
@@ -206,7 +206,7 @@ class Driver:
                 job.first_token = now
             job.last_token = now
             try:
-                job.sink("token", event.token)
+                job.sink("token", event)
             except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
                 job.cancelled = True
                 return False
