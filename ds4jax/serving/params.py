@@ -169,7 +169,7 @@ def _logprobs(body: dict, is_chat: bool, most: int) -> int | None:
         return _int(body, "logprobs", None, 0, most) if body.get("logprobs") is not False else None
     on = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, most)
-    if top is not None and not on:
+    if top and not on:
         raise invalid("top_logprobs", "needs logprobs: true")
     return (top or 0) if on else None
 
