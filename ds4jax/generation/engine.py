@@ -711,7 +711,7 @@ class Engine:
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
-            first, lp = np.asarray(first), logprob_rows.fetch(lp)
+            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in live])
         now = time.perf_counter()
         for lv, c in zip(live, n):
             r = row_of[lv.slot]
@@ -771,7 +771,7 @@ class Engine:
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)
-        lp = logprob_rows.fetch(out.logprobs)
+        lp = logprob_rows.fetch(out.logprobs, [lv.request for lv in part])
         for lv in part:
             r = row_of[lv.slot]
             if bad[r] >= 0 and lv.result.nonfinite_at is None:
@@ -969,7 +969,7 @@ class Engine:
             if self._live_dspec is not None:
                 for lv in part:
                     self.dbook.lengths[lv.slot] = lv.restored
-            first, lp = np.asarray(first), logprob_rows.fetch(lp)
+            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in part])
             now = time.perf_counter()
             for lv in part:
                 r = row_of[lv.slot]

@@ -9,9 +9,12 @@ from ds4jax.generation.requests import TokenLogprob
 from ds4jax.generation.sampling import TokenLogprobs
 
 
-def fetch(lp: TokenLogprobs | None) -> TokenLogprobs | None:
-    """The buffers as numpy arrays (None stays None: logprobs off)."""
-    return None if lp is None else TokenLogprobs(*jax.device_get(tuple(lp)))
+def fetch(lp: TokenLogprobs | None, requests) -> TokenLogprobs | None:
+    """The buffers as numpy arrays, if any of the call's `requests` asked for logprobs (else None, as when
+    logprobs are off: nothing is copied to the host)."""
+    if lp is None or all(r.logprobs is None for r in requests):
+        return None
+    return TokenLogprobs(*jax.device_get(tuple(lp)))
 
 
 def row(lp: TokenLogprobs | None, r: int, count: int, n: int | None) -> list[TokenLogprob] | None:
