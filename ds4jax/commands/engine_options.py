@@ -24,9 +24,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "and 16 x B)")
     p.add_argument("--steps-per-call", type=positive_int, default=8, metavar="M",
                    help="tokens (or speculative rounds) per host round trip")
-    p.add_argument("--max-logprobs", type=non_negative_int, default=0, metavar="N",
-                   help="the programs also return each token's log-probability and N alternatives (0 = off; "
-                        "serve: 20, OpenAI's cap)")
+
+
+def add_logprobs_option(p: argparse.ArgumentParser, default: int) -> None:
+    """``--max-logprobs`` (serve, and warmup to compile serve's programs); batch builds its engine without them."""
+    p.add_argument("--max-logprobs", type=non_negative_int, default=default, metavar="N",
+                   help="the engine's programs also return each token's log-probability and N alternatives (0 = "
+                        "off; `ds4jax serve` uses 20, OpenAI's cap)")
 
 
 def build_engine(model, args: argparse.Namespace, tokenizer=None):
