@@ -42,3 +42,26 @@ def test_byte_tokenizer_and_the_shapes():
     first = chat["content"][0]
     assert first["bytes"] == [0xC3] and first["logprob"] == -0.5 and chat["refusal"] is None
     assert [t["bytes"] for t in first["top_logprobs"]] == [[0xA9], [ord("!")]]
+
+
+@pytest.mark.parametrize("which", ["bytes", "default"])
+def test_incremental_text_equals_decoding_everything(which):
+    """TextStream decodes incrementally; its text after every token equals decoding the whole list (random ids,
+    so split characters, specials and invalid bytes all occur)."""
+    import random
+
+    from ds4jax.serving.text import TextStream
+
+    if which == "default":
+        if not os.path.exists(os.path.join(dm.SHIPPED, "tokenizer.json")):
+            pytest.skip("checkpoints/default is not present")
+        tok, vocab = dm.default_tokenizer(), 4096
+    else:
+        tok, vocab = ByteTokenizer(), ByteTokenizer.VOCAB_SIZE
+    rng = random.Random(0)
+    for _ in range(20):
+        stream, ids = TextStream(tok), []
+        for _ in range(60):
+            ids.append(rng.randrange(vocab) if rng.random() < 0.5 else rng.choice(tok.encode(TEXT)))
+            stream.ids.append(ids[-1])
+            assert stream._text()[0] == tok.decode(ids)
