@@ -149,6 +149,7 @@ def test_logprobs_off_are_rejected():
                            max_n=2, vocab_size=ByteTokenizer.VOCAB_SIZE, max_logprobs=0)
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for body, is_chat, param in (({"prompt": "x", "logprobs": 1}, False, "logprobs"),
+                                 ({"prompt": "x", "logprobs": 0}, False, "logprobs"),
                                  ({**chat, "logprobs": True}, True, "logprobs"),
                                  ({**chat, "top_logprobs": 2}, True, "top_logprobs")):
         with pytest.raises(APIError) as e:

@@ -158,11 +158,13 @@ def _ids(ids: list, vocab: int) -> list[int]:
 def _logprobs(body: dict, is_chat: bool, most: int) -> int | None:
     """Completions: ``logprobs: N`` (0..most). Chat: ``logprobs: true`` with ``top_logprobs: N`` (0..most; it
     needs logprobs true, as OpenAI). None when not asked."""
-    asked = body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0)
-    if asked and not most:
-        name = "logprobs" if body.get("logprobs") not in (None, False) else "top_logprobs"
-        raise APIError(ServerCode.UNSUPPORTED_PARAMETER, f"{name}: this server was started with --max-logprobs 0",
-                       param=name)
+    if not most:  # only the neutral values (completions' logprobs 0 asks for the sampled tokens' values)
+        value, top = body.get("logprobs"), body.get("top_logprobs")
+        name = "logprobs" if value is not None and value is not False else "top_logprobs" if top else None
+        if name is not None:
+            raise APIError(ServerCode.UNSUPPORTED_PARAMETER, f"{name}: this server was started with "
+                           "--max-logprobs 0", param=name)
+        return None
     if not is_chat:
         if body.get("logprobs") is True:
             raise invalid("logprobs", f"completions take the number of alternatives (0..{most}), not true")
