@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.errors import CheckpointError
+from ds4jax.io.safetensors_layout import read_config
 from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
@@ -34,9 +36,7 @@ def is_orbax(path: str | os.PathLike) -> bool:
 
 
 def _error(message: str) -> Exception:
-    from ds4jax.io.checkpoint import CheckpointError  # the safetensors loader's error type, one for all formats
-
-    return CheckpointError(message)
+    return CheckpointError(message)  # one error type for every checkpoint format
 
 
 def _keystr(key_path) -> str:
@@ -115,12 +115,10 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
 
     With a `layout` (`ds4jax.make_mesh`), each leaf is restored with its mesh sharding: Orbax reads only the
     chunks of each device's block (host-local when several processes share the mesh)."""
-    from ds4jax.io.checkpoint import _read_config
-
     import orbax.checkpoint as ocp
 
     ckpt_dir = os.fspath(path)
-    cfg, _ = _read_config(ckpt_dir)
+    cfg, _ = read_config(ckpt_dir)
     stored = stored_metadata(ckpt_dir)
     target = abstract(cfg, dtype)
     if not any(k.startswith("mtp.") for k in stored):
