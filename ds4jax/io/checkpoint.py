@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
-from ds4jax.io import orbax_checkpoint, sharded_load
+from ds4jax.io import official_format, orbax_checkpoint, sharded_load
 from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: F401  (public here too)
 from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc, Shard,
                                           check_tid2eid, open_shards, path_of, plan, read_config, resolve, validate)
@@ -197,11 +197,9 @@ def _checkpoint_array(array: Any, layout: str, expert: int | None) -> np.ndarray
     return np.ascontiguousarray(a)
 
 
-def _nbytes(array: Any, expert: int | None) -> int:
-    dtype = np.dtype(array.dtype)
-    itemsize = 8 if np.issubdtype(dtype, np.integer) else dtype.itemsize  # integers are written as I64
-    n = int(np.prod(array.shape)) * itemsize
-    return n // array.shape[0] if expert is not None else n
+def _nbytes(name: str, array: Any, expert: int | None, quantize: str | None) -> int:
+    shape = tuple(array.shape[1:]) if expert is not None else tuple(array.shape)
+    return official_format.nbytes(name, shape, np.dtype(array.dtype), quantize)
 
 
 def _check_savable(model: Model) -> None:
@@ -224,15 +222,20 @@ def _check_savable(model: Model) -> None:
             raise ArgumentError(f"has shape {got[path]}, the config needs {tuple(expected[path])}", name=name)
 
 
-def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> None:
+def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
+         quantize: str | None = None, block: tuple[int, int] = (128, 128)) -> None:
     """Write `model` as an upstream-named checkpoint: ``config.json`` + safetensors in the params' dtypes.
 
     Linears are written ``[out, in]`` (bf16 or fp32, unquantized), experts one tensor per expert, tid2eid as I64.
+    ``quantize="fp4"`` writes the published instruct format instead (FP8 E4M3 dense linears with E8M0 scales over
+    `block`, FP4 routed experts, BF16/F32 elsewhere, upstream config keys; `ds4jax.io.official_format`),
+    ``"fp8"`` the base format (FP8 experts too).
     Shards are cut before exceeding `max_shard_bytes` (a tensor larger than the limit gets a shard of its own);
     more than one shard also writes ``model.safetensors.index.json``. Refuses a directory that already holds
     safetensors files unless `overwrite` (which deletes them first).
     """
     out_dir = os.fspath(path)
+    official_format.check_quantize(quantize)
     _check_savable(model)  # before anything is created or deleted
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))
@@ -243,7 +246,7 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     shards: list[list[tuple[str, Any, str, int | None]]] = [[]]
     size = 0
     for entry in _export(model.config, layer_stack.unstacked_host(model.params)):
-        n = _nbytes(entry[1], entry[3])
+        n = _nbytes(entry[0], entry[1], entry[3], quantize)
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -253,7 +256,9 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map, total = {}, 0
     for fname, entries in zip(names, shards):
-        tensors = {name: _checkpoint_array(a, layout, x) for name, a, layout, x in entries}
+        tensors = {}
+        for name, a, layout, x in entries:
+            tensors.update(official_format.encode(name, _checkpoint_array(a, layout, x), quantize, block))
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update({name: fname for name in tensors})
@@ -262,4 +267,4 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(model.config.to_hf_dict(), f, indent=2)
+        json.dump(official_format.official_config(model.config, quantize, block), f, indent=2)

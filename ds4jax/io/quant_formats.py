@@ -33,3 +33,54 @@ def dequant_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     u = np.asarray(packed).view(np.uint8)
     values = np.stack([FP4_VALUES[u & 0xF], FP4_VALUES[u >> 4]], axis=-1).reshape(*u.shape[:-1], 2 * u.shape[-1])
     return values * np.repeat(scale.astype(np.float32), FP4_BLOCK, axis=-1)
+
+
+# ---- quantization (what the published checkpoints hold; `ds4jax convert --quantize`) ---------------------------
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest e2m1 value
+
+
+def _scale_exponents(amax: np.ndarray, top: float) -> np.ndarray:
+    """Smallest power-of-two exponent e with amax / 2**e <= top (0 for an all-zero block), clipped to E8M0's
+    range."""
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(np.asarray(amax, np.float64) / top))
+    return np.clip(np.where(amax > 0, e, 0), -127, 127).astype(np.int32)
+
+
+def float_to_e8m0(exponents: np.ndarray) -> np.ndarray:
+    """Integer exponents e -> E8M0 bytes e + 127 (uint8)."""
+    return (np.asarray(exponents, np.int32) + 127).astype(np.uint8)
+
+
+def quantize_fp8(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
+    """float [r, c] -> (float8_e4m3fn bytes as uint8 [r, c], E8M0 scale bytes [ceil(r/br), ceil(c/bc)]).
+
+    One power-of-two scale per block maps the block's largest magnitude to at most 448; values then round to
+    nearest e4m3 (ml_dtypes' cast: round half to even)."""
+    w = np.asarray(w, np.float32)
+    r, c = w.shape
+    br, bc = block
+    R, C = -(-r // br), -(-c // bc)
+    padded = np.zeros((R * br, C * bc), np.float32)
+    padded[:r, :c] = np.abs(w)
+    exps = _scale_exponents(padded.reshape(R, br, C, bc).max(axis=(1, 3)), FP8_MAX)
+    full = np.repeat(np.repeat(exps, br, 0), bc, 1)[:r, :c]
+    q = np.ldexp(w, -full).astype(ml_dtypes.float8_e4m3fn)
+    return q.view(np.uint8), float_to_e8m0(exps)
+
+
+def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [r, c] (c % 32 == 0) -> (packed e2m1 bytes [r, c/2], low nibble = even column; E8M0 scales [r, c/32]).
+
+    One power-of-two scale per 32 inputs of a row maps the group's largest magnitude to at most 6; values round to
+    nearest e2m1 (ml_dtypes' float4_e2m1fn cast, whose 4-bit codes are the `FP4_VALUES` indices)."""
+    w = np.asarray(w, np.float32)
+    r, c = w.shape
+    if c % FP4_BLOCK:
+        raise ValueError(f"FP4 needs an input dim divisible by {FP4_BLOCK}, got {c}")
+    groups = w.reshape(r, c // FP4_BLOCK, FP4_BLOCK)
+    exps = _scale_exponents(np.abs(groups).max(-1), FP4_MAX)
+    codes = np.ldexp(groups, -exps[..., None]).astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(r, c) & 0xF
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), float_to_e8m0(exps)
