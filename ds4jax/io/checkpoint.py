@@ -36,51 +36,31 @@ from safetensors.numpy import save_file
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
-from ds4jax.io import official_format, orbax_checkpoint, sharded_load
-from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: F401  (public here too)
-from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc, Shard,
-                                          check_tid2eid, open_shards, path_of, plan, read_config, resolve, validate)
+from ds4jax.io import official_format, orbax_checkpoint, quantized_load, sharded_load
+from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: F401  (re-exported)
+from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc,
+                                          check_finite_values, check_tid2eid, open_shards, path_of, plan, read_config,
+                                          read_scale, read_tensor, resolve, validate)
 from ds4jax.model.config import Config
 from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.model.quantized import dequantize_tree
+from ds4jax.runtime.target import device_target
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
 
-def _read(shard: Shard, key: str, expert: int | None) -> np.ndarray:
-    try:
-        return shard.read(key, () if expert is None else expert)
-    except Exception as e:  # truncated data, I/O errors: safetensors raises its own types
-        raise CheckpointError(f"cannot read the tensor data ({type(e).__name__}: {e})", source=shard.path,
-                              name=key) from None
-
-
-def _check_finite(a: np.ndarray, shard: Shard, key: str, what: str = "value") -> None:
-    finite = np.isfinite(a)
-    if not finite.all():
-        index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}", source=shard.path, name=key)
-
-
-def _read_scale(shard: Shard, key: str, expert: int | None) -> np.ndarray:
-    dtype, _ = shard.info(key)
-    s = _read(shard, key, expert)
-    s = e8m0_to_float(s) if dtype in ("F8_E8M0", "U8") else s.astype(np.float32)
-    _check_finite(s, shard, key, "scale")  # E8M0 255 is NaN: it would poison the whole block
-    return s
-
-
 def _read_source(loc: Loc, block: tuple[int, int], check_finite: bool = False) -> np.ndarray:
     """A source in checkpoint orientation: native dtype if unquantized, float32 if dequantized."""
     dtype, _ = loc.shard.info(loc.key)
-    w = _read(loc.shard, loc.key, loc.expert)
+    w = read_tensor(loc.shard, loc.key, loc.expert)
     if loc.scale is not None:
-        s = _read_scale(*loc.scale, loc.expert)
+        s = read_scale(*loc.scale, loc.expert)
         w = dequant_fp8(w, s, block) if dtype == FP8_WEIGHT else dequant_fp4(w, s)
     w = w if loc.rows is None else w[loc.rows]
     if check_finite and not np.issubdtype(w.dtype, np.integer):
-        _check_finite(w, loc.shard, loc.key)
+        check_finite_values(w, loc.shard, loc.key)
     return w
 
 
@@ -95,7 +75,12 @@ def _to_layout(a: np.ndarray, layout: str, target: jax.ShapeDtypeStruct) -> np.n
 
 
 def _load_leaf(leaf: Leaf, locs: dict[str, Loc], cfg: Config, block: tuple[int, int],
-               check_finite: bool = False) -> jax.Array:
+               check_finite: bool = False, fp8_dtype=None) -> Any:
+    """The leaf as a device array in its target dtype, or (with `fp8_dtype`: keeping the checkpoint's formats) as
+    a `QuantizedWeight` of the stored bytes when it is stored quantized."""
+    fmt = quantized_load.quantized_format(leaf, locs) if fp8_dtype is not None else None
+    if fmt is not None:
+        return quantized_load.load_quantized(leaf, locs, fmt, block, fp8_dtype, check_finite)
     np_dtype = np.dtype(leaf.target.dtype)
     if leaf.layout == EXPERTS:
         out = np.empty(leaf.target.shape, np_dtype)  # filled expert by expert: one expert's raw data at a time
@@ -123,8 +108,23 @@ def check_dtype(dtype: Any) -> Any:
     return dt
 
 
+WEIGHTS = ("checkpoint", "bf16")
+
+
+def weights_mode(weights: str | None, mesh=None) -> str:
+    """`load`'s `weights`, resolved: None = "checkpoint" on a GPU without a mesh, else "bf16"."""
+    if weights is None:
+        return "checkpoint" if mesh is None and device_target().keeps_checkpoint_formats else "bf16"
+    if weights not in WEIGHTS:
+        raise ArgumentError(f"must be one of {WEIGHTS}", name="weights", value=weights)
+    if weights == "checkpoint" and mesh is not None:
+        raise ArgumentError("quantized weights on a mesh are not supported yet: pass weights='bf16' with a mesh",
+                            name="weights", value=weights)
+    return weights
+
+
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False, mesh=None,
-         rules=None) -> Model:
+         rules=None, weights: str | None = None) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
     format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
@@ -134,9 +134,14 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
     tensor and its file; `ArgumentError` for a `dtype` that is not floating point.
     With ``mesh=ds4jax.make_mesh(...)`` (and optionally Flax logical-axis ``rules``), each device's block is read
     straight from the files into its shard (`ds4jax.io.sharded_load`) and the model runs on that mesh.
+    `weights`: ``"checkpoint"`` keeps FP8 / FP4 weights in their stored format on the device
+    (`ds4jax.model.quantized.QuantizedWeight`, `ds4jax.io.quantized_load`), ``"bf16"`` dequantizes them into
+    `dtype`; default: "checkpoint" on a GPU, "bf16" on a CPU and on a mesh (no quantized sharding yet).
+    Unquantized checkpoints load the same either way.
     """
     ensure_compilation_cache()  # casting and placing the weights compiles too (ds4jax.compilation_cache)
     dtype = check_dtype(dtype)
+    keep = weights_mode(weights, mesh) == "checkpoint"
     ckpt_dir = os.fspath(path)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError("is not a directory" if os.path.exists(ckpt_dir) else "does not exist",
@@ -160,7 +165,8 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
         leaves, locs, raws = resolve(cfg, plan(cfg, dtype), where, ckpt_dir)
         for raw in raws:
             validate(raw, block)
-        arrays = {leaf.path: _load_leaf(leaf, locs, cfg, block, check_finite) for leaf in leaves}
+        fp8_dtype = device_target().fp8_dtype if keep else None
+        arrays = {leaf.path: _load_leaf(leaf, locs, cfg, block, check_finite, fp8_dtype) for leaf in leaves}
     tree = abstract(cfg, dtype)
     if not any(p[0] == "mtp" for p in arrays):
         tree.pop("mtp", None)
@@ -236,6 +242,8 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     """
     out_dir = os.fspath(path)
     official_format.check_quantize(quantize)
+    if isinstance(model, Model):  # quantized leaves are written as their values (re-encoded with `quantize`)
+        model = dataclasses.replace(model, params=dequantize_tree(model.params, model.params["embed"].dtype))
     _check_savable(model)  # before anything is created or deleted
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))

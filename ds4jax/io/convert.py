@@ -77,7 +77,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     to = to or ("safetensors" if source_format(src) == "orbax" else "orbax")
     if to not in FORMATS:
         raise checkpoint.CheckpointError(f"unknown format {to!r}; expected one of {FORMATS}")
-    model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src))
+    model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src), weights="bf16")
     with orbax_checkpoint.atomic_directory(dst, overwrite=overwrite) as tmp:
         for name in _extras(src):
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))

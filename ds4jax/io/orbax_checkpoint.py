@@ -24,6 +24,7 @@ from ds4jax.io.safetensors_layout import read_config
 from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.model.quantized import dequantize_tree
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -80,7 +81,8 @@ def write_params(params: Any, directory: str) -> None:
     """Orbax write of a params pytree into `directory`/params (synchronous)."""
     import orbax.checkpoint as ocp
 
-    host = layer_stack.unstacked_host(params)  # numpy leaves: no device placement recorded in the checkpoint;
+    host = layer_stack.unstacked_host(dequantize_tree(params, params["embed"].dtype))  # numpy leaves; a quantized
+    # model is stored as its values (Orbax holds the params layout only): no device placement recorded in the checkpoint;
     # per-layer dicts: the stored layout does not depend on how a model runs its layers
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(os.path.abspath(directory), PARAMS_DIR), host)

@@ -84,3 +84,21 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     exps = _scale_exponents(np.abs(groups).max(-1), FP4_MAX)
     codes = np.ldexp(groups, -exps[..., None]).astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(r, c) & 0xF
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), float_to_e8m0(exps)
+
+
+# ---- FNUZ (MI300) ----------------------------------------------------------------------------------------------
+
+_OCP_NEG_ZERO, _OCP_NAN, _FNUZ_NAN = 0x80, 0x7F, 0x80
+
+
+def ocp_to_fnuz(raw: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float8_e4m3fn bytes + float scales -> float8_e4m3fnuz bytes + scales, the same values exactly.
+
+    FNUZ's exponent bias is 8, OCP's 7: the same bits mean half the value (reading OCP bytes as FNUZ is off by a
+    factor of 2), so the bytes stay and the scales double. Except: OCP -0 (0x80) is FNUZ's NaN, so it becomes
+    +0, and OCP NaN (0x7F / 0xFF, the bytes FNUZ reads as +-240) becomes FNUZ NaN."""
+    b = np.asarray(raw).view(np.uint8)
+    nan = (b & 0x7F) == _OCP_NAN
+    out = np.where(b == _OCP_NEG_ZERO, np.uint8(0), b)
+    out = np.where(nan, np.uint8(_FNUZ_NAN), out).astype(np.uint8)
+    return out, np.asarray(scale, np.float32) * 2

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ds4jax.errors import CheckpointError
-from ds4jax.io.quant_formats import FP4_BLOCK
+from ds4jax.io.quant_formats import FP4_BLOCK, e8m0_to_float
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
 from ds4jax.model.params import abstract
 
@@ -465,3 +465,28 @@ def read_config(ckpt_dir: str) -> tuple[Config, tuple[int, int]]:
         raise CheckpointError("must be 2 positive ints", source=path, name="quantization_config.weight_block_size",
                               value=block)
     return cfg, (block[0], block[1])
+
+
+# ---- reading ------------------------------------------------------------------------------------------------------
+
+def read_tensor(shard: Shard, key: str, expert: int | None) -> np.ndarray:
+    try:
+        return shard.read(key, () if expert is None else expert)
+    except Exception as e:  # truncated data, I/O errors: safetensors raises its own types
+        raise CheckpointError(f"cannot read the tensor data ({type(e).__name__}: {e})", source=shard.path,
+                              name=key) from None
+
+
+def check_finite_values(a: np.ndarray, shard: Shard, key: str, what: str = "value") -> None:
+    finite = np.isfinite(a)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}", source=shard.path, name=key)
+
+
+def read_scale(shard: Shard, key: str, expert: int | None) -> np.ndarray:
+    dtype, _ = shard.info(key)
+    s = read_tensor(shard, key, expert)
+    s = e8m0_to_float(s) if dtype in ("F8_E8M0", "U8") else s.astype(np.float32)
+    check_finite_values(s, shard, key, "scale")  # E8M0 255 is NaN: it would poison the whole block
+    return s
