@@ -20,16 +20,21 @@ from ds4jax.io.official_random import write_official_random
 from ds4jax.model.config import MlpType
 from ds4jax.model.layers import moe
 from ds4jax.model.layers.linear import linear
+from ds4jax.model.quantize import quantize_model
 from ds4jax.model.quantized import Format, QuantizedWeight, dense
 from ds4jax.runtime import kernels
 from ds4jax.runtime.target import Target
 
 
 @pytest.fixture(scope="module")
-def official(tmp_path_factory):
+def source_and_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("official_q"))
-    write_official_random(directory, seed=7)
-    return directory
+    return write_official_random(directory, seed=7), directory
+
+
+@pytest.fixture(scope="module")
+def official(source_and_dir):
+    return source_and_dir[1]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,24 @@ def test_save_of_a_quantized_model_writes_its_values(both, tmp_path):
     again = ds4jax.load(tmp_path / "st", jnp.float32)
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(plain.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_quantizing_on_the_device_gives_the_checkpoint_bytes(source_and_dir, both):
+    """`quantize_model` (jnp, on the params as they are, stacked) == the host quantizers' checkpoint, loaded."""
+    source, _ = source_and_dir
+    on_device = quantize_model(source, "fp4")
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    got = jax.tree_util.tree_flatten_with_path(on_device.params, is_leaf=is_q)[0]
+    want = jax.tree.leaves(both[0].params, is_leaf=is_q)
+    assert len(got) == len(want)
+    for (path, a), b in zip(got, want):
+        assert is_q(a) == is_q(b), jax.tree_util.keystr(path)
+        if is_q(a):
+            assert (a.format, a.block) == (b.format, b.block)
+            for x, y in ((a.values, b.values), (a.scales, b.scales)):
+                np.testing.assert_array_equal(np.asarray(x).view(np.uint8) if x.dtype.itemsize == 1 else x,
+                                              np.asarray(y).view(np.uint8) if y.dtype.itemsize == 1 else y,
+                                              err_msg=jax.tree_util.keystr(path))
 
 
 # ---- FP8 dense linears --------------------------------------------------------------------------------------------
