@@ -12,7 +12,8 @@ Naming schemes accepted by `load` (spec §5.1, §5.3), mixed freely as long as n
   ``head.weight`` (no prefix), ``model.embed_tokens.weight``, ``model.hc_head.hc_{fn,base,scale}``, and the attention
   kv-norm as ``model.layers.{i}.attn.norm.weight`` (the reverse of HF's ``.norm.`` -> ``.kv_norm.`` rule is lossy).
 
-Quantized linears are dequantized at load (spec §5.2): FP8 = ``X.weight`` F8_E4M3 + block scales (``X.scale`` or HF's
+Quantized linears are dequantized at load with ``weights="bf16"`` and kept as stored with ``weights="checkpoint"``
+(`ds4jax.io.quantized_load`; spec §5.2): FP8 = ``X.weight`` F8_E4M3 + block scales (``X.scale`` or HF's
 ``X.weight_scale_inv``; E8M0 bytes or float) over 128x128 blocks (``quantization_config.weight_block_size``);
 FP4 = ``X.weight`` I8 [out, in/2] (low nibble = even element) + ``X.scale`` E8M0 [out, in/32].
 
