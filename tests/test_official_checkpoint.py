@@ -190,3 +190,15 @@ def test_save_rejects_unknown_format(official, tmp_path):
     with pytest.raises(ds4jax.errors.ArgumentError, match="quantize"):
         ds4jax.save(source, tmp_path / "x", quantize="int4")
     assert official_format.weight_format("layers.0.attn.wq_a.weight", "fp8") == "fp8"
+
+
+def test_convert_quantize_via_cli(official, tmp_path, capsys):
+    from ds4jax.cli import main
+
+    _, directory = official
+    assert main(["convert", directory, str(tmp_path / "base"), "--quantize", "fp8"]) == 0
+    headers = _headers(tmp_path / "base")
+    assert headers["layers.1.ffn.experts.0.w1.weight"][0] == "F8_E4M3"  # base layout: FP8 experts
+    assert headers["layers.1.ffn.experts.0.w1.scale"][1] == (1, 1)  # 128x128 blocks over [f, e]
+    assert main(["convert", directory, str(tmp_path / "o"), "--to", "orbax", "--quantize", "fp4"]) == 2
+    assert "quantize" in capsys.readouterr().err and not os.path.exists(tmp_path / "o")

@@ -46,7 +46,7 @@ from ds4jax.model.config import Config
 from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
-from ds4jax.model.quantized import dequantize_tree
+from ds4jax.model.quantized import dequantize_tree, has_quantized
 from ds4jax.runtime.target import device_target
 
 
@@ -243,8 +243,8 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     """
     out_dir = os.fspath(path)
     official_format.check_quantize(quantize)
-    if isinstance(model, Model):  # quantized leaves are written as their values (re-encoded with `quantize`)
-        model = dataclasses.replace(model, params=dequantize_tree(model.params, model.params["embed"].dtype))
+    if isinstance(model, Model) and has_quantized(model.params):  # written as their values (re-encoded with
+        model = dataclasses.replace(model, params=dequantize_tree(model.params, model.params["embed"].dtype))  # quantize)
     _check_savable(model)  # before anything is created or deleted
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))

@@ -81,6 +81,10 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
+def has_quantized(params: Any) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
 def dequantize_tree(params: Any, dtype: Any = jnp.float32) -> Any:
     """Every `QuantizedWeight` of a params tree replaced by its dequantized values (on the host, numpy)."""
     return jax.tree.map(lambda w: np.asarray(w.dequantize(dtype)) if is_quantized(w) else w, params,
