@@ -202,3 +202,15 @@ def test_convert_quantize_via_cli(official, tmp_path, capsys):
     assert headers["layers.1.ffn.experts.0.w1.scale"][1] == (1, 1)  # 128x128 blocks over [f, e]
     assert main(["convert", directory, str(tmp_path / "o"), "--to", "orbax", "--quantize", "fp4"]) == 2
     assert "quantize" in capsys.readouterr().err and not os.path.exists(tmp_path / "o")
+
+
+def test_default_model_quantizes(tmp_path):
+    """`ds4jax convert checkpoints/default DST --quantize fp4`: the shipped model in the published layout."""
+    from ds4jax.io.default_model import default_checkpoint, default_model
+
+    assert convert.convert(default_checkpoint(), tmp_path / "q", quantize="fp4") == "safetensors"
+    quantized, model = ds4jax.load(tmp_path / "q", jnp.float32, weights="checkpoint"), default_model(jnp.float32)
+    assert quantized.params["layers"][0]["ffn"]["experts"]["w1"].format.value == "fp4"
+    ids = np.arange(32)[None] % model.config.vocab_size
+    a, b = (np.asarray(ds4jax.forward_logits(m, ids), np.float64).ravel() for m in (quantized, model))
+    assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99  # measured 0.9976 over 64 positions
