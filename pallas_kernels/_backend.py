@@ -44,7 +44,9 @@ def gather_rows(ref, ids, valid):
     # lowering and the interpreter's masked-load rule accept.
     rows = jnp.where(valid, ids, 0)[:, None]  # [n, 1]
     cols = lax.broadcasted_iota(jnp.int32, (1, d), 1)  # [1, d]
-    return _triton().load(ref.at[rows, cols], mask=jnp.broadcast_to(valid[:, None], (n, d)), other=0)
+    # an FP8 pool's fill must already have its type: Triton's lowering has no int -> f8 conversion
+    other = jnp.zeros((), ref.dtype) if jnp.issubdtype(ref.dtype, jnp.floating) and ref.dtype.itemsize == 1 else 0
+    return _triton().load(ref.at[rows, cols], mask=jnp.broadcast_to(valid[:, None], (n, d)), other=other)
 
 
 def load_1d(ref, pos, valid, other):

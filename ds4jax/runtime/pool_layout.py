@@ -8,6 +8,10 @@ load/store are all derived from `POOL_ARRAYS`; nothing else lists the arrays.
 | c4_kv               | num_csa_layers, c4_entries, head_dim                             | dtype       | T      | CSA       |
 | indexer_kv          | num_csa_layers, indexer_entries, index_head_dim                  | dtype       | T      | CSA       |
 | c128_kv             | num_hca_layers, c128_entries, head_dim                           | dtype       | T      | HCA       |
+| swa_kv_scale        | swa_scale_layers, max_slots, swa_rows                            | float32     | T, D   | every     |
+| c4_kv_scale         | csa_scale_layers, c4_entries                                     | float32     | T      | CSA       |
+| indexer_kv_scale    | csa_scale_layers, indexer_entries                                | float32     | T      | CSA       |
+| c128_kv_scale       | hca_scale_layers, c128_entries                                   | float32     | T      | HCA       |
 | c4_state_kv/_gate   | num_csa_layers, max_slots, c4_state_rows, c4_state_width         | state_dtype | T      | CSA       |
 | indexer_state_*     | num_csa_layers, max_slots, indexer_state_rows, indexer_state_width | state_dtype | T    | CSA       |
 | c128_state_kv/_gate | num_hca_layers, max_slots, c128_state_rows, c128_state_width     | state_dtype | T      | HCA       |
@@ -16,6 +20,10 @@ load/store are all derived from `POOL_ARRAYS`; nothing else lists the arrays.
 
 (`format_table()` prints this from the table itself, logical axes included.) An array outside a role's set
 still exists in that role's pool, with zero size (the draft spec has no compressed capacity).
+
+"dtype" is `PoolSpec.kv_storage_dtype`: the model's dtype, or FP8 E4M3 with `kv_dtype="fp8"`; then each row of a
+KV array has its float32 scale at the same index of its `*_scale` array (`ds4jax.runtime.kv_quant`). Without an
+FP8 cache the scale arrays have no layers (zero size), so the default pools hold exactly what they always did.
 
 Logical axes (for Flax logical-axis sharding rules; the mesh maps them onto devices):
 
@@ -75,13 +83,21 @@ def _ring(name, layers_field, rows, width, layers, field):
 
 POOL_ARRAYS: tuple[PoolArray, ...] = (
     PoolArray("swa_kv", ("num_layers", "max_slots", "swa_rows", "head_dim"),
-              ("pool_layers", "slots", "swa_rows", "kv_dim"), "dtype", _TD, EVERY_LAYER, "ring", "swa"),
+              ("pool_layers", "slots", "swa_rows", "kv_dim"), "kv_storage_dtype", _TD, EVERY_LAYER, "ring", "swa"),
     PoolArray("c4_kv", ("num_csa_layers", "c4_entries", "head_dim"), ("pool_layers", "entries", "kv_dim"),
-              "dtype", _T, _CSA, "entries", "c4_kv"),
+              "kv_storage_dtype", _T, _CSA, "entries", "c4_kv"),
     PoolArray("indexer_kv", ("num_csa_layers", "indexer_entries", "index_head_dim"),
-              ("pool_layers", "entries", "index_dim"), "dtype", _T, _CSA, "index_entries", "indexer"),
+              ("pool_layers", "entries", "index_dim"), "kv_storage_dtype", _T, _CSA, "index_entries", "indexer"),
     PoolArray("c128_kv", ("num_hca_layers", "c128_entries", "head_dim"), ("pool_layers", "entries", "kv_dim"),
-              "dtype", _T, _HCA, "entries", "c128_kv"),
+              "kv_storage_dtype", _T, _HCA, "entries", "c128_kv"),
+    PoolArray("swa_kv_scale", ("swa_scale_layers", "max_slots", "swa_rows"), ("pool_layers", "slots", "swa_rows"),
+              "float32", _TD, EVERY_LAYER, "ring_scale", "swa"),
+    PoolArray("c4_kv_scale", ("csa_scale_layers", "c4_entries"), ("pool_layers", "entries"), "float32", _T, _CSA,
+              "entries_scale", "c4_kv"),
+    PoolArray("indexer_kv_scale", ("csa_scale_layers", "indexer_entries"), ("pool_layers", "entries"), "float32", _T,
+              _CSA, "index_entries_scale", "indexer"),
+    PoolArray("c128_kv_scale", ("hca_scale_layers", "c128_entries"), ("pool_layers", "entries"), "float32", _T, _HCA,
+              "entries_scale", "c128_kv"),
     _ring("c4_state_kv", "num_csa_layers", "c4_state_rows", "c4_state_width", _CSA, "state_kv"),
     _ring("c4_state_gate", "num_csa_layers", "c4_state_rows", "c4_state_width", _CSA, "state_gate"),
     _ring("indexer_state_kv", "num_csa_layers", "indexer_state_rows", "indexer_state_width", _CSA, "index_state_kv"),

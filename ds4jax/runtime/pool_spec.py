@@ -57,7 +57,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config
-from ds4jax.runtime import pool_layout as layout
+from ds4jax.runtime import kv_quant, pool_layout as layout
 from ds4jax.runtime.roles import Role
 from ds4jax.errors import PoolSpecError  # noqa: F401 (re-exported: importable from here too)
 
@@ -121,12 +121,16 @@ class PoolSpec:
     c128_pages: int  # pages of the C128 pool (== c4_pages when both exist)
     c128_entries: int  # c128_pages · page_size / hca_ratio
     # Storage dtypes, as names so the spec stays hashable and printable.
-    dtype: str = "bfloat16"  # swa_kv, c4_kv, indexer_kv, c128_kv
+    dtype: str = "bfloat16"  # the model's dtype: the KV arrays' storage unless kv_dtype says otherwise
     state_dtype: str = "float32"  # compressor state rings
+    # KV storage (`ds4jax.runtime.kv_quant`): "auto" = `dtype`; an E4M3 name = FP8 values + a float32 scale per row
+    # ("fp8" is resolved to the device's variant on construction)
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
         object.__setattr__(self, "state_dtype", _dtype_name(self.state_dtype, "state_dtype"))
+        object.__setattr__(self, "kv_dtype", kv_quant.resolve(self.kv_dtype))
         _validate(self)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -167,6 +171,29 @@ class PoolSpec:
         return self.head_dim
 
     @property
+    def kv_scaled(self) -> bool:
+        """Whether the KV arrays are FP8 with a scale per row (the `*_scale` arrays have their layers)."""
+        return self.kv_dtype != kv_quant.AUTO
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """dtype name of swa_kv, c4_kv, indexer_kv and c128_kv."""
+        return self.kv_dtype if self.kv_scaled else self.dtype
+
+    # layers of the scale arrays: those of their KV arrays with an FP8 cache, else 0 (zero-size arrays)
+    @property
+    def swa_scale_layers(self) -> int:
+        return self.num_layers if self.kv_scaled else 0
+
+    @property
+    def csa_scale_layers(self) -> int:
+        return self.num_csa_layers if self.kv_scaled else 0
+
+    @property
+    def hca_scale_layers(self) -> int:
+        return self.num_hca_layers if self.kv_scaled else 0
+
+    @property
     def c4_window(self) -> int:
         """Positions of compressor state a CSA entry reads: previous + current window."""
         return 2 * self.csa_ratio
@@ -189,6 +216,7 @@ class PoolSpec:
         dtype: Any = "bfloat16",
         state_dtype: Any = "float32",
         num_pages: int | None = None,
+        kv_dtype: Any = "auto",
     ) -> "PoolSpec":
         """The pool of `role` for `max_slots` requests of up to `max_context` tokens.
 
@@ -209,6 +237,7 @@ class PoolSpec:
             hca_ratio=cfg.hca_ratio, sliding_window=cfg.sliding_window, max_slots=max_slots,
             max_context=max_context, draft_tokens=draft_tokens, page_size=page_size,
             swa_rows=cfg.sliding_window + max(draft_tokens, 1) - 1, dtype=dtype, state_dtype=state_dtype,
+            kv_dtype=kv_dtype,
         )
         if role is Role.DRAFT:
             if cfg.num_mtp_layers < 1:
@@ -217,7 +246,7 @@ class PoolSpec:
                 _fail("draft_tokens", "Role.DRAFT exists only to speculate: draft_tokens must be >= 1")
             cls.for_role(cfg, role=Role.TARGET, max_slots=max_slots, max_context=max_context,
                          draft_tokens=draft_tokens, page_size=page_size, dtype=dtype, state_dtype=state_dtype,
-                         num_pages=num_pages)
+                         num_pages=num_pages, kv_dtype=kv_dtype)
             return cls(
                 num_layers=cfg.num_mtp_layers, num_csa_layers=0, num_hca_layers=0, c4_state_rows=0,
                 indexer_state_rows=0, c128_state_rows=0, pages_per_slot=0, c4_pages=0, c4_entries=0,
@@ -421,6 +450,7 @@ def configure(
     dtype: Any = "bfloat16",
     state_dtype: Any = "float32",
     oversubscribe: bool = False,
+    kv_dtype: Any = "auto",
 ) -> PoolSpec:
     """Size the pools of one attention rank; returns `role`'s spec (the target's sizing decides both).
 
@@ -448,7 +478,7 @@ def configure(
             raise PoolSpecError("max_slots: required without memory_budget_bytes")
         return PoolSpec.for_role(cfg, role=role, max_slots=max_slots, max_context=max_context,
                                  draft_tokens=draft_tokens, page_size=page_size, dtype=dtype,
-                                 state_dtype=state_dtype)
+                                 state_dtype=state_dtype, kv_dtype=kv_dtype)
     if (max_slots is None) == (swa_full_ratio is None):
         raise PoolSpecError("max_slots / swa_full_ratio: give exactly one when sizing from a memory budget")
     if swa_full_ratio is not None and not swa_full_ratio > 0:
@@ -457,7 +487,7 @@ def configure(
     def build(which: Role, slots: int, num_pages: int | None = None) -> PoolSpec:
         return PoolSpec.for_role(cfg, role=which, max_slots=slots, max_context=max_context,
                                  draft_tokens=draft_tokens, page_size=page_size, dtype=dtype,
-                                 state_dtype=state_dtype, num_pages=num_pages)
+                                 state_dtype=state_dtype, num_pages=num_pages, kv_dtype=kv_dtype)
 
     budget = int(memory_budget_bytes)
     probe = build(Role.TARGET, max_slots or 1)  # exact, only read for per-slot and per-page costs

@@ -9,7 +9,8 @@ Two kernels, no other device work (the pool is read in place; nothing is padded 
    top-k in registers: a 32-step radix select on the scores' order-preserving integer keys finds the
    k-th best key T, entries above T all win, entries equal to T win in entry order until k are taken
    (the tie rule: lower id first), and a prefix sum scatters the winners to k candidate slots.
-   Scores never reach HBM; entries j >= n_valid are never scored and their rows never read.
+   Scores never reach HBM; entries j >= n_valid are never scored and their rows never read. An FP8 key
+   pool (E4M3 + one f32 scale per row) is converted exactly in registers and its scales multiply the logits.
 2. `_rank_kernel`, grid (query token, block of candidates): each candidate counts the candidates of
    its query that beat it (score desc, then lower id) and is scattered to out[rank] if rank < k;
    unfilled slots get -1. This replaces a sort (Triton-Pallas has none).
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _fp8
 from pallas_kernels._util import cdiv, next_pow2
 from pallas_kernels.indexer_topk.blocks import BlockSizes, choose_split_len
 from pallas_kernels.indexer_topk.validate import validate_indexer_topk_static
@@ -58,16 +59,17 @@ def _score_select_kernel(
     w_ref,  # [h] f32
     key_rows_ref,  # [c] i32: pool row of logical entry j
     keys_ref,  # [r, d] whole pool, gathered by index
-    s_out_ref,  # [m] f32: this split's top-k scores (unordered; -inf = empty slot)
-    j_out_ref,  # [m] i32: their entry ids (-1 = empty slot)
-    *,
+    *refs,  # [key_scale [r] f32 of an FP8 pool], s_out [m] f32: this split's top-k scores (unordered; -inf = empty
+    # slot), j_out [m] i32: their entry ids (-1 = empty slot)
     c: int,
     k: int,
     block_c: int,
     split_len: int,
     prefetch: int,
     precision,
+    scaled: bool,
 ):
+    key_scale_ref, s_out_ref, j_out_ref = refs if scaled else (None, *refs)
     q = q_ref[...]
     w = w_ref[...]
     scale = q.shape[-1] ** -0.5
@@ -83,12 +85,17 @@ def _score_select_kernel(
         return _backend.load_1d(key_rows_ref, j, visible, 0), visible
 
     def fetch(ids, visible):
-        return _backend.gather_rows(keys_ref, ids, visible)  # [block_c, d]; invisible rows never read
+        """Key rows [block_c, d] in q's dtype (invisible rows never read) and, for an FP8 pool, their scales."""
+        k_blk = _fp8.to_compute(_backend.gather_rows(keys_ref, ids, visible), q.dtype)
+        return k_blk, None if key_scale_ref is None else _backend.load_1d(key_scale_ref, ids, visible, 0.0)
 
-    def score(r, scores, k_blk):
+    def score(r, scores, block):
+        k_blk, k_scale = block
         logits = lax.dot_general(
             q, k_blk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # [h, block_c]
+        if k_scale is not None:  # an FP8 key is value * scale: scale the [h, block_c] logits, not the keys
+            logits = logits * k_scale[None, :]
         s = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0) * scale  # [block_c]
         return jnp.where(row_id == r, s[None, :], scores)
 
@@ -159,16 +166,17 @@ def _rank_kernel(s_ref, j_ref, out_ref, *, n: int, k: int, block: int, inner: in
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_sizes", "interpret"))
-def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpret=False):
+def indexer_topk(q, w, keys, key_rows, n_valid, *, k, key_scale=None, block_sizes=None, interpret=False):
     """Top-k logical entries per query by indexer score (see `reference` for the exact definition).
 
     Args:
-      q: [t, hi, di] f32/bf16. w: [t, hi] f32. keys: [r, di] (q's dtype). key_rows: [t, c] i32.
-      n_valid: [t] i32. k: static. block_sizes: `BlockSizes` (static) or None. interpret: Pallas interpreter.
+      q: [t, hi, di] f32/bf16. w: [t, hi] f32. keys: [r, di] (q's dtype, or FP8 E4M3 with key_scale).
+      key_rows: [t, c] i32. n_valid: [t] i32. k: static. key_scale: [r] f32 row scales of an FP8 pool, else None.
+      block_sizes: `BlockSizes` (static) or None. interpret: Pallas interpreter.
     Returns:
       idx: [t, k] i32 entry ids, best first, ties to the lower id; -1 beyond min(k, n_valid).
     """
-    validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=k)
+    validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=k, key_scale=key_scale)
     bs = block_sizes or BlockSizes.get_default(q.dtype)
     t, h, d = q.shape
     c = key_rows.shape[1]
@@ -176,6 +184,9 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
         return jnp.full((t, k), -1, jnp.int32)
     if keys.shape[0] == 0:  # nothing can be visible; keep the gather well-formed
         keys = jnp.zeros((1, d), keys.dtype)
+        key_scale = None if key_scale is None else jnp.zeros((1,), jnp.float32)
+    keys = _fp8.kernel_operand(keys)
+    scale_operands = () if key_scale is None else (key_scale,)
 
     block_c = max(next_pow2(bs.block_c), _backend.min_dot_dim(interpret))
     m = next_pow2(k)  # candidate slots per split (a power of two; k of them used)
@@ -193,6 +204,7 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
             split_len=split_len,
             prefetch=bs.prefetch,
             precision=_backend.dot_precision(q.dtype),
+            scaled=key_scale is not None,
         ),
         grid=(t, n_splits),
         in_specs=[
@@ -201,7 +213,7 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
             pl.BlockSpec((None, h), lambda ti, si: (ti, 0)),
             pl.BlockSpec((None, c), lambda ti, si: (ti, 0)),
             pl.BlockSpec(keys.shape, lambda ti, si: (0, 0)),
-        ],
+        ] + [pl.BlockSpec(a.shape, lambda ti, si: (0,)) for a in scale_operands],
         out_specs=[
             pl.BlockSpec((None, m), lambda ti, si: (ti, si)),
             pl.BlockSpec((None, m), lambda ti, si: (ti, si)),
@@ -213,7 +225,7 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpre
         compiler_params=params(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="indexer_score_select",
-    )(n_valid, q, w, key_rows, keys)
+    )(n_valid, q, w, key_rows, keys, *scale_operands)
 
     n = n_splits * m
     block = min(next_pow2(bs.rank_block), next_pow2(n))

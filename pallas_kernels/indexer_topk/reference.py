@@ -12,16 +12,20 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def indexer_scores_reference(q, w, keys, key_rows, n_valid):
+def indexer_scores_reference(q, w, keys, key_rows, n_valid, key_scale=None):
     """q [t, h, d], w [t, h] f32, keys [r, d], key_rows [t, c] i32, n_valid [t] i32 -> scores [t, c] f32.
 
-    Entries j >= n_valid[t] score -inf; their rows are never used (gathered row 0 is selected away).
+    Entries j >= n_valid[t] score -inf; their rows are never used (gathered row 0 is selected away). FP8 keys are
+    dequantized after the gather (value * key_scale [r] of the row).
     """
     t, c = key_rows.shape
     visible = jnp.arange(c, dtype=jnp.int32)[None, :] < n_valid[:, None]  # [t, c]
     if keys.shape[0] == 0:
         return jnp.full((t, c), -jnp.inf, jnp.float32)
-    rows = keys[jnp.where(visible, key_rows, 0)].astype(jnp.float32)  # [t, c, d]
+    at = jnp.where(visible, key_rows, 0)
+    rows = keys[at].astype(jnp.float32)  # [t, c, d]
+    if key_scale is not None:
+        rows = rows * key_scale[at][..., None]
     logits = jnp.einsum("thd,tcd->thc", q.astype(jnp.float32), rows, precision="highest")
     scores = jnp.einsum("th,thc->tc", w.astype(jnp.float32), jnp.maximum(logits, 0.0), precision="highest")
     scores = scores * q.shape[-1] ** -0.5
@@ -42,18 +46,18 @@ def select_topk(scores, ids, k):
     return jnp.where(key[:, :k] == jnp.inf, -1, ids[:, :k]).astype(jnp.int32)
 
 
-def indexer_topk_reference(q, w, keys, key_rows, n_valid, *, k, block_sizes=None, interpret=False):
+def indexer_topk_reference(q, w, keys, key_rows, n_valid, *, k, key_scale=None, block_sizes=None, interpret=False):
     """Indices of the top-min(k, n_valid) entries per query (see module docstring for the order).
 
     Args:
       q: [t, h, d] f32/bf16 indexer queries. w: [t, h] f32 head weights (already scaled).
-      keys: [r, d] indexer-key pool. key_rows: [t, c] i32 pool row of logical entry j.
+      keys: [r, d] indexer-key pool (FP8 E4M3 with key_scale [r] f32). key_rows: [t, c] i32 pool row of entry j.
       n_valid: [t] i32 visible entries. k: static top-k. block_sizes, interpret: ignored.
     Returns:
       idx: [t, k] i32 logical entry ids j, best first; -1 in unused slots.
     """
     del block_sizes, interpret
     t, c = key_rows.shape
-    scores = indexer_scores_reference(q, w, keys, key_rows, n_valid)
+    scores = indexer_scores_reference(q, w, keys, key_rows, n_valid, key_scale)
     ids = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (t, c))
     return select_topk(scores, ids, k)

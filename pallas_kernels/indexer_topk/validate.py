@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._fp8 import check_pool_dtype
+
 _FLOATS = (jnp.bfloat16, jnp.float32)
 
 
-def validate_indexer_topk_static(q, w, keys, key_rows, n_valid, *, k) -> None:
+def validate_indexer_topk_static(q, w, keys, key_rows, n_valid, *, k, key_scale=None) -> None:
     """Raise ValueError naming the offending argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [t, hi, di], got shape {q.shape}")
@@ -19,8 +21,7 @@ def validate_indexer_topk_static(q, w, keys, key_rows, n_valid, *, k) -> None:
         raise ValueError(f"w must be f32 [t={t}, hi={h}], got {w.dtype} {w.shape}")
     if keys.ndim != 2 or keys.shape[1] != d:
         raise ValueError(f"keys must be [rows, di={d}], got shape {keys.shape}")
-    if keys.dtype != q.dtype:
-        raise ValueError(f"keys dtype {keys.dtype} must equal q dtype {q.dtype}")
+    check_pool_dtype("keys", keys, key_scale, q.dtype, scale_name="key_scale")
     if key_rows.ndim != 2 or key_rows.shape[0] != t or key_rows.dtype != jnp.int32:
         raise ValueError(f"key_rows must be int32 [t={t}, c], got {key_rows.dtype} {key_rows.shape}")
     if n_valid.shape != (t,) or n_valid.dtype != jnp.int32:
@@ -29,9 +30,9 @@ def validate_indexer_topk_static(q, w, keys, key_rows, n_valid, *, k) -> None:
         raise ValueError(f"k must be a positive Python int (static), got {k!r}")
 
 
-def validate_indexer_topk_dynamic(q, w, keys, key_rows, n_valid, *, k) -> None:
+def validate_indexer_topk_dynamic(q, w, keys, key_rows, n_valid, *, k, key_scale=None) -> None:
     """Value checks (host sync; for tests and debugging): 0 <= n_valid <= c; visible rows inside the pool."""
-    validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=k)
+    validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=k, key_scale=key_scale)
     c = key_rows.shape[1]
     n_valid = np.asarray(n_valid)
     if n_valid.size and (n_valid.min() < 0 or n_valid.max() > c):

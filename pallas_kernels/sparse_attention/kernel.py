@@ -10,6 +10,10 @@ each list, so padding (-1 tails, e.g. HCA lists shorter than nb) costs nothing. 
 are passed whole and read in place (no padding, no copies, no XLA ops around the call).
 With one split the kernel adds the sink and writes the output; with several it writes partials
 (acc, m, den) merged by `reference.merge_partials` / `finalize_partials` (the spec's merge rule).
+
+FP8 pools (E4M3 values plus one f32 scale per row, either list or both): the gathered tile is converted exactly
+to q's dtype in registers (`pallas_kernels._fp8`) and its row scales multiply the logits and the probabilities,
+so the kernel reads one byte per cached value and never a dequantized copy.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _fp8
 from pallas_kernels._util import cdiv, next_pow2, round_up
 from pallas_kernels.sparse_attention.blocks import BlockSizes, choose_num_splits
 from pallas_kernels.sparse_attention.reference import finalize_partials, merge_partials
@@ -39,7 +43,8 @@ def _live_blocks(idx_ref, n: int, block_k: int):
 def _sparse_attention_kernel(
     q_ref,  # [block_h, d]
     sink_ref,  # [block_h] f32
-    *refs,  # idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole pool, [kv_b [rb, d]], outputs
+    *refs,  # idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole pool, [kv_b [rb, d]],
+    # [a's row scales [ra] f32 if FP8], [b's row scales [rb] f32 if FP8], outputs
     na: int,
     nb: int,
     scale: float,
@@ -47,36 +52,47 @@ def _sparse_attention_kernel(
     blocks_per_split: int,
     prefetch: int,
     precision,
+    scaled: tuple[bool, bool],
 ):
+    refs = list(refs)
     if nb:
-        idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref, *out_refs = refs
+        idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref = (refs.pop(0) for _ in range(4))
     else:
-        idx_a_ref, kv_a_ref, *out_refs = refs
+        idx_a_ref, kv_a_ref = (refs.pop(0) for _ in range(2))
+        kv_b_ref = idx_b_ref = None
+    scale_a_ref = refs.pop(0) if scaled[0] else None
+    scale_b_ref = refs.pop(0) if nb and scaled[1] else None
+    out_refs = refs
     block_h, d = q_ref.shape
     q_outer = None if prefetch else q_ref[...]
     first = pl.program_id(2) * blocks_per_split  # this split's blocks: [first, first + blocks_per_split)
     last = first + blocks_per_split
     a_blocks = cdiv(na, block_k)
 
-    def update(carry, rows, valid):
-        """One online-softmax step over a gathered [block_k, d] tile (rows of invalid slots are 0)."""
+    def update(carry, rows, valid, row_scale):
+        """One online-softmax step over a gathered [block_k, d] tile (rows of invalid slots are 0). An FP8 tile
+        arrives as its exact E4M3 values with their row scales [block_k]: K = rows * scale enters the logits
+        and V = rows * scale the probabilities, [block_h, block_k] multiplies instead of [block_k, d]."""
         acc, m, den = carry
         # With register prefetch q is re-read (from L1) every step rather than held: as a loop-invariant
         # matmul operand Triton would keep it in registers ([block_h, d] replicated across warps), which
         # spills. Without, Triton's pipeliner keeps it in shared memory.
         q = q_ref[...] if prefetch else q_outer
         s = lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
+        if row_scale is not None:
+            s = s * row_scale[None, :]
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [block_h, block_k]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid row yet: avoid -inf - -inf
         alpha = jnp.exp(m - shift)
         p = jnp.exp(s - shift[:, None])
+        pw = p if row_scale is None else p * row_scale[None, :]
         pv = lax.dot_general(
-            p.astype(rows.dtype), rows, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=f32
+            pw.astype(rows.dtype), rows, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=f32
         )  # [block_h, d]
         return alpha[:, None] * acc + pv, m_new, alpha * den + jnp.sum(p, axis=1)
 
-    def walk(kv_ref, idx_ref, n, lo, hi, carry):
+    def walk(kv_ref, scale_ref, idx_ref, n, lo, hi, carry):
         """Blocks [lo, hi) of one list. With prefetch P, the gathers of blocks blk+1..blk+P are in flight
         (loop-carried registers) while block blk is computed, and the index slots one block further
         ahead; loads past `hi` are masked off (no memory traffic)."""
@@ -88,7 +104,9 @@ def _sparse_attention_kernel(
 
         def fetch(ids):
             valid = ids >= 0
-            return _backend.gather_rows(kv_ref, ids, valid), valid  # unused slots: 0, never read
+            rows = _fp8.to_compute(_backend.gather_rows(kv_ref, ids, valid), q_ref.dtype)  # unused slots: 0, never read
+            row_scale = None if scale_ref is None else _backend.load_1d(scale_ref, ids, valid, 0.0)
+            return rows, valid, row_scale
 
         if not prefetch:  # gather and use in the same step (Triton's own pipeliner, if any)
             return lax.fori_loop(lo, hi, lambda blk, c: update(c, *fetch(ids_of(blk))), carry)
@@ -111,11 +129,11 @@ def _sparse_attention_kernel(
     )
     # Global block ids: [0, a_blocks) are list A, [a_blocks, ...) list B.
     live_a = _live_blocks(idx_a_ref, na, block_k)
-    carry = walk(kv_a_ref, idx_a_ref, na, first, jnp.minimum(last, live_a), carry)
+    carry = walk(kv_a_ref, scale_a_ref, idx_a_ref, na, first, jnp.minimum(last, live_a), carry)
     if nb:
         live_b = _live_blocks(idx_b_ref, nb, block_k)
         carry = walk(
-            kv_b_ref, idx_b_ref, nb, jnp.maximum(first - a_blocks, 0), jnp.minimum(last - a_blocks, live_b), carry
+            kv_b_ref, scale_b_ref, idx_b_ref, nb, jnp.maximum(first - a_blocks, 0), jnp.minimum(last - a_blocks, live_b), carry
         )
     acc, m, den = carry
 
@@ -132,17 +150,20 @@ def _sparse_attention_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
-def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=None, interpret=False):
+def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None, kv_b_scale=None,
+                     block_sizes=None, interpret=False):
     """Sparse MQA attention with a sink over rows gathered from two pools (see `reference`).
 
     Args:
-      q: [t, h, d] bf16/f32. kv_a: [ra, d] (same dtype). idx_a: [t, na] i32, -1 = unused.
-      kv_b: [rb, d]. idx_b: [t, nb] i32 (nb may be 0). sink: [h] f32. scale: static float.
+      q: [t, h, d] bf16/f32. kv_a: [ra, d] (q's dtype, or FP8 E4M3 with kv_a_scale). idx_a: [t, na] i32, -1 = unused.
+      kv_b: [rb, d] (likewise). idx_b: [t, nb] i32 (nb may be 0). sink: [h] f32. scale: static float.
+      kv_a_scale, kv_b_scale: [ra] / [rb] f32 row scales of an FP8 pool (row = value * scale), else None.
       block_sizes: `BlockSizes` (static) or None for defaults. interpret: run the Pallas interpreter.
     Returns:
       out: [t, h, d] in q.dtype; 0 for a token without valid rows.
     """
-    validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
+    validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, kv_a_scale=kv_a_scale,
+                                     kv_b_scale=kv_b_scale)
     bs = block_sizes or BlockSizes.get_default(q.dtype)
     t, h, d = q.shape
     if t == 0:
@@ -162,6 +183,8 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
     # An empty pool can only be referenced by -1 slots: one dummy row keeps the gather well-formed.
     kv_a = kv_a if kv_a.shape[0] else jnp.zeros((1, d), kv_a.dtype)
     kv_b = kv_b if kv_b.shape[0] else jnp.zeros((1, d), kv_b.dtype)
+    scales = [s if s is None or s.shape[0] else jnp.zeros((1,), jnp.float32) for s in (kv_a_scale, kv_b_scale)]
+    kv_a, kv_b = _fp8.kernel_operand(kv_a), _fp8.kernel_operand(kv_b)
     total_blocks = cdiv(na, block_k) + cdiv(nb, block_k)
 
     head_blocks = h_p // block_h
@@ -186,10 +209,15 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
     ]
     if nb:
         in_specs += [row(na), row(nb), whole(kv_a), whole(kv_b)]
-        operands = (q, sink, idx_a, idx_b, kv_a, kv_b)
+        operands = [q, sink, idx_a, idx_b, kv_a, kv_b]
     else:
         in_specs += [row(na), whole(kv_a)]
-        operands = (q, sink, idx_a, kv_a)
+        operands = [q, sink, idx_a, kv_a]
+    scaled = (scales[0] is not None, scales[1] is not None)
+    for row_scale in (scales[0], scales[1] if nb else None):
+        if row_scale is not None:
+            in_specs.append(pl.BlockSpec(row_scale.shape, lambda hb, ti, si: (0,)))
+            operands.append(row_scale)
 
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, h_p, d), q.dtype)
@@ -214,6 +242,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=No
         blocks_per_split=blocks_per_split,
         prefetch=bs.prefetch,
         precision=_backend.dot_precision(q.dtype),
+        scaled=scaled,
     )
     result = pl.pallas_call(
         kernel,

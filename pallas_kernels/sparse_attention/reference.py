@@ -16,19 +16,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def _gather_rows(kv, idx):
-    """kv [r, d], idx [t, n] (-1 = unused) -> rows [t, n, d] f32 (0 where unused), valid [t, n]."""
+def _gather_rows(kv, idx, kv_scale=None):
+    """kv [r, d], idx [t, n] (-1 = unused) -> rows [t, n, d] f32 (0 where unused), valid [t, n]. An FP8 pool is
+    dequantized after the gather: value * kv_scale [r] of its row."""
     valid = idx >= 0
     if kv.shape[0] == 0:  # an empty pool can only be referenced by -1 slots
         return jnp.zeros((*idx.shape, kv.shape[1]), jnp.float32), valid
-    rows = kv[jnp.where(valid, idx, 0)].astype(jnp.float32)
+    at = jnp.where(valid, idx, 0)
+    rows = kv[at].astype(jnp.float32)
+    if kv_scale is not None:
+        rows = rows * kv_scale[at][..., None]
     # where, not a 0/1 multiply: row 0 may hold NaN (an unused pool row) and NaN * 0 = NaN.
     return jnp.where(valid[..., None], rows, 0.0), valid
 
 
-def attention_partials_reference(q, kv, idx, *, scale):
+def attention_partials_reference(q, kv, idx, *, scale, kv_scale=None):
     """Partials of one row list. q [t, h, d], kv [r, d], idx [t, n] -> acc [t, h, d] f32, m [t, h], den [t, h]."""
-    rows, valid = _gather_rows(kv, idx)
+    rows, valid = _gather_rows(kv, idx, kv_scale)
     logits = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), rows, precision="highest") * scale
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, initial=-jnp.inf)
@@ -55,19 +59,21 @@ def finalize_partials(acc, m, den, sink, out_dtype):
     return (acc / den[..., None]).astype(out_dtype)
 
 
-def sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, block_sizes=None, interpret=False):
+def sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None, kv_b_scale=None,
+                               block_sizes=None, interpret=False):
     """Attention of each token over the valid rows of A and B (see module docstring).
 
     Args:
       q: [t, h, d] bf16/f32. kv_a: [ra, d]. idx_a: [t, na] i32 (-1 unused). kv_b: [rb, d].
       idx_b: [t, nb] i32 (-1 unused; nb may be 0). sink: [h] f32. scale: logit scale (1/sqrt(d) in V4).
+      kv_a_scale, kv_b_scale: [ra] / [rb] f32 row scales of an FP8 E4M3 pool (row = value * scale), else None.
       block_sizes, interpret: ignored (same signature as the kernel).
     Returns:
       out: [t, h, d] in q.dtype.
     """
     del block_sizes, interpret
-    rows_a, valid_a = _gather_rows(kv_a, idx_a)
-    rows_b, valid_b = _gather_rows(kv_b, idx_b)
+    rows_a, valid_a = _gather_rows(kv_a, idx_a, kv_a_scale)
+    rows_b, valid_b = _gather_rows(kv_b, idx_b, kv_b_scale)
     rows = jnp.concatenate([rows_a, rows_b], axis=1)  # [t, n, d]
     valid = jnp.concatenate([valid_a, valid_b], axis=1)  # [t, n]
     logits = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), rows, precision="highest") * scale

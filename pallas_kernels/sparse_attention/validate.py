@@ -7,21 +7,23 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._fp8 import check_pool_dtype
+
 _FLOATS = (jnp.bfloat16, jnp.float32)
 
 
-def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale) -> None:
+def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None,
+                                     kv_b_scale=None) -> None:
     """Raise ValueError naming the offending argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [t, h, d], got shape {q.shape}")
     t, h, d = q.shape
     if q.dtype not in _FLOATS:
         raise ValueError(f"q must be bf16 or f32, got {q.dtype}")
-    for name, kv in (("kv_a", kv_a), ("kv_b", kv_b)):
+    for name, kv, kv_scale in (("kv_a", kv_a, kv_a_scale), ("kv_b", kv_b, kv_b_scale)):
         if kv.ndim != 2 or kv.shape[1] != d:
             raise ValueError(f"{name} must be [rows, d={d}], got shape {kv.shape}")
-        if kv.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {kv.dtype} must equal q dtype {q.dtype}")
+        check_pool_dtype(name, kv, kv_scale, q.dtype)
     for name, idx in (("idx_a", idx_a), ("idx_b", idx_b)):
         if idx.ndim != 2 or idx.shape[0] != t:
             raise ValueError(f"{name} must be [t={t}, n], got shape {idx.shape}")
@@ -35,10 +37,13 @@ def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale
         raise ValueError(f"scale must be a finite real number (static), got {scale!r}")
 
 
-def validate_sparse_attention_dynamic(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale) -> None:
+def validate_sparse_attention_dynamic(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None,
+                                      kv_b_scale=None) -> None:
     """Value checks (host sync; for tests and debugging): every index is -1 or a row of its pool."""
-    validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
+    validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, kv_a_scale=kv_a_scale,
+                                     kv_b_scale=kv_b_scale)
     for name, idx, rows in (("idx_a", idx_a, kv_a.shape[0]), ("idx_b", idx_b, kv_b.shape[0])):
         idx = np.asarray(idx)
         if idx.size and (idx.min() < -1 or idx.max() >= rows):
             raise ValueError(f"{name} values must be -1 or in [0, {rows}), got range [{idx.min()}, {idx.max()}]")
+

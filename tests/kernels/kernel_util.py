@@ -32,3 +32,21 @@ def poison_unused(pool: np.ndarray, used_rows: np.ndarray) -> np.ndarray:
     used = np.unique(used_rows[used_rows >= 0])
     out[used] = pool[used]
     return out
+
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
+
+
+def quantize_rows(pool, fmt: str):
+    """An FP8 pool as the KV cache stores it, made with ml_dtypes (independent of ds4jax): per row,
+    scale = max |x| / FP8_MAX[fmt] (1 for an all-zero row) and values round(x / scale) in `fmt`. A NaN row (poison)
+    gets NaN values and a NaN scale. Returns (jnp values, jnp f32 scales)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    pool = np.asarray(pool, np.float32)
+    amax = np.abs(pool).max(axis=-1)
+    scale = np.where(amax > 0, amax / FP8_MAX[fmt], 1.0).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        values = (pool / scale[:, None]).astype(getattr(ml_dtypes, fmt))
+    return jnp.asarray(values), jnp.asarray(scale)

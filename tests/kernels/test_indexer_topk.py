@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_util import has_gpu, paged_rows, poison_unused
+from kernel_util import has_gpu, paged_rows, poison_unused, quantize_rows
 
 from pallas_kernels import IndexerTopkBlockSizes as BlockSizes
 from pallas_kernels import (
@@ -41,9 +41,19 @@ class Case:
     page: int = 8
     block_sizes: BlockSizes | None = None
     seed: int = 0
+    kv_dtype: str = ""  # "float8_e4m3fn" / "float8_e4m3fnuz": an FP8 key pool with row scales (the FP8 KV cache)
 
     def __str__(self):
         return self.name
+
+
+def case_inputs(case: Case):
+    """(args, scale kwargs): `make_inputs`, the key pool quantized to case.kv_dtype when set (NaN rows stay NaN)."""
+    q, w, keys, key_rows, n_valid = make_inputs(case)
+    if not case.kv_dtype:
+        return (q, w, keys, key_rows, n_valid), {}
+    keys, key_scale = quantize_rows(keys, case.kv_dtype)
+    return (q, w, keys, key_rows, n_valid), dict(key_scale=key_scale)
 
 
 def make_inputs(case: Case):
@@ -163,6 +173,10 @@ CPU_CASES = [
         block_sizes=BlockSizes(block_c=16, max_split=64, prefetch=0),
     ),
     Case("k_above_c", t=3, h=4, d=32, c=10, k=16, n_valid=(10, 4, 0)),
+    Case("fp8_ocp", t=4, h=8, d=32, c=150, k=10, n_valid=(150, 70, 9, 0),
+         block_sizes=BlockSizes(block_c=16, max_split=64), kv_dtype="float8_e4m3fn"),
+    Case("fp8_fnuz_bf16_prefetch0", t=3, h=8, d=64, c=96, k=16, n_valid=(96, 15, 61), dtype="bfloat16",
+         block_sizes=BlockSizes(block_c=16, num_splits=1, prefetch=0), kv_dtype="float8_e4m3fnuz"),
 ]
 
 DEVICE_CASES = [
@@ -179,6 +193,8 @@ DEVICE_CASES = [
         block_sizes=BlockSizes(num_splits=4),
     ),
     Case("ties_f32", t=4, h=64, d=128, c=2048, k=512, n_valid=(2048, 1500, 511, 513), integer_valued=True, page=64),
+    Case("flash_decode_fp8", t=4, h=64, d=128, c=4096, k=512, n_valid=(4096, 3000, 100, 0), dtype="bfloat16", page=64,
+         kv_dtype="float8_e4m3fn"),
 ]
 
 
@@ -186,14 +202,18 @@ class IndexerTopkTestBase:
     INTERPRET = True
 
     def check(self, case: Case):
-        args = make_inputs(case)
-        validate_indexer_topk_dynamic(*args, k=case.k)
-        out = indexer_topk(*args, k=case.k, block_sizes=case.block_sizes, interpret=self.INTERPRET)
-        ref = reference(*args, k=case.k)
+        args, scales = case_inputs(case)
+        validate_indexer_topk_dynamic(*args, k=case.k, **scales)
+        out = indexer_topk(*args, k=case.k, **scales, block_sizes=case.block_sizes, interpret=self.INTERPRET)
+        ref = reference(*args, k=case.k, **scales)
         assert out.shape == (case.t, case.k) and out.dtype == jnp.int32
-        if self.INTERPRET or case.dtype == "float32":
+        if self.INTERPRET or (case.dtype == "float32" and not case.kv_dtype):
             np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
         else:  # compiled bf16: the two sum in different orders, so near-ties at the k-th score may swap
+            if scales:  # the oracle below scores dequantized keys
+                q, w, keys, key_rows, n_valid = args
+                keys = np.asarray(keys).astype(np.float32) * np.asarray(scales["key_scale"])[:, None]
+                args = (q, w, keys, key_rows, n_valid)
             assert_same_selection_up_to_near_ties(args, np.asarray(out), np.asarray(ref), case.k)
         n_sel = np.minimum(np.asarray(args[4]), case.k)
         assert ((np.asarray(out) >= 0).sum(axis=1) == n_sel).all(), "min(k, n_valid) entries, then -1"
@@ -270,6 +290,15 @@ def test_static_validation_names_argument(bad, name):
     args = {"q": q, "w": w, "keys": keys, "key_rows": key_rows, "n_valid": n_valid} | bad
     with pytest.raises(ValueError, match=name):
         validate_indexer_topk_static(**args, k=8)
+
+
+def test_fp8_key_validation_names_argument():
+    (q, w, keys, key_rows, n_valid), scales = case_inputs(Case(
+        "v", t=4, h=4, d=32, c=40, k=8, n_valid=(40, 0, 5, 23), kv_dtype="float8_e4m3fnuz"))
+    with pytest.raises(ValueError, match="keys dtype float8_e4m3fnuz must equal q dtype"):
+        validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=8)
+    with pytest.raises(ValueError, match="key_scale must be f32"):
+        validate_indexer_topk_static(q, w, keys, key_rows, n_valid, k=8, key_scale=scales["key_scale"][:-1])
 
 
 def test_dynamic_validation_catches_bad_n_valid():

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_util import has_gpu, paged_rows, poison_unused
+from kernel_util import has_gpu, paged_rows, poison_unused, quantize_rows
 
 from pallas_kernels import SparseAttentionBlockSizes as BlockSizes
 from pallas_kernels import (
@@ -47,9 +47,20 @@ class Case:
     empty_rows: tuple[int, ...] = ()  # tokens whose lists are all -1
     block_sizes: BlockSizes | None = None
     seed: int = 0
+    kv_dtype: str = ""  # "float8_e4m3fn" / "float8_e4m3fnuz": both pools FP8 with row scales (the FP8 KV cache)
 
     def __str__(self):
         return self.name
+
+
+def case_inputs(case: Case):
+    """(args, scale kwargs): `make_inputs`, with the pools quantized to case.kv_dtype when it is set (the unused
+    rows then hold NaN values and NaN scales)."""
+    q, kv_a, idx_a, kv_b, idx_b, sink = make_inputs(case)
+    if not case.kv_dtype:
+        return (q, kv_a, idx_a, kv_b, idx_b, sink), {}
+    (kv_a, scale_a), (kv_b, scale_b) = quantize_rows(kv_a, case.kv_dtype), quantize_rows(kv_b, case.kv_dtype)
+    return (q, kv_a, idx_a, kv_b, idx_b, sink), dict(kv_a_scale=scale_a, kv_b_scale=scale_b)
 
 
 def make_inputs(case: Case):
@@ -148,6 +159,13 @@ CPU_CASES = [
         nb=30,
         block_sizes=BlockSizes(block_k=4, prefetch=3, num_splits=3),
     ),
+    # the FP8 KV cache: E4M3 pools (OCP, and MI300's FNUZ bytes decoded with integer ops) with NaN-poisoned rows
+    Case("fp8_ocp_bf16", t=6, h=8, d=64, na=20, nb=24, dtype="bfloat16", empty_rows=(2,),
+         block_sizes=BlockSizes(block_k=8, num_splits=1), kv_dtype="float8_e4m3fn"),
+    Case("fp8_fnuz_split", t=5, h=8, d=64, na=20, nb=40, dense_b=True, empty_rows=(0,),
+         block_sizes=BlockSizes(block_h=4, block_k=8, num_splits=3), kv_dtype="float8_e4m3fnuz"),
+    Case("fp8_ocp_prefetch_nb0", t=3, h=4, d=32, na=8, nb=0, block_sizes=BlockSizes(block_k=4, prefetch=2),
+         kv_dtype="float8_e4m3fn"),
 ]
 
 DEVICE_CASES = [
@@ -175,6 +193,7 @@ DEVICE_CASES = [
         block_sizes=BlockSizes(block_h=16, block_k=16, num_splits=1),
     ),
     Case("tiny_padded_heads", t=3, h=4, d=32, na=8, nb=4),
+    Case("flash_csa_fp8", t=8, h=64, d=512, na=128, nb=512, dtype="bfloat16", page=64, kv_dtype="float8_e4m3fn"),
 ]
 
 
@@ -182,11 +201,11 @@ class SparseAttentionTestBase:
     INTERPRET = True
 
     def check(self, case: Case):
-        args = make_inputs(case)
+        args, scales = case_inputs(case)
         scale = case.d**-0.5
-        validate_sparse_attention_dynamic(*args, scale=scale)
-        out = sparse_attention(*args, scale=scale, block_sizes=case.block_sizes, interpret=self.INTERPRET)
-        ref = reference(*args, scale=scale)
+        validate_sparse_attention_dynamic(*args, scale=scale, **scales)
+        out = sparse_attention(*args, scale=scale, **scales, block_sizes=case.block_sizes, interpret=self.INTERPRET)
+        ref = reference(*args, scale=scale, **scales)
         assert out.shape == ref.shape and out.dtype == args[0].dtype
         assert not np.isnan(np.asarray(out, np.float32)).any(), "a NaN-poisoned unused row leaked into the output"
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[case.dtype])
@@ -266,6 +285,32 @@ def test_static_validation_names_argument(bad, name):
     args = {"q": q, "kv_a": kv_a, "idx_a": idx_a, "kv_b": kv_b, "idx_b": idx_b, "sink": sink} | bad
     with pytest.raises(ValueError, match=name):
         validate_sparse_attention_static(**args, scale=0.1)
+
+
+def test_fp8_reference_dequantizes_each_row():
+    """The reference over an FP8 pool equals the reference over that pool dequantized by hand (value * row
+    scale, ml_dtypes): the kernel tests above compare against a reference that reads the format right."""
+    case = Case("fp8_ref", t=3, h=4, d=32, na=8, nb=4, kv_dtype="float8_e4m3fnuz")
+    (q, kv_a, idx_a, kv_b, idx_b, sink), scales = case_inputs(case)
+    dequant = lambda v, s: jnp.asarray(np.asarray(v).astype(np.float32) * np.asarray(s)[:, None])
+    want = reference(q, dequant(kv_a, scales["kv_a_scale"]), idx_a, dequant(kv_b, scales["kv_b_scale"]), idx_b, sink,
+                     scale=0.2)
+    got = reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=0.2, **scales)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kv_a_scale=None), "kv_a dtype float8_e4m3fn must equal q dtype"),
+    (dict(kv_b_scale=jnp.zeros((3,))), "kv_b_scale must be f32"),
+])
+def test_fp8_validation_names_argument(bad, match):
+    (q, kv_a, idx_a, kv_b, idx_b, sink), scales = case_inputs(Case("v", t=3, h=4, d=32, na=8, nb=4,
+                                                                   kv_dtype="float8_e4m3fn"))
+    with pytest.raises(ValueError, match=match):
+        validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=0.1, **(scales | bad))
+    with pytest.raises(ValueError, match="kv_a must be float8"):
+        validate_sparse_attention_static(q, q[0], idx_a, kv_b, idx_b, sink, scale=0.1, kv_a_scale=jnp.zeros(4),
+                                         kv_b_scale=scales["kv_b_scale"])
 
 
 def test_dynamic_validation_catches_out_of_range_row():

@@ -52,6 +52,22 @@ def _indexer(dtype, block_sizes):
     return fn, args
 
 
+def _sparse_fp8(kv_dtype):
+    """The sparse attention over an FP8 cache: E4M3 pools (OCP or FNUZ) with one f32 scale per row."""
+    fn = functools.partial(sparse_attention, scale=D**-0.5)
+    args = (S((T, H, D), jnp.bfloat16), S((4096, D), kv_dtype), S((T, 130), jnp.int32), S((8192, D), kv_dtype),
+            S((T, 512), jnp.int32), S((H,), jnp.float32))
+    scales = dict(kv_a_scale=S((4096,), jnp.float32), kv_b_scale=S((8192,), jnp.float32))
+    return (lambda *a, kv_a_scale, kv_b_scale: fn(*a, kv_a_scale=kv_a_scale, kv_b_scale=kv_b_scale)), (args, scales)
+
+
+def _indexer_fp8(kv_dtype):
+    fn = functools.partial(indexer_topk, k=512)
+    args = (S((T, HI, DI), jnp.bfloat16), S((T, HI), jnp.float32), S((100_000, DI), kv_dtype),
+            S((T, 32768), jnp.int32), S((T,), jnp.int32))
+    return (lambda *a, key_scale: fn(*a, key_scale=key_scale)), (args, dict(key_scale=S((100_000,), jnp.float32)))
+
+
 def _grouped(rows, tiles, n_w, k, n):
     """Routed experts at Flash dims (256 experts): decode (6 one-row tiles) and prefill (448 tiles of 64 rows)."""
     return grouped_matmul, (S((rows, k), jnp.bfloat16), tuple(S((256, k, n), jnp.bfloat16) for _ in range(n_w)),
@@ -79,6 +95,10 @@ CASES = {
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),
     "indexer_bf16": _indexer(jnp.bfloat16, None),
     "indexer_f32_c32": _indexer(jnp.float32, IndexerTopkBlockSizes(block_c=32, max_split=4096)),
+    "sparse_fp8_ocp": _sparse_fp8(jnp.float8_e4m3fn),
+    "sparse_fp8_fnuz": _sparse_fp8(jnp.float8_e4m3fnuz),
+    "indexer_fp8_ocp": _indexer_fp8(jnp.float8_e4m3fn),
+    "indexer_fp8_fnuz": _indexer_fp8(jnp.float8_e4m3fnuz),
     "sinkhorn_decode": _sinkhorn(64),
     "sinkhorn_prefill_tail": _sinkhorn(16384 + 5),
     "sinkhorn_m8": _sinkhorn(100, m=8),
@@ -89,9 +109,10 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_lowers_to_triton(name, platform):
     fn, args = CASES[name]
+    args, kwargs = args if isinstance(args[-1], dict) else (args, {})
     dump = os.environ.get("DS4JAX_DUMP_TTIR")
     with _capture_ttir() if dump else _nothing() as captured:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        text = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=(platform,)).as_text()
     assert text.count("triton") >= 1, "expected one Triton custom call"
     if dump:
         path = pathlib.Path(dump)
