@@ -43,9 +43,9 @@ def test_roles_and_logical_axes(spec, role):
 
 def test_layer_kinds_and_indices():
     kinds = (AttentionType.CSA, AttentionType.HCA, AttentionType.CSA)
-    assert {a.name for a in layout.of_layer(AttentionType.SLIDING)} == {"swa_kv"}
+    assert {a.name for a in layout.of_layer(AttentionType.SLIDING)} == {"swa_kv", "swa_kv_scale"}
     assert {a.name for a in layout.of_layer(AttentionType.HCA)} == {"swa_kv", "c128_kv", "c128_state_kv",
-                                                                    "c128_state_gate"}
+                                                                    "c128_state_gate", "swa_kv_scale", "c128_kv_scale"}
     c4, c128, swa = layout.BY_NAME["c4_kv"], layout.BY_NAME["c128_kv"], layout.BY_NAME["swa_kv"]
     assert [layout.layer_index(kinds, i, swa) for i in range(3)] == [0, 1, 2]
     assert layout.layer_index(kinds, 2, c4) == 1 and layout.layer_index(kinds, 1, c128) == 0

@@ -190,6 +190,11 @@ def test_tiny_shapes():
         "c4_kv": ((2, 36, 32), "bfloat16"),
         "indexer_kv": ((2, 36, 32), "bfloat16"),
         "c128_kv": ((2, 18, 32), "bfloat16"),
+        # the FP8 cache's row scales: no layers without kv_dtype="fp8"
+        "swa_kv_scale": ((0, 3, 9), "float32"),
+        "c4_kv_scale": ((0, 36), "float32"),
+        "indexer_kv_scale": ((0, 36), "float32"),
+        "c128_kv_scale": ((0, 18), "float32"),
         "c4_state_kv": ((2, 3, 16, 64), "float32"),
         "c4_state_gate": ((2, 3, 16, 64), "float32"),
         "indexer_state_kv": ((2, 3, 16, 64), "float32"),

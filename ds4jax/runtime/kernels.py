@@ -63,25 +63,39 @@ def block_sizes(op: str, dtype, arch: str | None):
     return cls.get_default(dtype, arch=arch)
 
 
-def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: Impl):
-    """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d]."""
-    if impl is Impl.REFERENCE:
-        return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale)
-    kernel = lambda q, kv_a, idx_a, kv_b, idx_b, sink: pallas_kernels.sparse_attention(
-        q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale,
-        block_sizes=block_sizes("sparse_attention", q.dtype, kernel_arch(impl)),
-        interpret=impl is Impl.PALLAS_INTERPRET)
-    return sharded_kernels.per_head(kernel, q, kv_a, idx_a, kv_b, idx_b, sink=sink)  # shard_map under a mesh
+def _given(**scales) -> dict:
+    """The row scales of FP8 pools that are present (an FP8 KV cache), by keyword."""
+    return {name: value for name, value in scales.items() if value is not None}
 
 
-def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl):
-    """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id."""
+def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: Impl, kv_a_scale=None,
+                     kv_b_scale=None):
+    """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d].
+    An FP8 pool comes with its row scales (kv_*_scale [rows] f32); the kernels read it as stored."""
+    scales = _given(kv_a_scale=kv_a_scale, kv_b_scale=kv_b_scale)
     if impl is Impl.REFERENCE:
-        return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k)
-    kernel = lambda q, w, keys, key_rows, n_valid: pallas_kernels.indexer_topk(
-        q, w, keys, key_rows, n_valid, k=k, block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)),
-        interpret=impl is Impl.PALLAS_INTERPRET)
-    return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid)  # shard_map under a mesh
+        return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, **scales)
+
+    def kernel(q, kv_a, idx_a, kv_b, idx_b, *rest):
+        *given, sink = rest
+        return pallas_kernels.sparse_attention(
+            q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, **dict(zip(scales, given)),
+            block_sizes=block_sizes("sparse_attention", q.dtype, kernel_arch(impl)),
+            interpret=impl is Impl.PALLAS_INTERPRET)
+    # shard_map under a mesh
+    return sharded_kernels.per_head(kernel, q, kv_a, idx_a, kv_b, idx_b, *scales.values(), sink=sink)
+
+
+def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl, key_scale=None):
+    """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id.
+    FP8 keys come with their row scales (key_scale [rows] f32)."""
+    scales = _given(key_scale=key_scale)
+    if impl is Impl.REFERENCE:
+        return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k, **scales)
+    kernel = lambda q, w, keys, key_rows, n_valid, *given: pallas_kernels.indexer_topk(
+        q, w, keys, key_rows, n_valid, k=k, **dict(zip(scales, given)),
+        block_sizes=block_sizes("indexer_topk", q.dtype, kernel_arch(impl)), interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.replicated(kernel, q, w, keys, key_rows, n_valid, *scales.values())  # under a mesh
 
 
 def routed_experts(x, routing, p, cfg, *, impl: Impl):

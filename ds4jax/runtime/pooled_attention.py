@@ -12,6 +12,10 @@ start[b] = pool.lengths[slot]. Per layer:
 3. Compressed keys: HCA attends to all visible entries; CSA runs the indexer over the request's indexer keys and
    attends to the selected entries. Attention and indexer go through `ds4jax.kernels` (Pallas or reference).
 
+With an FP8 KV cache (`PoolSpec.kv_dtype`, `kv_quant`) every SWA key, compressed entry and indexer key is
+quantized when it is produced (one float32 scale per row, written beside it) and the kernels read the stored
+values and scales; the compressor state rings keep their dtype.
+
 All reads are masked by position: a row is used only if it holds a committed position the query may see.
 Padding rows (n = 0) and padding tokens write nothing. A page id outside the pool (-1 = none) maps to no row:
 writes to it are dropped and a request's readable entries end before it (`entry_rows`, `readable_entries`),
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.layers import compressor, indexer
-from ds4jax.runtime import kernels
+from ds4jax.runtime import kernels, kv_quant
 from ds4jax.runtime.kernels import Impl
 from ds4jax.model.layers.attention import layer_inv_freq, output_projection, project_qkv
 
@@ -93,7 +97,8 @@ class PagedLayer(NamedTuple):
         return self.pool.shape[1]
 
     def flat(self) -> jax.Array:
-        return self.pool.reshape(-1, self.pool.shape[-1])
+        """[layers * N, w] (a scale array [layers, N]: [layers * N])."""
+        return self.pool.reshape(-1, *self.pool.shape[2:])
 
     def flat_rows(self, rows: jax.Array) -> jax.Array:
         """Rows of this layer [..] (-1 = none) as rows of `flat()`."""
@@ -148,19 +153,20 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
 
 
 def write_entries(paged: PagedLayer, entries, ids, ok, g: ChunkGeometry, ratio: int, page_size: int) -> PagedLayer:
-    """Scatter new entries [B, E, w] into the layer's rows in place. Padding entries and entries without a page
+    """Scatter new entries [B, E, w] (or their scales [B, E]) into the layer's rows in place. Padding entries and entries without a page
     go to the out-of-range row N, which mode="drop" discards (host validation guarantees real rows exist)."""
     n = paged.rows
     rows = entry_rows(g.page_table, ids, ratio, page_size, n // (page_size // ratio))
     rows = jnp.where(ok & (rows >= 0), rows, n)
     new = paged.pool.at[paged.layer, rows.reshape(-1)].set(
-        entries.reshape(-1, entries.shape[-1]).astype(paged.pool.dtype), mode="drop")
+        entries.reshape(-1, *paged.pool.shape[2:]).astype(paged.pool.dtype), mode="drop")
     return paged._replace(pool=new)
 
 
 class LayerPools(NamedTuple):
     """What one layer reads and writes (fields named by `pool_layout.POOL_ARRAYS`; None where the layer has no
-    such array): slot rings gathered for the step's rows, paged pools whole with the layer's index."""
+    such array): slot rings gathered for the step's rows, paged pools whole with the layer's index. The *_scale
+    fields exist with an FP8 KV cache only (`kv_quant`): the float32 scale of each row of the array they follow."""
     ring: jax.Array  # [B, R, d]
     entries: PagedLayer | None = None  # C4 (CSA) or C128 (HCA) entries
     state_kv: jax.Array | None = None  # [B, Rs, c*w] compressor ring
@@ -168,6 +174,23 @@ class LayerPools(NamedTuple):
     index_entries: PagedLayer | None = None  # indexer keys (CSA)
     index_state_kv: jax.Array | None = None
     index_state_gate: jax.Array | None = None
+    ring_scale: jax.Array | None = None  # [B, R]
+    entries_scale: PagedLayer | None = None
+    index_entries_scale: PagedLayer | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.ring_scale is not None
+
+
+def store_entries(paged: PagedLayer, scales: PagedLayer | None, entries, ids, ok, g: ChunkGeometry, ratio: int,
+                  page_size: int) -> tuple[PagedLayer, PagedLayer | None]:
+    """`write_entries`, quantized on the way in when the pool is FP8 (`scales` given): values and row scales."""
+    if scales is None:
+        return write_entries(paged, entries, ids, ok, g, ratio, page_size), None
+    values, row_scales = kv_quant.quantize(entries, paged.pool.dtype)
+    return (write_entries(paged, values, ids, ok, g, ratio, page_size),
+            write_entries(scales, row_scales, ids, ok, g, ratio, page_size))
 
 
 def window_rows(g: ChunkGeometry, ring_rows: int, window: int) -> jax.Array:
@@ -195,10 +218,20 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
     q_latent, q, kv = project_qkv(x, g.positions, p, cfg, inv_freq)
     ring_rows = pools.ring.shape[1]
     ring_ok = ring_positions(g.start, ring_rows) >= 0
-    swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0).astype(kv.dtype),
-                           jnp.where(g.valid[..., None], kv, 0)], axis=1)  # [B, R + C, d]
+    swa_scale = table_scale = None  # row scales of the two row lists with an FP8 cache
+    if pools.fp8:  # the chunk's keys are quantized before anything reads them, its own queries included
+        kv_stored, kv_scale = kv_quant.quantize(kv, pools.ring.dtype)
+        swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0),
+                               jnp.where(g.valid[..., None], kv_stored, 0)], axis=1)  # [B, R + C, d] FP8
+        swa_scale = jnp.concatenate([jnp.where(ring_ok, pools.ring_scale, 0), jnp.where(g.valid, kv_scale, 0)],
+                                    axis=1).reshape(-1)
+        new = pools._replace(ring=rewrite_ring(pools.ring, kv_stored, g),
+                             ring_scale=rewrite_ring(pools.ring_scale[..., None], kv_scale[..., None], g)[..., 0])
+    else:
+        swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0).astype(kv.dtype),
+                               jnp.where(g.valid[..., None], kv, 0)], axis=1)  # [B, R + C, d]
+        new = pools._replace(ring=rewrite_ring(pools.ring, kv, g))
     idx_a = window_rows(g, ring_rows, window)
-    new = pools._replace(ring=rewrite_ring(pools.ring, kv, g))
     selection, table = None, jnp.zeros((0, cfg.head_dim), kv.dtype)
     idx_b = jnp.zeros((b, chunk, 0), jnp.int32)
     if kind is not AttentionType.SLIDING:
@@ -210,9 +243,10 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
             ents, ids, ok, state = compress_chunk(
                 x, p["compressor"], CompressorState(pools.state_kv, pools.state_gate), g, ratio=ratio,
                 overlap=overlap, width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
-            paged = write_entries(pools.entries, ents, ids, ok, g, ratio, page_size)
-        new = new._replace(entries=paged, state_kv=state.kv, state_gate=state.gate)
+            paged, paged_scale = store_entries(pools.entries, pools.entries_scale, ents, ids, ok, g, ratio, page_size)
+        new = new._replace(entries=paged, entries_scale=paged_scale, state_kv=state.kv, state_gate=state.gate)
         table = paged.flat()
+        table_scale = None if paged_scale is None else paged_scale.flat()
         all_ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
         rows_of = entry_rows(g.page_table, all_ids, ratio, page_size, num_pages)  # [B, capacity], -1 = no page
         readable = readable_entries(g.page_table, ratio, page_size, num_pages)  # [B]
@@ -223,14 +257,16 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
                 ients, iids, iok, istate = compress_chunk(
                     x, ip["compressor"], CompressorState(pools.index_state_kv, pools.index_state_gate), g,
                     ratio=ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
-                ipaged = write_entries(pools.index_entries, ients, iids, iok, g, ratio, page_size)
-                new = new._replace(index_entries=ipaged, index_state_kv=istate.kv, index_state_gate=istate.gate)
+                ipaged, ipaged_scale = store_entries(pools.index_entries, pools.index_entries_scale, ients, iids,
+                                                     iok, g, ratio, page_size)
+                new = new._replace(index_entries=ipaged, index_entries_scale=ipaged_scale, index_state_kv=istate.kv,
+                                   index_state_gate=istate.gate)
                 iq, iw = indexer.queries(q_latent, x, g.positions, ip, cfg, inv_freq)
                 key_rows = jnp.broadcast_to(ipaged.flat_rows(rows_of)[:, None, :], (b, chunk, capacity))
                 selection = kernels.indexer_topk(
                     iq.reshape(b * chunk, *iq.shape[2:]), iw.reshape(b * chunk, -1), ipaged.flat(),
                     key_rows.reshape(b * chunk, capacity), n_visible.reshape(-1), k=min(cfg.index_topk, capacity),
-                    impl=impl).reshape(b, chunk, -1)
+                    impl=impl, key_scale=None if ipaged_scale is None else ipaged_scale.flat()).reshape(b, chunk, -1)
             # selection ids are < n_visible (-1 = none), so every chosen entry has a row
             chosen_rows = jnp.take_along_axis(paged.flat_rows(rows_of), selection.reshape(b, -1), axis=1,
                                               mode="fill", fill_value=-1)
@@ -240,6 +276,7 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
             idx_b = jnp.where(visible, paged.flat_rows(rows_of)[:, None, :], -1)
     o = kernels.sparse_attention(
         q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa.reshape(-1, cfg.head_dim),
-        idx_a.reshape(b * chunk, -1), table.astype(kv.dtype), idx_b.reshape(b * chunk, -1), p["sink"],
-        scale=cfg.head_dim**-0.5, impl=impl).reshape(q.shape)
+        idx_a.reshape(b * chunk, -1), table if pools.fp8 else table.astype(kv.dtype), idx_b.reshape(b * chunk, -1),
+        p["sink"], scale=cfg.head_dim**-0.5, impl=impl, kv_a_scale=swa_scale,
+        kv_b_scale=table_scale).reshape(q.shape)
     return output_projection(o, g.positions, p, cfg, inv_freq), new, selection

@@ -98,6 +98,8 @@ def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt) -> LayerPools:
     fields = {}
     for a in layout.of_layer(at.attention):
         arr, i = getattr(pool, a.name), at.rank(a.layers)
+        if not arr.shape[0]:  # no layers: a scale array without an FP8 cache (the field stays None)
+            continue
         fields[a.field] = arr.at[i, rows].get(mode="fill", fill_value=0) if a.per_slot else PagedLayer(arr, i)
     return LayerPools(**fields)
 
@@ -108,6 +110,8 @@ def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) ->
     changes = {}
     for a in layout.of_layer(at.attention):
         value = getattr(new, a.field)
+        if value is None:  # not loaded (`_load_layer`)
+            continue
         if a.per_slot:
             arr, i = getattr(pool, a.name), at.rank(a.layers)
             changes[a.name] = arr.at[i, rows].set(value.astype(arr.dtype), mode="drop")
