@@ -24,6 +24,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "and 16 x B)")
     p.add_argument("--steps-per-call", type=positive_int, default=8, metavar="M",
                    help="tokens (or speculative rounds) per host round trip")
+    add_kv_dtype_option(p)
+
+
+def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV cache storage: auto = the model's dtype; fp8 = E4M3 with a scale per row (about twice "
+                        "the tokens in the same memory; OCP, or FNUZ on MI300)")
 
 
 def check_engine_values(args: argparse.Namespace) -> None:
@@ -67,7 +74,7 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
         engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
                         prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
                         steps_per_call=args.steps_per_call, tokenizer=tokenizer,
-                        logprobs=getattr(args, "max_logprobs", 0))
+                        logprobs=getattr(args, "max_logprobs", 0), kv_dtype=getattr(args, "kv_dtype", "auto"))
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
         flags = {"max_slots": "--max-slots", "max_context": "--max-context", "prefill_chunk": "--prefill-chunk",
                  "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",

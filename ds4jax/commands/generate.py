@@ -13,6 +13,7 @@ import sys
 import time
 import unicodedata
 
+from ds4jax.commands.engine_options import add_kv_dtype_option
 from ds4jax.commands.options import HelpFormatter, Progress, integer, non_negative_float, positive_int, probability
 
 NAME = "generate"
@@ -41,6 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="speculative decoding: the checkpoint's MTP block drafts K tokens per round (greedy output "
                         "is identical to plain decoding); acceptance stats on stderr")
+    add_kv_dtype_option(p)
     p.add_argument("--steps-per-call", type=positive_int, default=STREAM_STEPS, metavar="M",
                    help="decode steps (speculative rounds) per host round trip: tokens print as each call returns, "
                         "so 1 prints every token as it is sampled; larger M trades smoothness for throughput")
@@ -228,13 +230,14 @@ def run(args) -> int:
 
         result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk,
                                       check_finite=args.check_finite, on_token=lambda _row, token: printer.add(token),
-                                      steps_per_call=args.steps_per_call)
+                                      steps_per_call=args.steps_per_call, kv_dtype=args.kv_dtype)
         new = result.tokens[0]
         progress(f"speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
                  f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round")
     else:
         new = generate(model, ids, sampling, prefill_chunk=args.prefill_chunk, check_finite=args.check_finite,
-                       on_token=lambda _row, token: printer.add(token), steps_per_call=args.steps_per_call)[0]
+                       on_token=lambda _row, token: printer.add(token), steps_per_call=args.steps_per_call,
+                       kv_dtype=args.kv_dtype)[0]
     printer.finish(new)
     seconds = time.perf_counter() - start
     first = "" if printer.first_token_at is None else f"; first token after {printer.first_token_at - start:.2f} s"

@@ -63,5 +63,27 @@ def describe(cfg, name: str) -> str:
         f"  rope        theta {cfg.rope_theta:g}, compressed layers {cfg.compress_rope_theta:g} with YaRN {yarn}",
         f"  mtp         {cfg.num_mtp_layers} layer(s)",
         f"parameters    {total:,} (+ {mtp:,} MTP), {active:,} active per token; routed experts {routed:,}",
+        *kv_cache_lines(cfg),
     ]
     return "\n".join(lines)
+
+
+def kv_cache_lines(cfg) -> list[str]:
+    """What the KV pools cost per token and per request slot in bf16 and with the FP8 cache (`--kv-dtype fp8`)."""
+    from ds4jax.generation.engine import default_page_size
+    from ds4jax.runtime import pool_spec
+    from ds4jax.runtime.roles import Role
+
+    page = default_page_size(cfg)
+    spec = pool_spec.PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=1, max_context=min(
+        page, cfg.max_position_embeddings), page_size=page, dtype="bfloat16")
+    fp8 = spec.replace(kv_dtype="float8_e4m3fn")  # FNUZ has the same size
+    token = {s: pool_spec.bytes_per_token(s)["total"] for s in (spec, fp8)}
+    swa = {s: pool_spec.bytes_per_slot(s)["swa"] for s in (spec, fp8)}
+    if not token[spec]:
+        return [f"kv cache      sliding rings only: {swa[spec]:,} B per request in bf16, {swa[fp8]:,} B with --kv-dtype fp8"]
+    return [f"kv cache      {token[spec]:,.1f} B per token in bf16 (C4 + indexer + C128, all layers), "
+            f"{token[fp8]:,.1f} B with --kv-dtype fp8: {pool_spec.fp8_capacity_gain(spec):.2f}x the tokens in the "
+            f"same memory",
+            f"              + per request: SWA ring {swa[spec]:,} B in bf16, {swa[fp8]:,} B fp8; compressor state "
+            f"rings {pool_spec.bytes_per_slot(spec)['states']:,} B (float32 either way)"]

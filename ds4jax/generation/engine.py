@@ -47,7 +47,7 @@ from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, 
 from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.model.handle import Model
-from ds4jax.runtime import pools, precompile
+from ds4jax.runtime import kv_quant, pools, precompile
 from ds4jax.runtime.data_parallel import local_spec, rows_over_data
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec, configure
@@ -143,7 +143,9 @@ class Engine:
     row_buckets / prefill_row_buckets: the row counts of decode / prefill calls (`buckets.engine_buckets`).
     kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`).
     logprobs: N > 0 makes every program also return each token's log-probability and its N most likely
-    alternatives (requests ask with `Request.logprobs` <= N); 0 (the default) compiles the programs without them."""
+    alternatives (requests ask with `Request.logprobs` <= N); 0 (the default) compiles the programs without them.
+    kv_dtype: "auto" (the KV pools in the model's dtype) or "fp8" (E4M3 with a float32 scale per row, the device's
+    variant: `ds4jax.runtime.kv_quant`); with a memory budget, fp8 fits about twice the tokens."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
@@ -151,7 +153,7 @@ class Engine:
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
-                 check_finite: bool = True, logprobs: int = 0):
+                 check_finite: bool = True, logprobs: int = 0, kv_dtype: str = "auto"):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -183,7 +185,8 @@ class Engine:
                             f"got {logprobs}")
         page = page_size or default_page_size(cfg)
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
-                      draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
+                      draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model),
+                      kv_dtype=kv_quant.check_argument(kv_dtype))
         self.tspec: PoolSpec = self._configure(Role.TARGET, common)
         self.dspec: PoolSpec | None = self._configure(Role.DRAFT, common) if k else None
         # data-parallel pools: every call's rows split evenly over the data shards

@@ -23,6 +23,7 @@ from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
 from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
 from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
+from ds4jax.runtime import kv_quant
 from ds4jax.runtime.pools import PoolError
 
 
@@ -107,7 +108,8 @@ def row_seed(seed: int, row: int) -> int:
 
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
               prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
-              check_finite: bool = False, steps_per_call: int | None = None) -> list[GenerateResult]:
+              check_finite: bool = False, steps_per_call: int | None = None,
+              kv_dtype: str = "auto") -> list[GenerateResult]:
     """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
     `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
@@ -115,7 +117,7 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
     shape = buckets.one_shot([len(p) for p in prompts], params.max_new_tokens, speculative=k, data=data,
                              max_position_embeddings=model.config.max_position_embeddings,
                              prefill_chunk=prefill_chunk, steps_per_call=steps_per_call)
-    engine = Engine(model, **shape, check_finite=check_finite)
+    engine = Engine(model, **shape, check_finite=check_finite, kv_dtype=kv_dtype)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
                         stop_ids=tuple(params.stop_ids),
@@ -137,7 +139,7 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
              prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             steps_per_call: int | None = None) -> list[list[int]]:
+             steps_per_call: int | None = None, kv_dtype: str = "auto") -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
 
     Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
@@ -147,7 +149,8 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
     decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`).
     steps_per_call: decode steps per host round trip (default `buckets.ONE_SHOT_STEPS`); `on_token` sees a
-    call's tokens when it returns, so a streaming caller asks for few (`ds4jax generate`: 1)."""
+    call's tokens when it returns, so a streaming caller asks for few (`ds4jax generate`: 1).
+    kv_dtype: "auto" (the KV cache in the model's dtype) or "fp8" (`Engine`'s argument)."""
     cfg = model.config
     if not isinstance(params, SamplingParams):
         raise ArgumentError("must be a SamplingParams", name="params", value=params)
@@ -160,16 +163,17 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
     if steps_per_call is not None:
         check_int(steps_per_call, "steps_per_call", low=1)
+    kv_quant.check_argument(kv_dtype)
     return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,
                                         on_token=on_token, check_finite=check_finite,
-                                        steps_per_call=steps_per_call)]
+                                        steps_per_call=steps_per_call, kv_dtype=kv_dtype)]
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,
-                    stop_ids: Sequence[int] = ()):
+                    stop_ids: Sequence[int] = (), kv_dtype: str = "auto"):
     """Greedy generation over the pooled steps. One prompt -> list of ids; several prompts -> list of lists."""
     result = generate(model, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids)),
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
     single = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer))
     single = single or (isinstance(prompt_ids, (np.ndarray, jax.Array)) and np.ndim(prompt_ids) == 1)
     return result[0] if single else result

@@ -4,7 +4,8 @@ request whose prompt starts with that prefix.
 A snapshot of a prefix of length L holds, from the request's slot:
 
 * target pools: every per-slot array (SWA ring, compressor state rings of C4 / indexer / C128) and the rows of
-  the pages covering positions [0, L) of every paged array (C4 entries, indexer keys, C128 entries);
+  the pages covering positions [0, L) of every paged array (C4 entries, indexer keys, C128 entries), with an FP8
+  KV cache their row scales too (the pool spec, hence the fingerprint, names the KV dtype);
 * the draft pool's per-slot arrays when speculating (its ring; restored at length L-1, see below);
 * the target's logits and final streams at position L-1.
 
@@ -32,14 +33,19 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from ds4jax.model import layer_stack
+from ds4jax.runtime import kv_quant
 from ds4jax.runtime.pool_layout import POOL_ARRAYS
+from ds4jax.runtime.pool_spec import shapes
 from ds4jax.runtime.pools import KVPool
 
-# paged arrays and the compression ratio (cfg attribute) that sets their entries per page
-PAGED = {"c4_kv": "csa_ratio", "indexer_kv": "csa_ratio", "c128_kv": "hca_ratio"}
+# paged arrays and the compression ratio (cfg attribute) that sets their entries per page (an FP8 cache's row
+# scales are paged like the rows they scale, and travel with them)
+PAGED = {"c4_kv": "csa_ratio", "indexer_kv": "csa_ratio", "c128_kv": "hca_ratio", "c4_kv_scale": "csa_ratio",
+         "indexer_kv_scale": "csa_ratio", "c128_kv_scale": "hca_ratio"}
 
 
 def per_slot_names(pool: KVPool) -> list[str]:
@@ -115,14 +121,19 @@ class SnapshotStore:
 
     # ---- disk --------------------------------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """All snapshots to one safetensors file (arrays; ids, fingerprints and pages in the metadata)."""
+        """All snapshots to one safetensors file (arrays; ids, fingerprints and pages in the metadata). FP8 arrays
+        (an FP8 KV cache) are stored as their bytes, their dtype in the metadata: safetensors' numpy side has no
+        float8 types."""
         from safetensors.numpy import save_file
 
         tensors, meta = {}, []
         for i, snap in enumerate(self._items.values()):
+            fp8 = {}
             for name, arr in snap.arrays.items():
+                if arr.dtype.name in kv_quant.FP8_MAX:
+                    fp8[name], arr = arr.dtype.name, arr.view(np.uint8)
                 tensors[f"{i}/{name}"] = np.ascontiguousarray(arr)
-            meta.append({"ids": list(snap.ids), "fingerprint": snap.fingerprint, "pages": snap.pages})
+            meta.append({"ids": list(snap.ids), "fingerprint": snap.fingerprint, "pages": snap.pages, "fp8": fp8})
         save_file(tensors, path, metadata={"ds4jax_snapshots": json.dumps(meta)})
 
     def load(self, path: str) -> int:
@@ -136,6 +147,8 @@ class SnapshotStore:
                 i, name = key.split("/", 1)
                 arrays[int(i)][name] = f.get_tensor(key)
         for m, arr in zip(meta, arrays):
+            for name, dtype in m.get("fp8", {}).items():
+                arr[name] = arr[name].view(getattr(ml_dtypes, dtype))
             self.put(Snapshot(tuple(m["ids"]), dict(m["fingerprint"]), arr, int(m["pages"])))
         return len(meta)
 
@@ -184,7 +197,7 @@ def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
     out = []
     for name, ratio in PAGED.items():
         per_page = spec.page_size // getattr(cfg, ratio)
-        layers = spec.num_csa_layers if ratio == "csa_ratio" else spec.num_hca_layers
+        layers = shapes(spec)[name][0][0]  # a scale array has no layers without an FP8 cache
         if layers and spec.pages_per_slot:
             out.append((name, per_page))
     return tuple(out)

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import Callable
 
+from ds4jax.runtime import kv_quant
 from ds4jax.generation.generate import SamplingParams, check_prompts, check_stop_ids, run_batch
 from ds4jax.model.inputs import check_int
 from ds4jax.generation.loops import MAX_STOP_IDS  # noqa: F401 (re-exported)
@@ -32,7 +33,7 @@ class SpecResult:
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
                          prefill_chunk: int | None = None, check_finite: bool = False,
                          on_token: Callable[[int, int], None] | None = None,
-                         steps_per_call: int | None = None) -> SpecResult:
+                         steps_per_call: int | None = None, kv_dtype: str = "auto") -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
 
     `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf, and
@@ -49,8 +50,9 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     start = time.perf_counter()
+    kv_quant.check_argument(kv_dtype)
     results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite,
-                        on_token=on_token, steps_per_call=steps_per_call)
+                        on_token=on_token, steps_per_call=steps_per_call, kv_dtype=kv_dtype)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ds4jax.errors import PoolSpecError
+from ds4jax.errors import ArgumentError, PoolSpecError
 from ds4jax.runtime import target
 
 AUTO = "auto"
@@ -38,6 +38,14 @@ def resolve(kv_dtype) -> str:
     if name == AUTO or name in FP8_MAX:
         return name
     raise PoolSpecError(f"PoolSpec.kv_dtype: expected one of {', '.join(map(repr, CHOICES))}, got {kv_dtype!r}")
+
+
+def check_argument(kv_dtype, name: str = "kv_dtype") -> str:
+    """`resolve` for an API argument: `ArgumentError` naming it (before any engine is built)."""
+    try:
+        return resolve(kv_dtype)
+    except PoolSpecError:
+        raise ArgumentError(f"must be one of {', '.join(map(repr, CHOICES))}", name=name, value=kv_dtype) from None
 
 
 def is_fp8(dtype) -> bool:

@@ -286,12 +286,15 @@ class PoolSpec:
             f"  ring rows: swa {self.swa_rows}, c4 state {self.c4_state_rows} "
             f"(pad {write_pad(self.c4_state_rows, self.c4_window)}), indexer state {self.indexer_state_rows}, "
             f"c128 state {self.c128_state_rows} (pad {write_pad(self.c128_state_rows, self.c128_window)})",
-            f"  {'array':<20} {'shape':<32} {'dtype':<10} {'size':>12}",
+            f"  kv storage: {self.kv_storage_dtype}" + (
+                f" + a float32 scale per row: {fp8_capacity_gain(self):.2f}x the paged tokens of a {self.dtype} "
+                f"cache in the same memory" if self.kv_scaled else ""),
+            f"  {'array':<20} {'shape':<32} {'dtype':<16} {'size':>12}",
         ]
         for name, (shape, dtype) in shapes(self).items():
             size = math.prod(shape) * jnp.dtype(dtype).itemsize
-            lines.append(f"  {name:<20} {str(list(shape)):<32} {dtype:<10} {_human(size):>12}")
-        lines.append(f"  {'total':<64} {_human(total_bytes(self)):>12}")
+            lines.append(f"  {name:<20} {str(list(shape)):<32} {dtype:<16} {_human(size):>12}")
+        lines.append(f"  {'total':<70} {_human(total_bytes(self)):>12}")
         per_token = bytes_per_token(self)
         per_slot = bytes_per_slot(self)
         paged = ", ".join(f"{k} {v:,.1f} B" for k, v in per_token.items() if v) or "none (no paged pools)"
@@ -421,6 +424,14 @@ def bytes_per_request(spec: PoolSpec) -> dict[str, float]:
     per_slot, per_token = bytes_per_slot(spec), bytes_per_token(spec)
     tokens = spec.pages_per_slot * spec.page_size
     return {k: per_slot[k] + tokens * per_token[k] for k in per_slot}
+
+
+def fp8_capacity_gain(spec: PoolSpec) -> float:
+    """Paged tokens an FP8 cache holds for each token the same spec holds in `dtype`, in equal memory (the ratio of
+    `bytes_per_token`): 1.98x from bf16 at head_dim 512 (1 byte per value + 4 per row instead of 2 per value)."""
+    fp8 = spec if spec.kv_scaled else spec.replace(kv_dtype="float8_e4m3fn")
+    plain = bytes_per_token(fp8.replace(kv_dtype=kv_quant.AUTO))["total"]
+    return plain / bytes_per_token(fp8)["total"] if plain else 1.0
 
 
 def total_bytes(spec: PoolSpec) -> int:
