@@ -220,3 +220,48 @@ def test_fp8_kv_logits_and_selections_close_to_the_unquantized_path():
                 for r, s in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))]
         assert np.mean(kept) >= MIN_INDEXER_OVERLAP, np.mean(kept)
         assert ((a >= 0).sum(-1) == (b >= 0).sum(-1)).all()  # as many picks: the same visible entries
+
+
+# ---- the engine: snapshots, their file, park / unpark -------------------------------------------------------------
+
+def test_engine_fp8_snapshots_and_parking_carry_the_scales(tmp_path):
+    """An engine with kv_dtype="fp8" keeps FP8 pools; a prefix snapshot (C4 / indexer / C128 rows and SWA ring with
+    their row scales) restored with no prefill step, also after a trip through its file, and a park / unpark give
+    the tokens of a fresh run. A restore without the scales would read entries scaled by 0."""
+    from ds4jax import Engine, Request
+    from ds4jax.generation.snapshots import SnapshotStore
+    from spec_helpers import agreeable_model, tiny3
+
+    model = agreeable_model(tiny3(), seed=0, damp=0.3, stream_gain=2.0)
+    engine = Engine(model, max_slots=2, max_context=64, prefill_chunk=8, row_buckets=(2,), steps_per_call=4,
+                    kv_dtype="fp8")
+    assert engine.tspec.kv_dtype == "float8_e4m3fn" and engine.tpool.c4_kv.dtype == jnp.float8_e4m3fn
+    prompt = np.random.default_rng(5).integers(3, 256, 19).tolist()
+    run = lambda **kw: engine.generate([Request(prompt=prompt, max_new_tokens=8, **kw)])[0]
+    fresh = run().tokens
+    assert run(snapshot=True).tokens == fresh and len(engine.snapshots) == 1
+    (snap,) = engine.snapshots
+    assert snap.arrays["target/c4_kv"].dtype == ml_dtypes.float8_e4m3fn
+    assert {"target/swa_kv_scale", "target/c4_kv_scale", "target/indexer_kv_scale",
+            "target/c128_kv_scale"} <= set(snap.arrays)
+    assert np.asarray(snap.arrays["target/c4_kv_scale"]).any()
+
+    def restored():
+        steps_before = engine.stats.prefill_steps
+        got = run()
+        assert engine.stats.prefill_steps == steps_before and got.prefill_tokens == 0  # restored, not prefilled
+        return got.tokens
+
+    assert restored() == fresh
+    engine.snapshots.save(str(tmp_path / "snaps.safetensors"))
+    engine.snapshots = SnapshotStore(1 << 30)
+    assert engine.snapshots.load(str(tmp_path / "snaps.safetensors")) == 1
+    (loaded,) = engine.snapshots
+    for name, array in snap.arrays.items():
+        assert loaded.arrays[name].dtype == array.dtype
+        np.testing.assert_array_equal(np.asarray(loaded.arrays[name]).view(np.uint8), np.asarray(array).view(np.uint8))
+    assert restored() == fresh
+    engine.snapshots.clear()
+    engine.park()
+    engine.unpark()
+    assert engine.tpool.swa_kv.dtype == jnp.float8_e4m3fn and run().tokens == fresh
