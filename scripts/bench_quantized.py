@@ -11,10 +11,16 @@ One process, seeded random weights (`P.init(cfg, key(0), bf16)`, as `bench_e2e.p
    must agree to bf16 rounding (cosine >= 0.99, finite), else the exit status is 1. Quantized vs the original
    bf16 is the quantization error, reported (on random weights FP4 is coarse: not a pass/fail criterion).
 
+4. ``fp8_fp4_kv8`` (with ``--fp8-kv``): the quantized model of 2 with the FP8 KV cache (`kv_dtype="fp8"`: E4M3
+   pools + one f32 scale per row, read by the Pallas kernels as stored), decode cases only: the "+ FP8 KV" column.
+   Its check logits against 2 (same weights: the KV quantization alone) must have cosine >= MIN_KV_COSINE and be
+   finite; against bf16 it is reported.
+
 Per case: ms (per step for decode), bytes a step must read in that format, the roofline (bytes / device-timed
 copy bandwidth; prefill: max of weight reads and FLOPs at the measured matmul rate) and the fraction of it.
 
-    PYTHONPATH=. python scripts/bench_quantized.py [--layers 4] [--out $OUT/quant] [--smoke]
+    PYTHONPATH=. python scripts/bench_quantized.py [--layers 4] [--out $OUT/quant] [--smoke] [--fp8-kv]
+        [--cases decode_b1_ctx2048,decode_b8_ctx2048]
 
 Writes OUT/quantized.json (rewritten as results arrive) and OUT/quantized.md. --smoke: tiny config, short
 sequences, interpreted kernels (a CPU check of the script).
@@ -51,6 +57,10 @@ from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.target import device_target  # noqa: E402
 
 MIN_COSINE = 0.99  # quantized path vs the same values in bf16: only rounding order differs
+# FP8 KV vs the same weights with a bf16 cache: E4M3 keeps 3 mantissa bits of every cached value; a wrong scale or
+# an FNUZ/OCP mix-up (a factor of 2 on every key) falls far below this
+MIN_KV_COSINE = 0.98
+KV_MODE = "fp8_fp4_kv8"
 CHECK_TOKEN = 7  # the decode check feeds this token to every row (same input whatever the modes' prefill argmax)
 
 
@@ -62,6 +72,9 @@ def parse(argv=None):
     ap.add_argument("--kernels", default=None, choices=["pallas", "reference", "pallas_interpret"],
                     help="default: pallas on a GPU, pallas_interpret with --smoke")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--fp8-kv", action="store_true",
+                    help=f"also run the quantized model with the FP8 KV cache (mode {KV_MODE}, decode cases)")
+    ap.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     return ap.parse_args(argv)
 
 
@@ -100,13 +113,18 @@ def check_logits(bench: Bench, case: common.Case) -> np.ndarray:
     return np.asarray(out.logits, np.float32)
 
 
-def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, timed: bool = True) -> tuple[dict, dict]:
-    """(per case results, per case check logits) for one weight format."""
+def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, timed: bool = True,
+             only: tuple[str, ...] | None = None, kv_dtype: str = "auto") -> tuple[dict, dict]:
+    """(per case results, per case check logits) for one weight format (and KV cache dtype); `only`: case names."""
     cfg = model.config
     bench = Bench(model, kernels, max_context=2048 + 512, max_slots=8)
+    bench.spec = bench.spec.replace(kv_dtype=kv_dtype)
+    kv_bytes = dict(kv_itemsize=1, kv_row_bytes=4) if bench.spec.kv_scaled else {}
     pb, active = common.param_bytes(cfg, model.params), common.active_params(cfg, model.params)
     results, logits = {}, {}
     for case in cases(smoke):
+        if only is not None and case.name not in only:
+            continue
         try:
             t = time.perf_counter()
             logits[case.name] = check_logits(bench, case)
@@ -124,7 +142,7 @@ def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, ti
                 fn, _, _ = bench.decode(case.rows, case.size, case.new)
                 fn()
                 secs = statistics.median(common.timed(fn, 3)) / case.new
-                need = common.decode_bytes(cfg, pb, case.rows, case.size)
+                need = common.decode_bytes(cfg, pb, case.rows, case.size, **kv_bytes)
                 r.update(ms=secs * 1e3, ms_per_step=secs * 1e3, tokens_per_s=case.rows / secs, bytes=need,
                          roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs)
                 del fn
@@ -153,6 +171,12 @@ def failures(res: dict) -> list[str]:
             out.append(f"{name}: no check logits")
         elif not q["finite"] or not q["cosine"] >= MIN_COSINE:
             out.append(f"{name}: quantized vs dequantized cosine {q['cosine']:.4f} < {MIN_COSINE} or non-finite")
+        kv = c.get("fp8_kv_vs_fp8_fp4")
+        if KV_MODE in res["modes"] and name in res["modes"][KV_MODE] and kv is None:
+            out.append(f"{name}: no FP8 KV check logits")
+        elif kv is not None and (not kv["finite"] or not kv["cosine"] >= MIN_KV_COSINE):
+            out.append(f"{name}: FP8 KV vs bf16 KV (same weights) cosine {kv['cosine']:.4f} < {MIN_KV_COSINE} or "
+                       "non-finite")
     return out
 
 
@@ -166,8 +190,11 @@ def write_markdown(res: dict, path: str) -> None:
              "|---|---|---|---|---|---|---|"]
     for name in res["modes"]["bf16"]:
         base = res["modes"]["bf16"][name].get("ms")
-        for mode in ("bf16", "fp8_fp4"):
+        for mode in [m for m in ("bf16", "fp8_fp4", KV_MODE) if m in res["modes"]]:
             r = res["modes"][mode].get(name, {})
+            if mode == KV_MODE and not r:  # decode cases only
+                continue
+            mode = "fp8_fp4 + FP8 KV" if mode == KV_MODE else mode
             if "ms" not in r:
                 lines.append(f"| {name} | {mode} | error | | | | |")
                 continue
@@ -183,7 +210,17 @@ def write_markdown(res: dict, path: str) -> None:
         lines.append(f"| {name} | {q.get('cosine', float('nan')):.5f}, {q.get('rel_err', float('nan')):.2e} | "
                      f"{b.get('cosine', float('nan')):.4f}, {b.get('rel_err', float('nan')):.2e}, "
                      f"{b.get('argmax_equal')} |")
-    lines += ["", f"Check: quantized vs dequantized cosine >= {MIN_COSINE}: "
+    kv_rows = [(name, c) for name, c in res["checks"].items() if "fp8_kv_vs_fp8_fp4" in c]
+    if kv_rows:
+        lines += ["", "FP8 KV cache (decode check logits):", "",
+                  "| case | + FP8 KV vs fp8_fp4 (cosine, rel err, argmax equal) | + FP8 KV vs bf16 (cosine, rel err) |",
+                  "|---|---|---|"]
+        for name, c in kv_rows:
+            a, b = c["fp8_kv_vs_fp8_fp4"], c.get("fp8_kv_vs_bf16") or {}
+            lines.append(f"| {name} | {a['cosine']:.5f}, {a['rel_err']:.2e}, {a['argmax_equal']} | "
+                         f"{b.get('cosine', float('nan')):.4f}, {b.get('rel_err', float('nan')):.2e} |")
+    lines += ["", f"Check: quantized vs dequantized cosine >= {MIN_COSINE}"
+              + (f", FP8 KV vs bf16 KV cosine >= {MIN_KV_COSINE}" if kv_rows else "") + ": "
               + ("PASS" if not res["failures"] else "FAIL: " + "; ".join(res["failures"])), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -208,7 +245,8 @@ def main(argv=None) -> int:
     model = Model(cfg, params)
     del params
     res["weight_gb"]["bf16"] = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
-    res["modes"]["bf16"], bf16_logits = run_mode(model, kernels, args.smoke, bw, peak)
+    only = None if args.cases is None else tuple(args.cases.split(","))
+    res["modes"]["bf16"], bf16_logits = run_mode(model, kernels, args.smoke, bw, peak, only=only)
     common.write_json(json_path, res)
 
     t = time.perf_counter()
@@ -218,16 +256,23 @@ def main(argv=None) -> int:
     del model
     gc.collect()
     res["weight_gb"]["fp8_fp4"] = sum(x.nbytes for x in jax.tree.leaves(quantized.params)) / 1e9
-    res["modes"]["fp8_fp4"], q_logits = run_mode(quantized, kernels, args.smoke, bw, peak)
+    res["modes"]["fp8_fp4"], q_logits = run_mode(quantized, kernels, args.smoke, bw, peak, only=only)
     common.write_json(json_path, res)
+    kv_logits = {}
+    if args.fp8_kv:
+        decode = tuple(c.name for c in cases(args.smoke) if c.kind == "decode" and (only is None or c.name in only))
+        res["modes"][KV_MODE], kv_logits = run_mode(quantized, kernels, args.smoke, bw, peak, only=decode,
+                                                    kv_dtype="fp8")
+        common.write_json(json_path, res)
 
     plain = dequantized(quantized)
     del quantized
     gc.collect()
-    _, deq_logits = run_mode(plain, kernels, args.smoke, bw, peak, timed=False)
+    _, deq_logits = run_mode(plain, kernels, args.smoke, bw, peak, timed=False, only=only)
     for name in bf16_logits:
         pairs = {"fp8_fp4_vs_dequantized": (q_logits, deq_logits), "fp8_fp4_vs_bf16": (q_logits, bf16_logits),
-                 "dequantized_vs_bf16": (deq_logits, bf16_logits)}
+                 "dequantized_vs_bf16": (deq_logits, bf16_logits), "fp8_kv_vs_fp8_fp4": (kv_logits, q_logits),
+                 "fp8_kv_vs_bf16": (kv_logits, bf16_logits)}
         res["checks"][name] = {k: compare(a[name], b[name]) for k, (a, b) in pairs.items() if name in a and name in b}
     res["total_s"] = time.perf_counter() - t0
     res["failures"] = failures(res)

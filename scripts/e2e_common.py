@@ -102,10 +102,11 @@ def param_bytes(cfg, params) -> dict:
     return {"per_expert": experts, "moe_layers": sum(1 for _ in cfg.mlp_types), "other": other, "head": head}
 
 
-def decode_bytes(cfg, pb: dict, batch: int, ctx: int) -> float:
+def decode_bytes(cfg, pb: dict, batch: int, ctx: int, kv_itemsize: int = 2, kv_row_bytes: int = 0) -> float:
     """Bytes one decode step must read: every non-routed weight, the distinct routed experts the batch can touch
     (at most batch * k per layer), the embedding rows, and each layer's KV (SWA window + CSA top-k entries and all
-    indexer keys, or all HCA entries) of every request."""
+    indexer keys, or all HCA entries) of every request: `kv_itemsize` bytes per cached value (bf16: 2; the FP8 KV
+    cache: 1) plus `kv_row_bytes` per cached row (the FP8 cache's float32 scale: 4)."""
     total = pb["other"] + pb["head"] + pb["per_expert"] * min(cfg.num_routed_experts, batch * cfg.num_experts_per_tok)
     total += batch * cfg.hidden_size * 2
     d, di = cfg.head_dim, cfg.index_head_dim
@@ -115,10 +116,10 @@ def decode_bytes(cfg, pb: dict, batch: int, ctx: int) -> float:
         kv = cfg.sliding_window
         if kind is AttentionType.CSA:
             kv += min(cfg.index_topk, ctx // cfg.csa_ratio)
-            total += batch * (ctx // cfg.csa_ratio) * di * 2
+            total += batch * (ctx // cfg.csa_ratio) * (di * kv_itemsize + kv_row_bytes)
         elif kind is AttentionType.HCA:
             kv += ctx // cfg.hca_ratio
-        total += batch * kv * d * 2
+        total += batch * kv * (d * kv_itemsize + kv_row_bytes)
     return float(total)
 
 

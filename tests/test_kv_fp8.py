@@ -265,3 +265,37 @@ def test_engine_fp8_snapshots_and_parking_carry_the_scales(tmp_path):
     engine.park()
     engine.unpark()
     assert engine.tpool.swa_kv.dtype == jnp.float8_e4m3fn and run().tokens == fresh
+
+
+@pytest.mark.parametrize("command", ["generate", "batch", "warmup", "serve"])
+def test_cli_kv_dtype_flag(command, capsys):
+    from ds4jax import cli
+
+    need = {"generate": ["--prompt", "x"], "batch": ["in.jsonl", "out.jsonl"]}.get(command, [])
+    args = cli.build_parser().parse_args([command, *need, "--kv-dtype", "fp8"])
+    assert args.kv_dtype == "fp8"
+    assert cli.build_parser().parse_args([command, *need]).kv_dtype == "auto"
+    assert cli.main([command, *need, "--kv-dtype", "fp16"]) == 2
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_engine_flags_build_an_fp8_engine(monkeypatch):
+    """`--kv-dtype` reaches `Engine(kv_dtype=...)` through the shared engine flags (batch, warmup, serve)."""
+    from ds4jax import cli
+    from ds4jax.commands import engine_options
+    from ds4jax.generation import engine as engine_lib
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(engine_lib, "Engine", fake)
+    args = cli.build_parser().parse_args(["warmup", "--kv-dtype", "fp8"])
+    with pytest.raises(Stop):
+        engine_options.build_engine(None, args)
+    assert seen["kv_dtype"] == "fp8"
