@@ -30,3 +30,30 @@ def test_compare():
     assert same["cosine"] > 0.999999 and same["rel_err"] == 0 and same["argmax_equal"]
     assert bq.compare(-ref, ref)["cosine"] < -0.99
     assert not bq.compare(np.full_like(ref, np.nan), ref)["finite"]
+
+
+def _kv_res(kv_cos):
+    res = _res(0.9999)
+    res["modes"][bq.KV_MODE] = {"decode": {"ms": 0.5, "bytes": 1e9, "roofline_ms": 0.2, "fraction_of_roofline": 0.4}}
+    if kv_cos is not None:
+        check = {"finite": bool(np.isfinite(kv_cos)), "cosine": kv_cos, "rel_err": 0.01, "argmax_equal": True}
+        res["checks"]["decode"].update(fp8_kv_vs_fp8_fp4=check, fp8_kv_vs_bf16=check)
+    return res
+
+
+def test_fp8_kv_failures_and_markdown(tmp_path):
+    """--fp8-kv: the KV-only check (same weights, bf16 vs FP8 cache) must pass, and the table gets the column."""
+    assert bq.failures(_kv_res(0.999)) == []
+    assert "FP8 KV" in bq.failures(_kv_res(0.5))[0]
+    assert "no FP8 KV check logits" in bq.failures(_kv_res(None))[0]
+    res = _kv_res(0.999)
+    for mode in res["modes"].values():
+        for r in mode.values():
+            r.setdefault("bytes", 1e9), r.setdefault("roofline_ms", 0.5), r.setdefault("fraction_of_roofline", 0.5)
+    res["checks"]["decode"]["fp8_fp4_vs_dequantized"].update(rel_err=0.0)
+    res.update(layers=4, device="gpu", jax="0", kernels="pallas", copy_bandwidth_tb_s=4.0, matmul_tflop_s=700.0,
+               weight_gb={"bf16": 1.0, "fp8_fp4": 0.5}, failures=[])
+    bq.write_markdown(res, str(tmp_path / "q.md"))
+    text = (tmp_path / "q.md").read_text()
+    assert "| decode | fp8_fp4 + FP8 KV | 0.500 |" in text and "+ FP8 KV vs fp8_fp4" in text
+    assert bq.parse(["--fp8-kv", "--cases", "decode_b1_ctx2048"]).fp8_kv

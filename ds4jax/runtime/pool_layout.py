@@ -4,10 +4,10 @@ load/store are all derived from `POOL_ARRAYS`; nothing else lists the arrays.
 
 | array               | shape rule (PoolSpec fields)                                     | dtype       | roles  | layers    |
 |---------------------|------------------------------------------------------------------|-------------|--------|-----------|
-| swa_kv              | num_layers, max_slots, swa_rows, head_dim                        | dtype       | T, D   | every     |
-| c4_kv               | num_csa_layers, c4_entries, head_dim                             | dtype       | T      | CSA       |
-| indexer_kv          | num_csa_layers, indexer_entries, index_head_dim                  | dtype       | T      | CSA       |
-| c128_kv             | num_hca_layers, c128_entries, head_dim                           | dtype       | T      | HCA       |
+| swa_kv              | num_layers, max_slots, swa_rows, head_dim                        | kv storage  | T, D   | every     |
+| c4_kv               | num_csa_layers, c4_entries, head_dim                             | kv storage  | T      | CSA       |
+| indexer_kv          | num_csa_layers, indexer_entries, index_head_dim                  | kv storage  | T      | CSA       |
+| c128_kv             | num_hca_layers, c128_entries, head_dim                           | kv storage  | T      | HCA       |
 | swa_kv_scale        | swa_scale_layers, max_slots, swa_rows                            | float32     | T, D   | every     |
 | c4_kv_scale         | csa_scale_layers, c4_entries                                     | float32     | T      | CSA       |
 | indexer_kv_scale    | csa_scale_layers, indexer_entries                                | float32     | T      | CSA       |
@@ -21,7 +21,7 @@ load/store are all derived from `POOL_ARRAYS`; nothing else lists the arrays.
 (`format_table()` prints this from the table itself, logical axes included.) An array outside a role's set
 still exists in that role's pool, with zero size (the draft spec has no compressed capacity).
 
-"dtype" is `PoolSpec.kv_storage_dtype`: the model's dtype, or FP8 E4M3 with `kv_dtype="fp8"`; then each row of a
+"kv storage" is `PoolSpec.kv_storage_dtype`: the model's dtype, or FP8 E4M3 with `kv_dtype="fp8"`; then each row of a
 KV array has its float32 scale at the same index of its `*_scale` array (`ds4jax.runtime.kv_quant`). Without an
 FP8 cache the scale arrays have no layers (zero size), so the default pools hold exactly what they always did.
 

@@ -59,7 +59,7 @@ def allocate(spec: PoolSpec) -> KVPool:
     devices and placed by `MeshLayout.pool_zeros`.)"""
     memory.check_fits(total_bytes(spec), f"the KV pools ({spec.max_slots} slots x max_context {spec.max_context}, "
                                          f"{spec.num_layers} layers x sliding_window {spec.sliding_window}, "
-                                         f"head_dim {spec.head_dim}, {spec.dtype})")
+                                         f"head_dim {spec.head_dim}, {spec.kv_storage_dtype})")
     return zeros(spec)
 
 
