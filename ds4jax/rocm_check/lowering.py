@@ -58,6 +58,7 @@ class Case:
     model: str
     dtype: str
     shape: str
+    kv_dtype: str = "auto"  # "fp8": the FP8 KV cache, resolved for the target (FNUZ on gfx942)
 
 
 CASES = tuple(Case(m, d, s) for m in MODELS for d in DTYPES for s in SHAPES)
@@ -70,16 +71,16 @@ def _abstract_batch(rows: int, tokens: int) -> steps.StepBatch:
 
 def spec_for(case: Case) -> PoolSpec:
     return PoolSpec.for_role(MODELS[case.model](), role=Role.TARGET, max_slots=max(SHAPES[case.shape][0], 8),
-                             max_context=MAX_CONTEXT, dtype=jnp.dtype(DTYPES[case.dtype]).name)
+                             max_context=MAX_CONTEXT, dtype=jnp.dtype(DTYPES[case.dtype]).name, kv_dtype=case.kv_dtype)
 
 
 def lower_step(case: Case, gpu: GpuTarget) -> jax.stages.Lowered:
     """The target step of `case` (decode or prefill) lowered for `gpu`, with the tiles the dispatcher picks there."""
     cfg, dtype = MODELS[case.model](), DTYPES[case.dtype]
     rows, tokens = SHAPES[case.shape]
-    spec = spec_for(case)
     step = steps.decode if case.shape == "decode" else steps.prefill
     with as_if_on(gpu.target):
+        spec = spec_for(case)  # on the target: kv_dtype "fp8" is its FP8 variant
         traced = jax.jit(functools.partial(step, cfg=cfg, spec=spec)).trace(
             model_params.abstract(cfg, dtype), pools.abstract(spec), _abstract_batch(rows, tokens))
         return traced.lower(lowering_platforms=(gpu.lowering,))

@@ -68,6 +68,23 @@ def test_every_kernel_compiles_within_limits_and_the_report_is_current():
     assert REPORT.read_text() == render(rows, comparison), "stale report: run `JAX_PLATFORMS=cpu python scripts/rocm_kernels.py`"
 
 
+@pytest.mark.slow
+def test_fp8_kv_kernels_compile_within_limits():
+    """The Flash decode step with the FP8 KV cache: its attention and indexer kernels read FNUZ bytes on gfx942 and
+    OCP E4M3 on gfx950 / sm90, and compile within each target's LDS / shared memory (about 45 CPU seconds)."""
+    _needs("amd")
+    _needs("nvidia")
+    from ds4jax.rocm_check.lowering import Case, lower_step
+
+    case = Case("Flash", "bf16", "decode", kv_dtype="fp8")
+    for name, gpu in TARGETS.items():
+        text = lower_step(case, gpu).as_text()
+        assert ("f8E4M3FNUZ" in text) == (name == "gfx942") and "f8E4M3FN" in text, name  # the pools as stored
+        rows = [r for r in rows_for(gpu, [case]) if r.kernel.name in ("sparse_attention", "indexer_score_select")]
+        assert {r.kernel.name for r in rows} == {"sparse_attention", "indexer_score_select"}
+        assert check(rows) == [], name
+
+
 def test_an_oversized_tile_fails_the_check():
     """The check itself: 128-row bf16 blocks need more LDS than MI300's 64 KiB (and fit MI355's 160 KiB)."""
     _needs("amd")
