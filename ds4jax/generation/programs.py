@@ -1,4 +1,5 @@
-"""What `Engine.warmup` compiled: one `Program` record per engine program, with its shape and its compile time.
+"""The engine's programs: the `Programs` interface both placements implement, and what `Engine.warmup` compiled
+(one `Program` record per engine program, with its shape and its compile time).
 
 A record covers one warm-up call: the program itself plus the small helpers its first call needed (page-table
 syncs, placements), so `compiles` may exceed 1; 0 means the program was already compiled in this process.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from ds4jax.generation import compiles
 
@@ -111,3 +112,35 @@ class Recorder:
 
     def report(self) -> WarmupReport:
         return WarmupReport(tuple(self._programs), time.perf_counter() - self._start, self.compile_threads)
+
+
+class Programs(Protocol):
+    """What the engine runs, whichever way the model is placed: `fused_programs.FusedPrograms` (one compiled
+    program per call: one device, one-stage meshes) or `stage_programs.StagePrograms` (a layer split, stage by
+    stage). A target pool is whatever `zeros` returns (a `KVPool`, or a split's `StagePools`; both have
+    `lengths`); the engine only hands it back. Every call donates the pools it takes and returns the new ones."""
+
+    precompiles: bool  # whether warm-up may lower the calls first and compile them side by side
+
+    def zeros(self, spec): ...
+    def draft_zeros(self, dspec): ...
+    def sync(self, book, pool, spec): ...  # the book's page table and lengths on the pool
+    def placed(self, pool, spec): ...  # the canonical placement (the steps compile for it)
+    def draft_placed(self, dpool, dspec): ...
+    def reset(self, pool, slots, spec): ...
+    def draft_reset(self, dpool, slots, dspec): ...
+    def lengths(self, pool): ...
+    def lost(self, pool) -> bool: ...  # a failed call took the donated pool with it
+    def slot_state(self, state): ...  # the per-slot state on its placement
+    def drop_draft_params(self) -> None: ...
+    def extract(self, pool, slot, spec) -> dict: ...  # snapshot rows of a slot, one-device layout
+    def inject(self, pool, slot, arrays, n_pages, length, spec): ...
+    def extract_draft(self, dpool, slot) -> dict: ...
+    def inject_draft(self, dpool, slot, arrays, length, dspec): ...
+    def slot_rows(self, state, slot): ...  # (last logits, last stream) of a slot
+    def set_slot_rows(self, state, slot, logits, stream): ...
+    def prefill(self, params, tpool, dpool, slot_state, rows, token_ids, n_tokens, next_ids, finishing, *, spec,
+                dspec, kernels): ...
+    def decode(self, params, tpool, rows, *, spec, kernels, max_steps): ...
+    def speculate(self, params, tpool, dpool, slot_state, rows, *, spec, dspec, k, kernels, max_rounds): ...
+    def restore(self, params, dpool, slot_state, rows, sampled, next_ids, *, dspec, kernels): ...
