@@ -58,6 +58,9 @@ class Live:
     budget_done: bool = False
     forced: list = dataclasses.field(default_factory=list)
     recent: list = dataclasses.field(default_factory=list)
+    # speculation: drafts accepted, and rounds that rejected one (`draft_policy`)
+    drafts_accepted: int = 0
+    drafts_rejected: int = 0
 
     @property
     def prefilling(self) -> bool:

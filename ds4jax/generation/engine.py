@@ -25,45 +25,37 @@ snapshot bookkeeping (`slot_snapshots`) live in their own modules, row planning 
 from __future__ import annotations
 
 import collections
-import math
+import contextlib
+import threading
 import time
 from typing import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
-from ds4jax.generation import row_plan, snapshots
+from ds4jax.errors import EngineBusy
+from ds4jax.generation import draft_policy, engine_pools, row_plan
 from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
+from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
 from ds4jax.generation.fused_programs import FusedPrograms
-from ds4jax.generation.loops import MAX_STOP_IDS, Rows, SlotState
-from ds4jax.generation.parking import Parking, delete, roles
+from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
+from ds4jax.generation.loops import MAX_STOP_IDS, Rows
+from ds4jax.generation.parking import EngineParking, Parking
 from ds4jax.generation.programs import Programs, Recorder, WarmupReport
 from ds4jax.generation.request_checks import Limits, Rejected, check_for_engine
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.sampling import seed_key_data
-from ds4jax.generation.slot_snapshots import SlotSnapshots, mismatch
-from ds4jax.generation.snapshots import Snapshot, SnapshotStore
+from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
+from ds4jax.generation.snapshots import SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import precompile
-from ds4jax.runtime.data_parallel import local_spec
 from ds4jax.runtime.kernels import Impl, resolve
-from ds4jax.runtime.pool_spec import PoolSpec, configure
-from ds4jax.runtime.pools import PoolBook, PoolError
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
-
-
-def default_page_size(cfg) -> int:
-    """The peers' 256-token page, or the smallest multiple of both compression ratios above it."""
-    step = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
-    return -(-256 // step) * step
-
-
-def pool_dtype(model: Model) -> str:
-    return jnp.dtype(model.params["embed"].dtype).name
 
 
 def _programs(layout, cfg, params) -> Programs:
@@ -74,11 +66,13 @@ def _programs(layout, cfg, params) -> Programs:
     return FusedPrograms(layout, cfg, params)
 
 
-class Engine:
+class Engine(EngineParking, EngineSnapshots):
     """Serve `Request`s on one model. See the module docstring; `generate`, `stream`, `warmup`, `stats`.
 
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
     tokens per round with the MTP block; requests may opt out (`Request.speculative=0`) or cap k.
+    adaptive: True or an `Adaptive`: each call picks its draft length (0 = plain) from the live batch and the
+    acceptance so far, up to k (`draft_policy`); False: always k.
     Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
     steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
     host loop of single steps).
@@ -94,7 +88,7 @@ class Engine:
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
-                 check_finite: bool = True):
+                 check_finite: bool = True, adaptive: bool | Adaptive = False):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -107,6 +101,7 @@ class Engine:
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
         self.model = Model(cfg, dict(model.params), self.layout, scan_layers=model.scan_layers)
         self.cfg, self.k, self.tokenizer = cfg, k, tokenizer
+        self.policy = draft_policy.policy(k, adaptive)  # the draft length of each call
         self.programs: Programs = _programs(self.layout, cfg, self.model.params)
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
@@ -117,8 +112,8 @@ class Engine:
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
                       draft_tokens=k + 1 if k else 0, page_size=page_size or default_page_size(cfg),
                       dtype=pool_dtype(model))
-        self.tspec: PoolSpec = self._configure(Role.TARGET, common)
-        self.dspec: PoolSpec | None = self._configure(Role.DRAFT, common) if k else None
+        self.tspec: PoolSpec = engine_pools.pool_spec(self.model, Role.TARGET, self.data, **common)
+        self.dspec: PoolSpec | None = engine_pools.pool_spec(self.model, Role.DRAFT, self.data, **common) if k else None
         # data-parallel pools: every call's rows split evenly over the data shards
         self.buckets = engine_buckets(self.tspec.max_slots, self.data, prefill_chunk=prefill_chunk,
                                       prefill_tokens=prefill_tokens, row_buckets=row_buckets,
@@ -130,6 +125,7 @@ class Engine:
         self._out = Delivery(self.stats, tokenizer)
         self._parking = Parking()
         self._warm = False
+        self._lock, self._owner = threading.Lock(), None  # see `_exclusive`
         self.snapshots = SnapshotStore(snapshot_bytes)
         self._slot_snaps = SlotSnapshots(self.programs, cfg, self.tspec, self.dspec)
         self._fingerprint: dict[str, str] | None = None
@@ -141,25 +137,6 @@ class Engine:
         return None if isinstance(self.programs, FusedPrograms) else self.programs
 
     # ---- pools and state -------------------------------------------------------------------------------------
-    def _configure(self, role: Role, common: dict) -> PoolSpec:
-        """Pool spec of a role; on a mesh `memory_budget_bytes` is per device and every data shard gets an equal
-        share of the slots and pages."""
-        if self.layout is not None and common["memory_budget_bytes"] is not None:
-            rest = {k: v for k, v in common.items() if k != "memory_budget_bytes"}
-            spec, _ = self.layout.configure(self.cfg, role=role, memory_budget_bytes=common["memory_budget_bytes"],
-                                            params_dtype=self.model.params["embed"].dtype, **rest)
-        else:
-            spec = configure(self.cfg, role=role, **common)
-        local_spec(spec, self.data)  # slots and pages divisible by data, or a PoolError naming them
-        return spec
-
-    def _book(self, spec: PoolSpec) -> PoolBook:
-        if self.data > 1:
-            from ds4jax.runtime.mesh_steps import ShardedPoolBook
-
-            return ShardedPoolBook(spec, self.cfg.vocab_size, self.data)
-        return PoolBook(spec, self.cfg.vocab_size)
-
     def _reset_state(self) -> None:
         self._new_state(Role.TARGET)
         self._new_state(Role.DRAFT)
@@ -168,18 +145,14 @@ class Engine:
 
     def _new_state(self, role: Role) -> None:
         """Fresh pools, books and (target) per-slot state of a role."""
-        p = self.programs
+        p, vocab = self.programs, self.cfg.vocab_size
         if role is Role.DRAFT:
-            self.dbook = self._book(self.dspec) if self.dspec else None
+            self.dbook = engine_pools.book(self.dspec, vocab, self.data) if self.dspec else None
             self.dpool = self.dbook.sync(p.draft_zeros(self.dspec)) if self.dspec else None
-            return
-        cfg, s = self.cfg, self.tspec.max_slots
-        self.tbook = self._book(self.tspec)
-        self.tpool = p.sync(self.tbook, p.zeros(self.tspec), self.tspec)
-        stream = jnp.dtype(self.tspec.dtype)  # the model's activation dtype
-        hidden = lambda: jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), stream)  # noqa: E731
-        logits = lambda: jnp.zeros((s, cfg.vocab_size), jnp.float32)  # noqa: E731
-        self.slot_state = p.slot_state(SlotState(logits(), hidden(), logits(), hidden()))
+        else:
+            self.tbook = engine_pools.book(self.tspec, vocab, self.data)
+            self.tpool = p.sync(self.tbook, p.zeros(self.tspec), self.tspec)
+            self.slot_state = p.slot_state(engine_pools.slot_state_zeros(self.cfg, self.tspec))
 
     def _lost(self) -> bool:
         """Whether a failed call took the donated pools with it."""
@@ -192,16 +165,32 @@ class Engine:
         return None if Role.DRAFT in self._parking else self.dspec
 
     # ---- public API ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """One call at a time: another thread's call waits for this one to end; a call from inside one on the same
+        thread (a callback) would wait for itself and raises `EngineBusy` at once."""
+        if self._owner == threading.get_ident():
+            raise EngineBusy(f"Engine.{what}: called from inside another call of this engine on the same thread "
+                             "(a callback or an open stream's loop); call it after that call returns")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
     def generate(self, requests: Sequence[Request], *, on_result=None) -> list[GenerateResult]:
         """Run every request to completion; results in the same order. Never raises for a bad request.
 
-        on_result(index, result) is called as each request finishes (batch jobs write results as they come)."""
-        gen = self._run(list(requests), on_result)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        on_result(index, result) is called as each request finishes (batch jobs write results as they come).
+        Thread-safe: calls from several threads run one after another, each with its own results and callbacks."""
+        with self._exclusive("generate()"):
+            gen = self._run(list(requests), on_result)
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as stop:
+                    return stop.value
 
     def stream(self, requests: Sequence[Request], *, on_result=None, feed=None) -> Iterator[TokenEvent]:
         """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards.
@@ -209,17 +198,19 @@ class Engine:
 
         feed() (optional) is called before every iteration and returns more requests to join this stream (their
         indices continue after `requests`); the stream ends once nothing is queued or running and feed() returned
-        nothing: a server's driver thread (`ds4jax.serving.driver`) keeps one engine busy this way."""
-        gen = self._run(list(requests), on_result, feed)
-        try:
-            while True:
-                try:
-                    yield from next(gen)
-                except StopIteration as stop:
-                    self.last_results = stop.value
-                    return
-        finally:
-            gen.close()
+        nothing: a server's driver thread (`ds4jax.serving.driver`) keeps one engine busy this way.
+        The stream holds the engine from its first event until it ends or is closed: other threads' calls wait."""
+        with self._exclusive("stream()"):
+            gen = self._run(list(requests), on_result, feed)
+            try:
+                while True:
+                    try:
+                        yield from next(gen)
+                    except StopIteration as stop:
+                        self.last_results = stop.value
+                        return
+            finally:
+                gen.close()
 
     def warmup(self) -> WarmupReport:
         """Compile every program the engine can run, once each (on padding rows, which write nothing): a prefill
@@ -228,8 +219,12 @@ class Engine:
         by side on a thread pool (`runtime/precompile.py`, ``DS4JAX_COMPILE_THREADS``), then each runs once.
         Returns the programs with their compile seconds (`print(engine.warmup())` shows the table; `.compiles`
         counts XLA compilations)."""
-        if self._slots or self._parking.parked:
-            raise PoolError("warmup() needs an idle engine with nothing parked")
+        with self._exclusive("warmup()"):
+            if self._parking.parked:
+                raise PoolError("warmup() needs an idle engine with nothing parked")
+            return self._warmup()
+
+    def _warmup(self) -> WarmupReport:
         rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
         pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
@@ -239,8 +234,9 @@ class Engine:
                 pad(rows), z(rows, width), z(rows), z(rows, width), np.zeros(rows, bool))))
         for rows in self.row_buckets:
             calls.append(("decode", rows, self.steps_per_call, lambda rows=rows: self._decode_call(pad(rows))))
-            if self.k:
-                calls.append(("speculative", rows, self.steps_per_call, lambda rows=rows: self._spec_call(pad(rows))))
+            for k in self.policy.ks:  # padding rows capped at k: the program of k drafts
+                calls.append(("speculative", rows, self.steps_per_call,
+                              lambda rows=rows, k=k: self._spec_call(pad(rows)._replace(k_cap=np.full(rows, k, np.int32)))))
         snapshots_on = self.snapshots.budget_bytes > 0
         if snapshots_on:
             rows = self.buckets.restore_rows
@@ -329,11 +325,8 @@ class Engine:
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if not lv.prefilling and not lv.done]
-                for group, speculative in (([lv for lv in decoding if lv.k == 0], False),
-                                           ([lv for lv in decoding if lv.k > 0], True)):
-                    for start in range(0, len(group), self.row_buckets[-1]):
-                        part = group[start: start + self.row_buckets[-1]]
-                        self._guarded(part, lambda: self._decode_once(part, speculative, events))
+                for part, k in self._decode_parts(decoding):
+                    self._guarded(part, lambda: self._decode_once(part, k, events))
                 self._release_finished()
                 if events:
                     yield events
@@ -428,6 +421,16 @@ class Engine:
                 self._to_reset.add(slot)
 
     # ---- rows of a call ----------------------------------------------------------------------------------------
+    def _decode_parts(self, decoding: list[Live]) -> Iterator[tuple[list[Live], int]]:
+        """The decode calls of an iteration, each (rows, draft length): the policy picks the draft length of the
+        speculative-capable rows; those it sends plain join the plain rows' calls."""
+        most = self.row_buckets[-1]
+        capable = [lv for lv in decoding if lv.k > 0]
+        k = self.policy.choose(capable[:most], len(self._row_plan(capable[:most], self.row_buckets))) if capable else 0
+        for group, kk in (([lv for lv in decoding if not (lv.k and k)], 0), ([lv for lv in capable if k], k)):
+            for start in range(0, len(group), most):
+                yield group[start: start + most], kk
+
     def _fit(self, live: list[Live], rows: int) -> list[Live]:
         return row_plan.fit(live, rows, self.tspec.max_slots, self.data)
 
@@ -450,9 +453,12 @@ class Engine:
         return out
 
     def _spec_call(self, rows: Rows):
+        """Speculative rounds with the fewest drafts that serve every row's cap (`Rows.k_cap`)."""
+        cap = int(np.max(rows.k_cap))
+        k = next((k for k in self.policy.ks if k >= cap), self.policy.ks[-1])
         out, self.tpool, self.dpool, self.slot_state = self.programs.speculate(
             self.model.params, self.tpool, self.dpool, self.slot_state, rows, spec=self.tspec, dspec=self.dspec,
-            k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
+            k=k, kernels=self.kernels, max_rounds=self.steps_per_call)
         return out
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
@@ -508,11 +514,19 @@ class Engine:
             if finishing[row_of[lv.slot]]:
                 self._first_token(lv, int(first[row_of[lv.slot]]), now, events)
 
-    def _decode_once(self, part: list[Live], speculative: bool, events: list[TokenEvent]) -> None:
+    def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent]) -> None:
+        """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`."""
         plan = self._row_plan(part, self.row_buckets)
         row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        rows = self._padding_rows(plan)
+        speculative = k > 0
+        caps = [min(lv.k, k) for lv in plan if lv is not None]
+        rows = self._padding_rows(plan, caps)
+        start = time.perf_counter()
         if speculative:
+            behind = [lv.slot for lv in part if self.dbook.lengths[lv.slot] != self.tbook.lengths[lv.slot]]
+            if behind:  # decoded plainly for a while: the draft's cache rejoins at the target's length
+                self.dbook.lengths[behind] = self.tbook.lengths[behind]
+                self.dpool = self.dbook.sync(self.dpool)
             out = self._spec_call(rows)
             tokens, ran, accepted, bad, lengths = jax.device_get(
                 (out.tokens, out.rounds, out.accepted, out.bad, self.programs.lengths(self.tpool)))
@@ -524,6 +538,7 @@ class Engine:
                                                         self.programs.lengths(self.tpool)))
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(ran)
+        self.policy.observe_cost(len(plan), k, time.perf_counter() - start, int(ran))
         check = self.check_finite
         for lv in part:
             r = row_of[lv.slot]
@@ -532,7 +547,9 @@ class Engine:
             self.tbook.lengths[lv.slot] = lengths[lv.slot]
             if speculative:  # the draft pool advances with the target in every round
                 self.dbook.lengths[lv.slot] = lengths[lv.slot]
-                lv.result.accepted_per_round.extend(int(a) for a in accepted[r] if a >= 0)
+                rounds = [int(a) for a in accepted[r] if a >= 0]
+                lv.result.accepted_per_round.extend(rounds)
+                self.policy.observe_rounds(lv, rounds, min(lv.k, k))
             emitted = [int(t) for t in tokens[r] if t >= 0]
             if check and bad[r] >= 0:  # only the tokens before the first bad one are real
                 emitted = emitted[: max(int(bad[r]) - len(lv.result.tokens), 0)]
@@ -541,119 +558,3 @@ class Engine:
                 self._out.fail_nonfinite(lv)
             if not lv.done:
                 self._out.check_finished(lv)
-
-    def _restore_once(self, live: list[Live], events: list[TokenEvent]) -> None:
-        """First tokens of exact hits (sampled from the saved logits) and the draft's pending row."""
-        exact = [lv.restored == len(lv.ids) for lv in live]
-        if self._live_dspec is None and not any(exact):
-            return
-        rest = list(live)
-        while rest:
-            part = self._fit(rest, self.buckets.restore_rows)
-            rest = rest[len(part):] if self.data == 1 else [lv for lv in rest if lv not in part]
-            plan = self._row_plan(part, (self.buckets.restore_rows,))
-            row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-            rows = self._padding_rows(plan)
-            b = rows.slots.shape[0]
-            sampled, nxt = np.zeros(b, bool), np.zeros(b, np.int32)
-            for lv in part:
-                r = row_of[lv.slot]
-                sampled[r] = lv.restored == len(lv.ids)
-                nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
-            first = np.asarray(self._restore_call(rows, sampled, nxt))
-            if self._live_dspec is not None:
-                for lv in part:
-                    self.dbook.lengths[lv.slot] = lv.restored
-            now = time.perf_counter()
-            for lv in part:
-                if sampled[row_of[lv.slot]]:
-                    self._first_token(lv, int(first[row_of[lv.slot]]), now, events)
-
-    # ---- park / unpark (issue 9) ---------------------------------------------------------------------------------
-    def park(self, which: str | Role = "") -> None:
-        """Release device memory: 'target' / `Role.TARGET` (its parameters, pools and per-slot state; the draft
-        cannot run without the target's embedding and head either), 'draft' / `Role.DRAFT` (the MTP parameters and
-        the draft pool), or both ('' / 'all'). Parameters are kept in host memory; requests needing a parked
-        model return `ErrorCode.MODEL_PARKED`. The engine deletes the device buffers of the model it was built
-        with."""
-        parts = roles(which, "park")
-        if self._slots:
-            raise PoolError("park() needs an idle engine")
-        self.programs.drop_draft_params()  # a layer split's embedding copy for the draft goes with either part
-        for role in parts:
-            if role in self._parking or (role is Role.DRAFT and not self.k):
-                continue
-            doomed = self._parking.park(self.model.params, role)
-            if role is Role.TARGET:
-                doomed += [self.tpool, self.slot_state]
-                self.tpool = self.slot_state = None
-            else:
-                doomed.append(self.dpool)
-                self.dpool = None
-            delete(doomed)
-
-    def unpark(self, which: str | Role = "") -> None:
-        """Bring parked models back (same parameters bit for bit, fresh pools); unparking only the draft while
-        the target is parked is an error."""
-        parts = roles(which, "unpark")
-        if parts == (Role.DRAFT,) and Role.TARGET in self._parking:
-            raise PoolError("unpark('draft'): the target is parked and the draft needs it; unpark('target') or "
-                            "unpark('all') first")
-        for role in parts:
-            if role in self._parking:
-                self._parking.unpark(self.model.params, role)
-                self._new_state(role)
-
-    @property
-    def parked(self) -> tuple[str, ...]:
-        return self._parking.names()
-
-    # ---- prefix snapshots (issue 9) ----------------------------------------------------------------------------
-    def fingerprint(self) -> dict[str, str]:
-        if self._fingerprint is None:
-            self._fingerprint = snapshots.fingerprint(self.model, self.tspec, self.dspec)
-        return self._fingerprint
-
-    def snapshot(self, which, at: int | None = None) -> Snapshot:
-        """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
-        its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
-        `Request(snapshot=True)` snapshots the whole prompt without a callback."""
-        live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
-        if not live:
-            raise PoolError(f"snapshot({which!r}): no running request there")
-        lv = live[0]
-        if at is not None and at != len(lv.ids):
-            raise PoolError(f"snapshot(at={at}): only the whole prompt ({len(lv.ids)} tokens) can be snapshotted "
-                            "after prefill; pass Request(snapshot_at=({at},)) to snapshot inside the prompt")
-        if lv.prefilling or len(lv.result.tokens) > 1:
-            raise PoolError("snapshot(): a request can be snapshotted between its prefill and its first decode step")
-        return self._save_snapshot(lv)
-
-    def _save_snapshot(self, lv: Live) -> Snapshot:
-        """Snapshot `lv`'s slot right after prefilling its first lv.pos prompt tokens."""
-        pages = self.tbook.pages_needed(lv.pos)
-        arrays = self._slot_snaps.arrays(self.tpool, self.dpool, self.slot_state, lv.slot, pages)
-        snap = Snapshot(tuple(lv.ids[: lv.pos]), self.fingerprint(), arrays, pages)
-        self.snapshots.put(snap)
-        self.stats.snapshots_saved += 1
-        return snap
-
-    def _write_snapshot(self, slot: int, arrays: dict, pages: int, length: int) -> None:
-        self.tpool, self.dpool, self.slot_state = self._slot_snaps.write(
-            self.tpool, self.dpool, self.slot_state, slot, arrays, pages, length, draft=self._live_dspec is not None)
-
-    def _inject(self, lv: Live, snap: Snapshot) -> None:
-        bad = mismatch(self.fingerprint(), snap, self.dspec is not None)
-        if bad:
-            self._out.finish(lv, FinishReason.ERROR, ErrorCode.INVALID_SNAPSHOT,
-                             f"request {lv.index}: the prefix snapshot of {snap.length} tokens was made by another "
-                             f"engine ({', '.join(bad)} differ)")
-            return
-        length = snap.length
-        self._write_snapshot(lv.slot, snap.arrays, snap.pages, length)
-        self.tbook.lengths[lv.slot] = length
-        if self._live_dspec is not None:
-            self.dbook.lengths[lv.slot] = length - 1
-        lv.pos, lv.restored = length, length
-        lv.result.prefill_tokens = len(lv.ids) - length
-        self.stats.snapshot_hits += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
 
 BOTH = (Role.TARGET, Role.DRAFT)
@@ -76,3 +77,49 @@ class Parking:
             leaves, treedef = jax.tree.flatten(host)
             params[k] = jax.tree.unflatten(treedef, [jax.device_put(x, p) for x, p in zip(leaves, placements)])
         self.parked.discard(role)
+
+
+class EngineParking:
+    """`Engine.park` / `unpark` / `parked` (mixed into `Engine`: the pools and state of a parked role go with
+    its parameters, fresh ones come back with them)."""
+
+    def park(self, which: str | Role = "") -> None:
+        """Release device memory: 'target' / `Role.TARGET` (its parameters, pools and per-slot state; the draft
+        cannot run without the target's embedding and head either), 'draft' / `Role.DRAFT` (the MTP parameters and
+        the draft pool), or both ('' / 'all'). Parameters are kept in host memory; requests needing a parked
+        model return `ErrorCode.MODEL_PARKED`. The engine deletes the device buffers of the model it was built
+        with."""
+        parts = roles(which, "park")
+        with self._exclusive("park()"):
+            self._park(parts)
+
+    def _park(self, parts: tuple[Role, ...]) -> None:
+        self.programs.drop_draft_params()  # a layer split's embedding copy for the draft goes with either part
+        for role in parts:
+            if role in self._parking or (role is Role.DRAFT and not self.k):
+                continue
+            doomed = self._parking.park(self.model.params, role)
+            if role is Role.TARGET:
+                doomed += [self.tpool, self.slot_state]
+                self.tpool = self.slot_state = None
+            else:
+                doomed.append(self.dpool)
+                self.dpool = None
+            delete(doomed)
+
+    def unpark(self, which: str | Role = "") -> None:
+        """Bring parked models back (same parameters bit for bit, fresh pools); unparking only the draft while
+        the target is parked is an error."""
+        parts = roles(which, "unpark")
+        if parts == (Role.DRAFT,) and Role.TARGET in self._parking:
+            raise PoolError("unpark('draft'): the target is parked and the draft needs it; unpark('target') or "
+                            "unpark('all') first")
+        with self._exclusive("unpark()"):
+            for role in parts:
+                if role in self._parking:
+                    self._parking.unpark(self.model.params, role)
+                    self._new_state(role)
+
+    @property
+    def parked(self) -> tuple[str, ...]:
+        return self._parking.names()

@@ -8,12 +8,17 @@ logits and stream.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
 from ds4jax.generation import snapshots
+from ds4jax.generation.delivery import Live
+from ds4jax.generation.requests import ErrorCode, FinishReason, TokenEvent
 from ds4jax.generation.snapshots import Snapshot
 from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolError
 
 
 class SlotSnapshots:
@@ -56,3 +61,85 @@ def mismatch(mine: dict[str, str], snap: Snapshot, has_draft: bool) -> list[str]
     if not bad and has_draft != any(k.startswith("draft/") for k in snap.arrays):
         bad = ["draft"]
     return bad
+
+
+class EngineSnapshots:
+    """`Engine.snapshot` / `fingerprint` and the engine's side of prefix snapshots: saving a slot after a prefill
+    chunk, writing a stored one into a new request's slot, and the restore call's first tokens (mixed into
+    `Engine`)."""
+
+    def fingerprint(self) -> dict[str, str]:
+        if self._fingerprint is None:
+            self._fingerprint = snapshots.fingerprint(self.model, self.tspec, self.dspec)
+        return self._fingerprint
+
+    def snapshot(self, which, at: int | None = None) -> Snapshot:
+        """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
+        its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
+        `Request(snapshot=True)` snapshots the whole prompt without a callback."""
+        live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
+        if not live:
+            raise PoolError(f"snapshot({which!r}): no running request there")
+        lv = live[0]
+        if at is not None and at != len(lv.ids):
+            raise PoolError(f"snapshot(at={at}): only the whole prompt ({len(lv.ids)} tokens) can be snapshotted "
+                            "after prefill; pass Request(snapshot_at=({at},)) to snapshot inside the prompt")
+        if lv.prefilling or len(lv.result.tokens) > 1:
+            raise PoolError("snapshot(): a request can be snapshotted between its prefill and its first decode step")
+        return self._save_snapshot(lv)
+
+    def _save_snapshot(self, lv: Live) -> Snapshot:
+        """Snapshot `lv`'s slot right after prefilling its first lv.pos prompt tokens."""
+        pages = self.tbook.pages_needed(lv.pos)
+        arrays = self._slot_snaps.arrays(self.tpool, self.dpool, self.slot_state, lv.slot, pages)
+        snap = Snapshot(tuple(lv.ids[: lv.pos]), self.fingerprint(), arrays, pages)
+        self.snapshots.put(snap)
+        self.stats.snapshots_saved += 1
+        return snap
+
+    def _write_snapshot(self, slot: int, arrays: dict, pages: int, length: int) -> None:
+        self.tpool, self.dpool, self.slot_state = self._slot_snaps.write(
+            self.tpool, self.dpool, self.slot_state, slot, arrays, pages, length, draft=self._live_dspec is not None)
+
+    def _inject(self, lv: Live, snap: Snapshot) -> None:
+        bad = mismatch(self.fingerprint(), snap, self.dspec is not None)
+        if bad:
+            self._out.finish(lv, FinishReason.ERROR, ErrorCode.INVALID_SNAPSHOT,
+                             f"request {lv.index}: the prefix snapshot of {snap.length} tokens was made by another "
+                             f"engine ({', '.join(bad)} differ)")
+            return
+        length = snap.length
+        self._write_snapshot(lv.slot, snap.arrays, snap.pages, length)
+        self.tbook.lengths[lv.slot] = length
+        if self._live_dspec is not None:
+            self.dbook.lengths[lv.slot] = length - 1
+        lv.pos, lv.restored = length, length
+        lv.result.prefill_tokens = len(lv.ids) - length
+        self.stats.snapshot_hits += 1
+
+    def _restore_once(self, live: list[Live], events: list[TokenEvent]) -> None:
+        """First tokens of exact hits (sampled from the saved logits) and the draft's pending row."""
+        exact = [lv.restored == len(lv.ids) for lv in live]
+        if self._live_dspec is None and not any(exact):
+            return
+        rest = list(live)
+        while rest:
+            part = self._fit(rest, self.buckets.restore_rows)
+            rest = rest[len(part):] if self.data == 1 else [lv for lv in rest if lv not in part]
+            plan = self._row_plan(part, (self.buckets.restore_rows,))
+            row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
+            rows = self._padding_rows(plan)
+            b = rows.slots.shape[0]
+            sampled, nxt = np.zeros(b, bool), np.zeros(b, np.int32)
+            for lv in part:
+                r = row_of[lv.slot]
+                sampled[r] = lv.restored == len(lv.ids)
+                nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
+            first = np.asarray(self._restore_call(rows, sampled, nxt))
+            if self._live_dspec is not None:
+                for lv in part:
+                    self.dbook.lengths[lv.slot] = lv.restored
+            now = time.perf_counter()
+            for lv in part:
+                if sampled[row_of[lv.slot]]:
+                    self._first_token(lv, int(first[row_of[lv.slot]]), now, events)

@@ -22,10 +22,6 @@ class Target:
     platform: str
     arch: str | None = None
 
-    @property
-    def is_rocm(self) -> bool:
-        return self.platform == "rocm"
-
 
 def target_of(device) -> Target:
     """Platform and architecture of a JAX device.
