@@ -65,10 +65,11 @@ def tokens_per_round(a: float, k: int) -> float:
 
 
 class Fixed:
-    """Every speculative-capable row speculates with the engine's k."""
+    """Every speculative-capable row speculates with the engine's k (each row up to its own cap; a call runs the
+    program of the fewest drafts in `ks` that serves its rows' caps)."""
 
-    def __init__(self, k: int):
-        self.ks = (k,) if k else ()
+    def __init__(self, k: int, ks: Sequence[int] | None = None):
+        self.ks = tuple(ks) if ks is not None else ((k,) if k else ())
         self.k = k
 
     def choose(self, live: Sequence, rows: int) -> int:
