@@ -139,7 +139,7 @@ def bench_model(name: str, args, res: dict, save) -> bool:
     engine = Engine(model, max_slots=max(batches), max_context=args.prompt_len + new + k + 2, speculative=k,
                     adaptive=draft_policy.Adaptive(ks=tuple(ks)), prefill_chunk=args.prompt_len,
                     prefill_tokens=args.prompt_len * max(batches), row_buckets=tuple(batches),
-                    prefill_row_buckets=tuple(batches), steps_per_call=args.steps_per_call, snapshot_bytes=0)
+                    prefill_row_buckets=tuple(sorted({1, max(batches)})), steps_per_call=args.steps_per_call, snapshot_bytes=0)
     engine.adaptive_policy = engine.policy
     t = time.perf_counter()
     warm = engine.warmup()
@@ -153,6 +153,7 @@ def bench_model(name: str, args, res: dict, save) -> bool:
         for mode in ["plain"] + [str(x) for x in ks] + ["adaptive"]:
             if time.perf_counter() - res["started"] > args.deadline_s:
                 print(f"deadline: skipping {name} b={b} {mode}", flush=True)
+                res.setdefault("skipped", []).append(f"{name} b={b} {mode}")
                 continue
             row, tokens = measure(engine, timer, prompts[:b], new, mode, args.repeats)
             row.update(batch=b, mode=mode)
@@ -182,12 +183,15 @@ def write_md(res: dict, path: str) -> None:
              "an untimed run. Host ms/call: wall time outside the programs per decode call; device ms/call: time in "
              "the decode / speculative program per call (to block_until_ready); fused loop: tokens / time in "
              "programs.", ""]
+    if res.get("skipped"):
+        lines += [f"Skipped at the deadline: {', '.join(res['skipped'])}.", ""]
     for name, m in res["models"].items():
         lines += [f"## {name} ({m['dtype']}, {m['prompt_len']}-token prompts, {m['new_tokens']} new tokens, kernels "
                   f"{m.get('kernels')}; warm-up {m.get('warmup_compiles')} compilations in "
                   f"{m.get('warmup_s', 0):.0f} s)", "",
-                  "| batch | mode | tok/s | vs plain | fused loop tok/s | engine / fused | host ms/call | device ms/call "
-                  "| plain + spec calls | mean accepted | equal to plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch | mode | tok/s | vs plain | fused loop tok/s | engine / fused | host ms/call "
+                  "| device ms/call | plain + spec calls | mean accepted | equal to plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in m["runs"]:
             acc = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "-"
             fused = r["fused_loop_tokens_per_s"] or 0

@@ -170,13 +170,11 @@ class Delivery:
         try:
             self.on_result(index, res)
         except Exception as exc:  # noqa: BLE001 - the callback's failure is its own request's
-            if res.finish_reason == FinishReason.CANCELLED.value:
-                pass
-            elif res.error is None:
-                self.stats.completed -= 1
-                self.stats.cancelled += 1
-            else:
-                self.stats.failed -= 1
+            if res.finish_reason != FinishReason.CANCELLED.value:  # recount it as cancelled
+                if res.error is None:
+                    self.stats.completed -= 1
+                else:
+                    self.stats.failed -= 1
                 self.stats.cancelled += 1
             res.finish_reason, res.error = FinishReason.CANCELLED.value, ErrorCode.CANCELLED
             res.message = f"on_result raised {exc!r}" + (f" (after: {res.message})" if res.message else "")

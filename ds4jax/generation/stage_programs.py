@@ -11,7 +11,8 @@ after the step in which a row finishes (one host read per step), as `decode_loop
 
 Pools are one `KVPool` per stage (`MeshSteps.stage_specs`), held as one `StagePools`; the per-slot state lives on
 the last stage, beside the logits. `StagePrograms` implements the engine's `programs.Programs` interface, as
-`fused_programs.FusedPrograms` does for one program per step. Prefix snapshots run `snapshots.extract` / `snapshots.inject` on every stage's pool and hold the stage
+`fused_programs.FusedPrograms` does for one program per step. Prefix snapshots run `snapshots.extract` /
+`snapshots.inject` on every stage's pool and hold the stage
 rows with their layer axes concatenated: the one-device snapshot layout, so a snapshot does not depend on the
 split.
 
