@@ -12,8 +12,9 @@ import time
 
 import numpy as np
 
-from ds4jax.generation.loops import MAX_FORCED
+from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
+from ds4jax.generation.sampling import seed_key_data
 
 
 @dataclasses.dataclass
@@ -61,6 +62,15 @@ class Live:
     # speculation: drafts accepted, and rounds that rejected one (`draft_policy`)
     drafts_accepted: int = 0
     drafts_rejected: int = 0
+
+    @classmethod
+    def start(cls, index: int, req: Request, checked, now: float) -> "Live":
+        """A request that passed `request_checks.check_for_engine` (`checked`), submitted at `now`."""
+        stop = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop[: len(checked.stop)] = checked.stop
+        result = GenerateResult(prefill_tokens=len(checked.ids), accepted_per_round=[] if checked.k else None)
+        return cls(index, req, checked.ids, result, checked.k, seed_key_data(req.seed), stop, now,
+                   snap_points=checked.snap_points, in_span=req.budget is not None and not req.budget.open_ids)
 
     @property
     def prefilling(self) -> bool:

@@ -42,12 +42,11 @@ from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
 from ds4jax.generation.fused_programs import FusedPrograms
 from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
-from ds4jax.generation.loops import MAX_STOP_IDS, Rows
+from ds4jax.generation.loops import Rows
 from ds4jax.generation.parking import EngineParking, Parking
 from ds4jax.generation.programs import EngineWarmup, Programs
 from ds4jax.generation.request_checks import Limits, Rejected, check_for_engine
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
-from ds4jax.generation.sampling import seed_key_data
 from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
 from ds4jax.generation.snapshots import SnapshotStore
 from ds4jax.model.handle import Model
@@ -219,12 +218,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             return GenerateResult(error=r.code, message=f"request {index}: {r}")
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on the text: the request's problem
             return GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"request {index}: {exc!r}")
-        stop = np.full(MAX_STOP_IDS, -1, np.int32)
-        stop[: len(c.stop)] = c.stop
-        result = GenerateResult(prefill_tokens=len(c.ids), accepted_per_round=[] if c.k else None)
-        budget = req.budget
-        return Live(index, req, c.ids, result, c.k, seed_key_data(req.seed), stop, now, snap_points=c.snap_points,
-                    in_span=budget is not None and not budget.open_ids)
+        return Live.start(index, req, c, now)
 
     def _run(self, requests: list, on_result=None, feed=None) -> Iterator[list[TokenEvent]]:
         results: list[GenerateResult | None] = []

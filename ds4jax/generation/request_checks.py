@@ -89,12 +89,11 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
-    """A request the engine can run: its prompt ids, draft cap, snapshot points and the positions it reserves."""
+    """A request the engine can run: its prompt ids, draft cap, snapshot points and stop ids."""
     ids: list[int]
     k: int
     snap_points: tuple[int, ...]
     stop: tuple[int, ...]
-    need: int  # positions to reserve: prompt + max_new_tokens (+ the speculative window)
 
 
 class Rejected(Exception):
@@ -165,4 +164,4 @@ def check_for_engine(req, limits: Limits, *, tokenizer, parked=frozenset()) -> C
         raise bad(f"snapshot_at position {beyond[0]!r} is outside [1, {len(ids)}]")
     if req.snapshot:
         points.add(len(ids))
-    return Checked(ids, k, tuple(sorted(points)), stops, need)
+    return Checked(ids, k, tuple(sorted(points)), stops)
