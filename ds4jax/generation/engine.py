@@ -36,7 +36,7 @@ import numpy as np
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
 from ds4jax.generation import draft_policy, engine_pools, row_plan
-from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
+from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
@@ -106,7 +106,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in
         # token 0 replaces the bad draw) and only records `nonfinite_at` (`generate(check_finite=False)`)
         self.check_finite = bool(check_finite)
-        self.steps_per_call = int(steps_per_call)
+        self.steps_per_call = _positive(steps_per_call, "steps_per_call")  # 0 would loop on nothing
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
                       draft_tokens=k + 1 if k else 0, page_size=page_size or default_page_size(cfg),
                       dtype=pool_dtype(model))

@@ -58,7 +58,7 @@ class FusedPrograms:
 
     # ---- pools and per-slot state ----------------------------------------------------------------------------
     def zeros(self, spec: PoolSpec) -> pools.KVPool:
-        return self.committed(pools.zeros(spec)) if self.layout is None else self.layout.pool_zeros(spec)
+        return self.committed(pools.allocate(spec)) if self.layout is None else self.layout.pool_zeros(spec)
 
     draft_zeros = zeros
 
