@@ -68,7 +68,8 @@ class Live:
         """A request that passed `request_checks.check_for_engine` (`checked`), submitted at `now`."""
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[: len(checked.stop)] = checked.stop
-        result = GenerateResult(prefill_tokens=len(checked.ids), accepted_per_round=[] if checked.k else None)
+        result = GenerateResult(prefill_tokens=len(checked.ids), accepted_per_round=[] if checked.k else None,
+                                logprobs=None if req.logprobs is None else [])
         return cls(index, req, checked.ids, result, checked.k, seed_key_data(req.seed), stop, now,
                    snap_points=checked.snap_points, in_span=req.budget is not None and not req.budget.open_ids)
 
@@ -103,15 +104,19 @@ class Delivery:
         self.stats, self.tokenizer = stats, tokenizer
         self.on_result = None
 
-    def deliver(self, lv: Live, tokens: list[int], events: list[TokenEvent]) -> None:
+    def deliver(self, lv: Live, tokens: list[int], events: list[TokenEvent], logprobs=None) -> None:
+        """logprobs: one `TokenLogprob` per token, or None (the request asked for none)."""
         del lv.forced[: len(tokens)]  # forced tokens are the first a call emits
-        for t in tokens:
+        for j, t in enumerate(tokens):
             if lv.done:
                 return
             track_budget(lv, t)
             res = lv.result
-            ev = TokenEvent(lv.index, t, len(res.tokens))
+            lp = logprobs[j] if logprobs is not None else None
+            ev = TokenEvent(lv.index, t, len(res.tokens), lp)
             res.tokens.append(t)
+            if lp is not None:
+                res.logprobs.append(lp)
             lv.cur = t
             self.stats.tokens += 1
             events.append(ev)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
-from ds4jax.generation import draft_policy, engine_pools, row_plan
+from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.draft_policy import Adaptive
@@ -56,12 +56,14 @@ from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
 
 
-def _programs(layout, cfg, params) -> Programs:
+def _programs(layout, cfg, params, logprobs: int) -> Programs:
     if layout is not None and layout.num_stages > 1:
         from ds4jax.generation.stage_programs import StagePrograms
 
+        if logprobs:
+            raise PoolError(f"logprobs must be 0 on a layer split (its stage programs return none), got {logprobs}")
         return StagePrograms(layout, cfg)
-    return FusedPrograms(layout, cfg, params)
+    return FusedPrograms(layout, cfg, params, logprobs)
 
 
 class Engine(EngineParking, EngineSnapshots, EngineWarmup):
@@ -78,7 +80,9 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
     takes in all (default max(prefill_chunk, 16 x max_slots)), so a call of R rows takes
     min(prefill_chunk, prefill_tokens // R) per row.
     row_buckets / prefill_row_buckets: the row counts of decode / prefill calls (`buckets.engine_buckets`).
-    kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
+    kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`).
+    logprobs: N > 0 makes every program also return each token's log-probability and its N most likely
+    alternatives (requests ask with `Request.logprobs` <= N); 0 (the default) compiles the programs without them."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
@@ -86,7 +90,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
-                 check_finite: bool = True, adaptive: bool | Adaptive = False):
+                 check_finite: bool = True, adaptive: bool | Adaptive = False, logprobs: int = 0):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -100,7 +104,10 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         self.model = Model(cfg, dict(model.params), self.layout, scan_layers=model.scan_layers)
         self.cfg, self.k, self.tokenizer = cfg, k, tokenizer
         self.policy = draft_policy.policy(k, adaptive)  # the draft length of each call
-        self.programs: Programs = _programs(self.layout, cfg, self.model.params)
+        self.logprobs = int(logprobs)
+        if not 0 <= self.logprobs <= cfg.vocab_size:
+            raise PoolError(f"logprobs must be in [0, {cfg.vocab_size}] (the vocabulary), got {logprobs}")
+        self.programs: Programs = _programs(self.layout, cfg, self.model.params, self.logprobs)
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in
@@ -118,7 +125,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                                       prefill_row_buckets=prefill_row_buckets)
         self.row_buckets, self.prefill_row_buckets = self.buckets.rows, self.buckets.prefill_rows
         self.limits = Limits(cfg.vocab_size, k, self.tspec.max_context, self.tspec.num_pages, self.tspec.page_size,
-                             self.tspec.pages_per_slot > 0)
+                             self.tspec.pages_per_slot > 0, self.logprobs)
         self.stats = EngineStats()
         self._out = Delivery(self.stats, tokenizer)
         self._parking = Parking()
@@ -374,10 +381,11 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
 
     # ---- the calls (one place each, so a test can wrap one) ---------------------------------------------------
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
-        first, self.tpool, self.dpool, self.slot_state = self.programs.prefill(
+        """-> (first tokens, their `TokenLogprobs` or None)."""
+        first, self.tpool, self.dpool, self.slot_state, lp = self.programs.prefill(
             self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
             finishing, spec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
-        return first
+        return first, lp
 
     def _decode_call(self, rows: Rows):
         out, self.tpool = self.programs.decode(self.model.params, self.tpool, rows, spec=self.tspec,
@@ -394,14 +402,16 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         return out
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
-        first, self.dpool, self.slot_state = self.programs.restore(
+        """-> (first tokens, their `TokenLogprobs` or None)."""
+        first, self.dpool, self.slot_state, lp = self.programs.restore(
             self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, dspec=self._live_dspec,
             kernels=self.kernels)
-        return first
+        return first, lp
 
     # ---- prefill, decode, restore ----------------------------------------------------------------------------
-    def _first_token(self, lv: Live, token: int, now: float, events: list[TokenEvent]) -> None:
-        """A request's first token, sampled by its prefill's last chunk or from a restored snapshot's logits."""
+    def _first_token(self, lv: Live, token: int, logprobs, now: float, events: list[TokenEvent]) -> None:
+        """A request's first token, sampled by its prefill's last chunk or from a restored snapshot's logits
+        (logprobs: its `TokenLogprob` as a one-item list, or None)."""
         lv.first_token = now
         lv.result.timings.prefill_s = now - lv.admitted
         if token < 0:  # the logits were not finite
@@ -409,7 +419,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             if self.check_finite:
                 self._out.fail_nonfinite(lv)
                 return
-        self._out.deliver(lv, [token], events)
+        self._out.deliver(lv, [token], events, logprobs)
         if not lv.done:
             self._out.check_finished(lv)
 
@@ -431,20 +441,22 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             n_tokens[r] = c
             finishing[r] = lv.pos + c == len(lv.ids)
         self.tbook.check_extend(rows.slots, tok, n_tokens)  # padding rows (n_tokens 0) are not looked at
-        first = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
+        first, lp = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
         self.stats.prefill_steps += 1
         self.stats.prompt_tokens += int(n_tokens.sum())
         self.tbook.commit(rows.slots, n_tokens)
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
-        first = np.asarray(first) if finishing.any() else None
+        if finishing.any():
+            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in live])
         now = time.perf_counter()
         for lv, c in zip(live, n):
             lv.pos += c
             if lv.pos in lv.snap_points:
                 self._save_snapshot(lv)
-            if finishing[row_of[lv.slot]]:
-                self._first_token(lv, int(first[row_of[lv.slot]]), now, events)
+            r = row_of[lv.slot]
+            if finishing[r]:
+                self._first_token(lv, int(first[r]), logprob_rows.first(lp, r, lv.request.logprobs), now, events)
 
     def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent]) -> None:
         """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`."""
@@ -471,6 +483,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(ran)
         self.policy.observe_cost(len(plan), k, time.perf_counter() - start, int(ran))
+        lp = logprob_rows.fetch(out.logprobs, [lv.request for lv in part])
         check = self.check_finite
         for lv in part:
             r = row_of[lv.slot]
@@ -485,7 +498,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             emitted = [int(t) for t in tokens[r] if t >= 0]
             if check and bad[r] >= 0:  # only the tokens before the first bad one are real
                 emitted = emitted[: max(int(bad[r]) - len(lv.result.tokens), 0)]
-            self._out.deliver(lv, emitted, events)
+            self._out.deliver(lv, emitted, events, logprob_rows.row(lp, r, len(emitted), lv.request.logprobs))
             if check and bad[r] >= 0 and not lv.done:
                 self._out.fail_nonfinite(lv)
             if not lv.done:

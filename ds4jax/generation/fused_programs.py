@@ -3,7 +3,8 @@
 `inject`).
 
 `FusedPrograms` and the layer split's `stage_programs.StagePrograms` implement the same `programs.Programs`
-interface, so the engine never asks which one it holds. Here a target pool is one `KVPool`.
+interface, so the engine never asks which one it holds. Here a target pool is one `KVPool`, and `logprobs=N`
+(static, the engine's) makes every call also return its tokens' log-probabilities (`loops`' module docstring).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class FusedPrograms:
 
     precompiles = True  # warm-up lowers these programs first and compiles them side by side
 
-    def __init__(self, layout, cfg, params):
-        self.layout, self.cfg = layout, cfg
+    def __init__(self, layout, cfg, params, logprobs: int = 0):
+        self.layout, self.cfg, self.logprobs = layout, cfg, logprobs
         self._params = params  # only read for the weights' device (see `committed`)
 
     def committed(self, tree):
@@ -120,26 +121,29 @@ class FusedPrograms:
     # ---- the calls ---------------------------------------------------------------------------------------------
     def prefill(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens, next_ids,
                 finishing, *, spec: PoolSpec, dspec: PoolSpec | None, kernels):
-        """One prefill chunk. Returns (first tokens, tpool, dpool, slot_state)."""
+        """One prefill chunk. Returns (first tokens, tpool, dpool, slot_state, their logprobs or None)."""
         with self.active():
             return loops.prefill_call(params, tpool, dpool, slot_state, rows, token_ids, n_tokens, next_ids,
-                                      finishing, cfg=self.cfg, tspec=spec, dspec=dspec, kernels=kernels)
+                                      finishing, cfg=self.cfg, tspec=spec, dspec=dspec, kernels=kernels,
+                                      logprobs=self.logprobs)
 
     def decode(self, params, tpool, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
         """Up to `max_steps` plain decode steps. Returns (DecodeOut, tpool)."""
         with self.active():
             return loops.decode_loop(params, tpool, rows, cfg=self.cfg, spec=spec, kernels=kernels,
-                                     max_steps=max_steps)
+                                     max_steps=max_steps, logprobs=self.logprobs)
 
     def speculate(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
                   dspec: PoolSpec, k: int, kernels, max_rounds: int):
         """Up to `max_rounds` speculative rounds of k drafts. Returns (SpecOut, tpool, dpool, slot_state)."""
         with self.active():
             return spec_rounds.speculative_loop(params, tpool, dpool, slot_state, rows, cfg=self.cfg, tspec=spec,
-                                                dspec=dspec, k=k, kernels=kernels, max_rounds=max_rounds)
+                                                dspec=dspec, k=k, kernels=kernels, max_rounds=max_rounds,
+                                                logprobs=self.logprobs)
 
     def restore(self, params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, dspec, kernels):
-        """First tokens from the saved logits and the draft's pending row. Returns (first, dpool, slot_state)."""
+        """First tokens from the saved logits and the draft's pending row. Returns (first, dpool, slot_state, their
+        logprobs or None)."""
         with self.active():
             return loops.restore_call(params, dpool, slot_state, rows, sampled, next_ids, cfg=self.cfg, dspec=dspec,
-                                      kernels=kernels)
+                                      kernels=kernels, logprobs=self.logprobs)

@@ -123,7 +123,9 @@ class Programs(Protocol):
     """What the engine runs, whichever way the model is placed: `fused_programs.FusedPrograms` (one compiled
     program per call: one device, one-stage meshes) or `stage_programs.StagePrograms` (a layer split, stage by
     stage). A target pool is whatever `zeros` returns (a `KVPool`, or a split's `StagePools`; both have
-    `lengths`); the engine only hands it back. Every call donates the pools it takes and returns the new ones."""
+    `lengths`); the engine only hands it back. Every call donates the pools it takes and returns the new ones.
+    prefill / restore also return their first tokens' `sampling.TokenLogprobs`, decode / speculate theirs in
+    `DecodeOut.logprobs` / `SpecOut.logprobs` (None when the engine's logprobs are off; always on a split)."""
 
     precompiles: bool  # whether warm-up may lower the calls first and compile them side by side
 

@@ -5,7 +5,7 @@
   where an id belongs. `request_problem` returns the first problem as a message naming the field and the value,
   or None.
 * Engine checks (`check_for_engine`): the field checks, then what depends on the engine (vocabulary, stop ids,
-  draft cap, parked models, context and pages, budget and snapshot positions). It raises `Rejected` with the
+  draft cap, parked models, context and pages, budget, logprobs and snapshot positions). It raises `Rejected` with the
   `ErrorCode` the engine puts in the request's result; the engine itself checks nothing.
 """
 
@@ -56,6 +56,9 @@ def check_request(req, where: str = "Request") -> None:
     on_token = getattr(req, "on_token", None)
     if on_token is not None and not callable(on_token):
         raise ArgumentError("must be callable", name=f"{where}.on_token", value=on_token)
+    logprobs = getattr(req, "logprobs", None)
+    if logprobs is not None:
+        check_int(logprobs, f"{where}.logprobs", low=0)
     snapshot_at = getattr(req, "snapshot_at", ())
     _ids(snapshot_at, f"{where}.snapshot_at", low=1)
     budget = getattr(req, "budget", None)
@@ -85,6 +88,7 @@ class Limits:
     num_pages: int
     page_size: int
     paged: bool  # False: a sliding-window-only pool, which needs no pages
+    logprobs: int = 0  # the most alternatives a request may ask for (`Engine(logprobs=N)`; 0: logprobs off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,11 @@ def check_for_engine(req, limits: Limits, *, tokenizer, parked=frozenset()) -> C
         for name, seq, least in (("close_ids", tuple(budget.close_ids), 1), ("open_ids", tuple(budget.open_ids), 0)):
             if not least <= len(seq) <= MAX_FORCED or any(int(t) >= v for t in seq):
                 raise bad(f"budget.{name} must hold {least}..{MAX_FORCED} ids in the vocabulary [0, {v}), got {seq}")
+    if req.logprobs is not None and not limits.logprobs:
+        raise bad("logprobs needs an engine built with Engine(logprobs=N)")
+    if req.logprobs is not None and req.logprobs > limits.logprobs:
+        raise bad(f"logprobs={req.logprobs}: this engine returns at most {limits.logprobs} alternatives "
+                  "(Engine(logprobs=N))")
     points = {int(p) for p in req.snapshot_at}
     beyond = [p for p in req.snapshot_at if p > len(ids)]
     if beyond:

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from ds4jax.generation import snapshots
+from ds4jax.generation import logprob_rows, snapshots
 from ds4jax.generation.delivery import Live
 from ds4jax.generation.requests import ErrorCode, FinishReason, TokenEvent
 from ds4jax.generation.snapshots import Snapshot
@@ -135,11 +135,13 @@ class EngineSnapshots:
                 r = row_of[lv.slot]
                 sampled[r] = lv.restored == len(lv.ids)
                 nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
-            first = np.asarray(self._restore_call(rows, sampled, nxt))
+            first, lp = self._restore_call(rows, sampled, nxt)
+            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in part])
             if self._live_dspec is not None:
                 for lv in part:
                     self.dbook.lengths[lv.slot] = lv.restored
             now = time.perf_counter()
             for lv in part:
-                if sampled[row_of[lv.slot]]:
-                    self._first_token(lv, int(first[row_of[lv.slot]]), now, events)
+                r = row_of[lv.slot]
+                if sampled[r]:
+                    self._first_token(lv, int(first[r]), logprob_rows.first(lp, r, lv.request.logprobs), now, events)

@@ -269,14 +269,14 @@ class StagePrograms:
 
     def restore(self, params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, dspec, kernels):
         """`loops.restore_call` on the last stage: first tokens from the saved logits, and the draft's pending row
-        when `dspec` is not None. Returns (first tokens, dpool, slot_state)."""
+        when `dspec` is not None. Returns (first tokens, dpool, slot_state, None: no logprobs on a split)."""
         dparams = self.draft_params(params) if dspec is not None else {}
         with self.layout.active(self.last):
-            first, dpool, state = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
-                                                     self.put(np.asarray(sampled), self.last),
-                                                     self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
-                                                     dspec=dspec, kernels=kernels)
-        return first, self._draft_out(dpool, dspec), self.slot_state(state)
+            first, dpool, state, _ = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
+                                                        self.put(np.asarray(sampled), self.last),
+                                                        self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
+                                                        dspec=dspec, kernels=kernels)
+        return first, self._draft_out(dpool, dspec), self.slot_state(state), None
 
     # ---- one step through every stage -----------------------------------------------------------------------
     def _through(self, params, pools: StagePools, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
@@ -304,7 +304,7 @@ class StagePrograms:
     def prefill(self, params, pools: StagePools, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens,
                 next_ids, finishing, *, spec: PoolSpec, dspec: PoolSpec | None, kernels):
         """One prefill chunk (`loops.prefill_call`; the draft extend when `dspec` is not None).
-        Returns (first tokens, pools, dpool, slot_state)."""
+        Returns (first tokens, pools, dpool, slot_state, None: no logprobs on a split)."""
         self._check(rows, spec)
         rows_last = self.put(rows, self.last)
         dparams = self.draft_params(params) if dspec is not None else None
@@ -318,7 +318,7 @@ class StagePrograms:
 
         (first, dpool, slot_state), pools = self._through(params, pools, rows.slots, token_ids, n_tokens, spec,
                                                           kernels, last_call)
-        return first, pools, self._draft_out(dpool, dspec), slot_state
+        return first, pools, self._draft_out(dpool, dspec), slot_state, None
 
     def decode(self, params, pools: StagePools, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
         """Up to `max_steps` decode steps, one host round trip each (`loops.decode_loop`'s contract: it returns
