@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra is not installed")
 
 from ds4jax.io.tokenizer import ByteTokenizer
 from ds4jax.serving.config import ServerConfig
