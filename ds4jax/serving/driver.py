@@ -3,7 +3,9 @@ the driver feeds them into one running `Engine.stream` as slots free up, and eac
 back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop). A
 job's tokens of one engine iteration go in one ``("tokens", [TokenEvent, ...])`` call after it: one thread hop per
 job and engine call instead of one per token (a decode call delivers up to steps-per-call tokens at once anyway);
-a job's first token goes at once (time to first token).
+a job's first token goes at once (time to first token). The engine thread is the server's critical path, so it
+does no per-token work beyond buffering: metrics are counted per delivery (`ServerMetrics.delivered`) and engine
+stats sampled once per engine iteration.
 
 * Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
   `max_queue`; the handler answers 429 with Retry-After.
@@ -46,8 +48,8 @@ class Job:
     label: str = ""  # the HTTP request's id, for logs
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token: float = 0.0
-    last_token: float = 0.0
+    first_token: float = 0.0  # when its first tokens were handed over
+    last_token: float = 0.0  # when its latest tokens were handed over
     result: GenerateResult | None = None
 
 
@@ -168,10 +170,13 @@ class Driver:
             run: list[Job] = []  # index in this stream -> job
             for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
                                         feed=lambda: self._feed(run)):
-                self._flush()
-                self._sample_stats()
+                if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
+                    self._flush()
 
     def _feed(self, run: list[Job]) -> list[Request]:
+        """Before every engine iteration: sample the engine's stats, hand it as many waiting jobs as slots are
+        free."""
+        self._sample_stats()
         with self._cv:
             free = self.engine.tspec.max_slots - len(self._running)
             taken = []
@@ -192,10 +197,15 @@ class Driver:
 
     def _flush(self, jobs=None) -> None:
         """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
+        now = time.perf_counter()
         for job in list(self._batch) if jobs is None else jobs:
             events = self._batch.pop(job, None)
             if not events:
                 continue
+            if self.metrics is not None:
+                self.metrics.delivered(job, len(events), now)
+            job.first_token = job.first_token or now
+            job.last_token = now
             try:
                 job.sink("tokens", events)
             except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
@@ -217,12 +227,6 @@ class Driver:
         def deliver(event: TokenEvent) -> bool:
             if job.cancelled:
                 return False
-            now = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.token(job, now)
-            if not job.first_token:
-                job.first_token = now
-            job.last_token = now
             self._batch.setdefault(job, []).append(event)
             if event.index == 0:  # the first token goes at once: the rest of its iteration (a decode call) would
                 self._flush([job])  # delay it by a whole call

@@ -1,0 +1,42 @@
+"""Items from the engine thread to the event loop, with one wake-up per burst instead of one per item.
+
+`loop.call_soon_threadsafe` writes to the loop's self-pipe on every call (a syscall and a wake-up); the driver
+hands over one item per job and engine iteration, so 32 streams would cost 32 of them per engine call, all on the
+engine thread. `Handoff.put` queues the item and schedules a drain only when none is pending, so the items of one
+iteration reach their asyncio queues in one loop callback, each queue's in the order they were put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+
+
+class Handoff:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: collections.deque = collections.deque()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        """From any thread. Raises RuntimeError once the loop is closed (nobody will read `queue`)."""
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
