@@ -126,8 +126,8 @@ def test_split_character_and_stop_strings_across_batches(server):
     text, stop = "x\u00e9ab|cd", ("b|c",)
     ids = TOK.encode(text)
     whole = Choice(0, TOK, stop, server.close_ids, False)
-    for e in _events(ids):
-        whole.add(e)
+    for e in _events(ids):  # token by token
+        whole.extend([e])
     whole.finish(_result(ids, "stop"))
     assert whole.content_text == "x\u00e9a"
     for cut in range(1, len(ids)):

@@ -215,8 +215,7 @@ class Server:
                         return Response(status_code=499)
                     continue
                 if kind == "tokens":
-                    for event in value:
-                        choices[index].add(event)
+                    choices[index].extend(value)
                 else:
                     choices[index].finish(value)
                     pending -= 1
@@ -246,8 +245,7 @@ class Server:
                 for index, kind, value in items:
                     touched[index] = None
                     if kind == "tokens":
-                        for event in value:
-                            choices[index].add(event)
+                        choices[index].extend(value)
                         continue
                     pending -= 1
                     choices[index].finish(value)

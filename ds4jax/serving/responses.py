@@ -32,26 +32,40 @@ class Choice:
         self._released = 0  # entries of the tokens up to the last one that released text
         self._sent = self._sent_reasoning = self._sent_content = 0  # entries and text already streamed
 
-    def add(self, event) -> tuple[str, str]:
-        """A `TokenEvent` -> (reasoning delta, content delta) its token releases."""
-        token = event.token
-        if event.logprob is not None:
-            self.entries.append((token, event.logprob, len(self.content_text)))
-        r, c = self.split.add(token)
-        self.reasoning_tokens += len(r)
-        r, c = self.reasoning.add(r), self.content.add(c)
+    def extend(self, events) -> None:
+        """The `TokenEvent`s that arrived together (a decode call's), in order. Without logprobs their text is
+        decoded once for all of them: decoding per token cost ~26 us a token with the default tokenizer on the 2-core
+        CPU (the event loop's largest per-token cost), once per 4 tokens ~3 us a token. With logprobs they go
+        one by one, so each token's text offset (the text released before it) is exact. The text is the same."""
+        if all(e.logprob is None for e in events):
+            self._release(*self._route([e.token for e in events]))
+            return
+        for e in events:
+            if e.logprob is not None:
+                self.entries.append((e.token, e.logprob, len(self.content_text)))
+            self._release(*self._route([e.token]))
+
+    def _route(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """-> (reasoning tokens, content tokens) that `tokens` release from the reasoning split."""
+        reasoning, content = [], []
+        for token in tokens:
+            r, c = self.split.add(token)
+            reasoning += r
+            content += c
+        self.reasoning_tokens += len(reasoning)
+        return reasoning, content
+
+    def _release(self, reasoning: list[int], content: list[int]) -> None:
+        r, c = self.reasoning.add(reasoning), self.content.add(content)
         if r or c:
             self._keep(r, c)
-        return r, c
 
-    def finish(self, result) -> tuple[str, str]:
+    def finish(self, result) -> None:
         self.result = result
         rest = self.split.flush()
         self.reasoning_tokens += len(rest)
         self.reasoning.add(rest)
-        r, c = self.reasoning.finish(), self.content.finish() if self.content.ids else ""
-        self._keep(r, c)
-        return r, c
+        self._keep(self.reasoning.finish(), self.content.finish() if self.content.ids else "")
 
     def _keep(self, r: str, c: str) -> None:
         self.reasoning_text += r
