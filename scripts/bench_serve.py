@@ -382,8 +382,10 @@ def main(argv=None) -> int:
     try:
         for c in levels:
             prompts = prompts_for(tok, c, args.prompt_tokens)
-            # the engine alone, between server levels: the driver thread is idle then (it owns the engine while
-            # requests run; nothing is in flight here). The reference pass also settles the engine.
+            # the engine alone, between server levels, once the driver thread is idle (it owns the engine while it
+            # streams, and still resets slots after the last result went out). The reference pass also settles it.
+            if not server.driver.wait_idle(60):
+                raise RuntimeError("the server's engine thread did not go idle within 60 s")
             refs = engine.generate(requests_for(prompts, args.new, stop_ids, logprobs=2))
             for i, r in enumerate(refs):
                 checks.expect(r.ok, f"{c} clients reference {i}: {r.error} {r.message}")

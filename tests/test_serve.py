@@ -310,3 +310,37 @@ def test_sigterm_drain_names_what_it_cancelled():
         assert finished == [] and len(cancelled) == 1 and cancelled[0].startswith("cmpl-")
         last = json.loads(events[-1][len("data: "):])
         assert last["error"]["code"] == "cancelled" and "data: [DONE]" not in events
+
+
+def test_wait_idle_waits_for_the_engine_thread(served, monkeypatch):
+    """`Driver.wait_idle` is False while a generation runs and True once the engine thread has left its stream
+    (it still resets slots after the last result went out); then the engine is free for another caller, as
+    scripts/bench_serve.py's engine-only passes use it."""
+    import threading
+
+    from ds4jax import Request
+
+    server, base = served
+    make = server.driver.on_token
+    held, release = threading.Event(), threading.Event()
+
+    def on_token(job):
+        deliver = make(job)
+
+        def slow(event):
+            held.set()
+            release.wait(60)
+            return deliver(event)
+        return slow
+
+    monkeypatch.setattr(server.driver, "on_token", on_token)
+    done = []
+    t = threading.Thread(target=lambda: done.append(httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 3, "temperature": 0}).status_code))
+    t.start()
+    assert held.wait(60)
+    assert server.driver.wait_idle(0.05) is False
+    release.set()
+    t.join(60)
+    assert done == [200] and server.driver.wait_idle(60)
+    assert server.engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=2)])[0].ok

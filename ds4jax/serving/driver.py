@@ -13,6 +13,9 @@ stats sampled once per engine iteration.
   reaches it, and the queue depth is the server's own (metrics).
 * `cancel(job)`: a waiting job is dropped at once; a running one is cancelled at its next token (`on_token`
   returns False), which frees its slot (the engine resets it).
+* `wait_idle(timeout)`: until the engine thread is between streams with nothing waiting; only then may another
+  caller use the engine (a benchmark's engine-only passes): the thread still resets finished slots after it has
+  handed their results over.
 * `drain(grace_s)`: no new jobs; running and waiting ones may finish within the grace period, the rest are
   cancelled; returns which finished and which were cancelled (SIGTERM).
 """
@@ -60,6 +63,7 @@ class Driver:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
         self._accepting, self._stopping = True, False
+        self._streaming = False  # the engine thread is inside `Engine.stream`
         self._inflight: list[Job] | None = None  # what ran or waited when the server stopped accepting
         self.state = "starting"  # -> warming -> ready -> draining -> stopped (or failed)
         self.error: str | None = None
@@ -84,7 +88,7 @@ class Driver:
                 raise QueueFull(len(self._waiting))
             self._waiting.extend(jobs)
             self._gauges()
-            self._cv.notify()
+            self._cv.notify_all()  # the engine thread, not only a `wait_idle` caller
 
     def cancel(self, job: Job) -> None:
         with self._cv:
@@ -94,6 +98,12 @@ class Driver:
                 self._gauges()
                 self._done(job, GenerateResult(finish_reason=FinishReason.CANCELLED.value, error=ErrorCode.CANCELLED,
                                                message="cancelled before it started"))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the engine thread is between streams with no job waiting: True, or False after `timeout`
+        seconds. The engine stays free until the next `submit`."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._streaming and not self._waiting, timeout)
 
     def depth(self) -> tuple[int, int]:
         """(waiting, running) jobs."""
@@ -167,11 +177,17 @@ class Driver:
                     self._cv.wait()
                 if self._stopping and not self._waiting:
                     return
+                self._streaming = True
             run: list[Job] = []  # index in this stream -> job
-            for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
-                                        feed=lambda: self._feed(run)):
-                if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
-                    self._flush()
+            try:
+                for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
+                                            feed=lambda: self._feed(run)):
+                    if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
+                        self._flush()
+            finally:
+                with self._cv:
+                    self._streaming = False
+                    self._cv.notify_all()
 
     def _feed(self, run: list[Job]) -> list[Request]:
         """Before every engine iteration: sample the engine's stats, hand it as many waiting jobs as slots are
