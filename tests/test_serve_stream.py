@@ -171,3 +171,35 @@ def test_the_driver_hands_over_the_first_token_at_once_and_the_rest_per_iteratio
     assert sample("ds4jax_time_to_first_token_seconds_count") == 1 and sample("ds4jax_inter_token_seconds_count") == 1
     job.cancelled = True
     assert deliver(_events(TOK.encode("e"), 4)[0]) is False
+
+
+def test_handoff_wakes_the_loop_once_per_batch():
+    """The engine thread's items reach their queues in order, with one loop wake-up (a self-pipe write) per
+    batch, or per burst while a drain is pending; a closed loop raises."""
+    from ds4jax.serving.handoff import Handoff
+
+    loop = asyncio.new_event_loop()
+    wakes = []
+    schedule = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda callback, *args: (wakes.append(callback), schedule(callback, *args))[1]
+    handoff = Handoff()
+    handoff.bind(loop)
+    a, b = asyncio.Queue(), asyncio.Queue()
+    with handoff.batch():
+        for item in range(3):
+            handoff.put(a, item)
+            handoff.put(b, -item)
+        assert wakes == []
+    assert len(wakes) == 1
+    handoff.put(a, 3)
+    handoff.put(a, 4)  # a drain is pending: no second wake-up
+    assert len(wakes) == 1
+    loop.run_until_complete(asyncio.sleep(0))
+    assert [a.get_nowait() for _ in range(a.qsize())] == [0, 1, 2, 3, 4]
+    assert [b.get_nowait() for _ in range(b.qsize())] == [0, -1, -2]
+    handoff.put(a, 5)
+    assert len(wakes) == 2
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    with pytest.raises(RuntimeError):
+        handoff.put(a, 6)

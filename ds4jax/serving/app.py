@@ -5,8 +5,9 @@ GET /health (200 once warm, 503 while warming or draining), GET /metrics (Promet
 route but /health needs ``Authorization: Bearer <key>``. Errors are OpenAI's JSON shape (`errors.py`).
 
 Each HTTP request becomes n x prompts `Job`s for the `Driver`; their tokens come back on the event loop through a
-per-request asyncio queue (`handoff.Handoff`: one loop wake-up per engine iteration, not per job). A client that goes away (a closed stream, or a dropped connection while waiting for a
-whole response) cancels its jobs, which frees their slots.
+per-request asyncio queue (`handoff.Handoff`: one loop wake-up per engine iteration, not per job). A client that
+goes away (a closed stream, or a dropped connection while waiting for a whole response) cancels its jobs, which
+frees their slots.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Server:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.metrics = ServerMetrics()
         self.metrics.slots.set(engine.tspec.max_slots)
-        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics)
+        self.handoff = Handoff()  # the driver's items to the event loop
+        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch)
         self.limits = params_mod.Limits(
             model=config.model_name, max_context=engine.tspec.max_context,
             spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,
@@ -59,7 +61,6 @@ class Server:
         self.close_ids = chat.close_ids(tokenizer)
         self.stop_ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.shutdown_report: tuple[list[str], list[str]] | None = None
-        self._handoff: Handoff | None = None  # to the loop that serves the requests
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -161,16 +162,14 @@ class Server:
                            f"{len(self.close_ids)} tokens; the engine can force at most {MAX_FORCED}",
                            param="thinking_budget")
         shape = Shape(is_chat, self.config.model_name, self.token_text if p.logprobs is not None else None)
-        loop = asyncio.get_running_loop()
-        if self._handoff is None or self._handoff.loop is not loop:
-            self._handoff = Handoff(loop)
+        self.handoff.bind(asyncio.get_running_loop())
         inbox: asyncio.Queue = asyncio.Queue()
         choices, jobs = [], []
         for i, ids in enumerate(p.prompts):
             for j in range(p.n):
                 index = len(choices)
                 choices.append(Choice(index, self.tokenizer, p.stop, self.close_ids, p.thinking))
-                job = Job(request=None, sink=self._sink(self._handoff, inbox, index), label=shape.id)
+                job = Job(request=None, sink=self._sink(self.handoff, inbox, index), label=shape.id)
                 job.request = self._engine_request(p, ids, j, job)
                 jobs.append(job)
         try:

@@ -23,6 +23,7 @@ stats sampled once per engine iteration.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -57,8 +58,10 @@ class Job:
 
 
 class Driver:
-    def __init__(self, engine, *, max_queue: int, metrics=None):
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+    def __init__(self, engine, *, max_queue: int, metrics=None, batch=contextlib.nullcontext):
+        """batch(): a context the driver hands an engine iteration's tokens of all jobs over in (the app's
+        `Handoff.batch`: one event-loop wake-up for them all)."""
+        self.engine, self.max_queue, self.metrics, self._batch_context = engine, max_queue, metrics, batch
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
@@ -213,18 +216,21 @@ class Driver:
 
     def _flush(self, jobs=None) -> None:
         """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
-        now = time.perf_counter()
-        for job in list(self._batch) if jobs is None else jobs:
-            events = self._batch.pop(job, None)
-            if not events:
-                continue
-            if self.metrics is not None:
-                self.metrics.delivered(job, len(events), now)
-            job.first_token = job.first_token or now
-            job.last_token = now
-            try:
-                job.sink("tokens", events)
-            except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
+        now, handed = time.perf_counter(), []
+        try:
+            with self._batch_context():
+                for job in list(self._batch) if jobs is None else jobs:
+                    events = self._batch.pop(job, None)
+                    if not events:
+                        continue
+                    if self.metrics is not None:
+                        self.metrics.delivered(job, len(events), now)
+                    job.first_token = job.first_token or now
+                    job.last_token = now
+                    handed.append(job)
+                    job.sink("tokens", events)
+        except Exception:  # noqa: BLE001 - the handlers' loop is closed: nobody reads these jobs any more
+            for job in handed:
                 job.cancelled = True  # its next token cancels it
 
     def _done(self, job: Job, result: GenerateResult) -> None:
