@@ -99,10 +99,19 @@ def requests_for(prompts, new: int, stop_ids, logprobs=None):
     return [Request(prompt=p, max_new_tokens=new, stop_ids=stop_ids, logprobs=logprobs) for p in prompts]
 
 
+def thread_cpu(ident: int) -> float:
+    """CPU seconds thread `ident` of this process has used (Linux / POSIX thread CPU clocks)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
+def us_per_token(seconds: float, tokens: int) -> float | None:
+    return round(1e6 * seconds / tokens, 1) if tokens else None
+
+
 def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, label: str) -> dict:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     results = engine.generate(requests_for(prompts, new, stop_ids))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     for i, (r, ref) in enumerate(zip(results, refs)):
         checks.expect(r.ok, f"{label} engine request {i}: {r.error} {r.message}")
         checks.tokens(f"{label} engine request {i}", r.tokens, ref)
@@ -110,7 +119,8 @@ def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, labe
     ttft = [r.timings.queue_s + r.timings.prefill_s for r in results]
     itl = [r.timings.decode_s / max(len(r.tokens) - 1, 1) for r in results]
     return {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 4),
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_mean_p50_s": pct(itl, 50)}
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_mean_p50_s": pct(itl, 50),
+            "engine_thread_cpu_us_per_token": us_per_token(cpu, tokens)}
 
 
 async def one_stream(http, prompt, new: int) -> dict:
@@ -236,7 +246,8 @@ class ClientPool:
                 proc.terminate()
 
 
-def server_level(server, clients: ClientPool, tok, prompts, new: int, refs, checks: Checks, label: str) -> dict:
+def server_level(server, loop_thread: int, clients: ClientPool, tok, prompts, new: int, refs, checks: Checks,
+                 label: str) -> dict:
     captured = collections.defaultdict(list)  # prompt -> the engine results the server got for it
     finished = server.metrics.finished
 
@@ -245,10 +256,13 @@ def server_level(server, clients: ClientPool, tok, prompts, new: int, refs, chec
         finished(job, result)
 
     server.metrics.finished = record
+    threads = {"engine_thread": server.driver.thread_ident, "event_loop": loop_thread}
+    cpu = {name: thread_cpu(ident) for name, ident in threads.items()}
     try:
         runs, wall = clients.run(prompts, new)
     finally:
         server.metrics.finished = finished
+    cpu = {name: thread_cpu(ident) - cpu[name] for name, ident in threads.items()}
     by_prompt = {tuple(p): ref for p, ref in zip(prompts, refs)}
     checks.expect(sorted(map(len, captured.values())) == [1] * len(prompts) and set(captured) == set(by_prompt),
                   f"{label} server: {sum(map(len, captured.values()))} results for {len(prompts)} requests")
@@ -270,7 +284,8 @@ def server_level(server, clients: ClientPool, tok, prompts, new: int, refs, chec
     return {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 4),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_p50_s": pct(gaps, 50),
             "inter_token_p99_s": pct(gaps, 99), "sse_events": events,
-            "tokens_per_event": round(tokens / events, 2) if events else None}
+            "tokens_per_event": round(tokens / events, 2) if events else None,
+            **{f"{name}_cpu_us_per_token": us_per_token(seconds, tokens) for name, seconds in cpu.items()}}
 
 
 def start_server(engine, tokenizer):
@@ -307,14 +322,16 @@ def render_md(doc: dict) -> str:
              f"{doc['repeats']} runs per level and side; {doc['cpus']} CPUs, clients in {doc['client_procs']} "
              "processes.", "",
              "| clients | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
-             "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token | engine thread CPU / token "
+             "(alone / serving) | event loop CPU / token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["levels"]:
         e, s = r["engine"], r["server"]
         lines.append(f"| {r['clients']} | {e['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
                      f"{r['overhead_pct']:+.1f} % | {ms(e['ttft_p50_s'])} | {ms(s['ttft_p50_s'])} / "
                      f"{ms(s['ttft_p99_s'])} | {ms(s['inter_token_p50_s'])} / {ms(s['inter_token_p99_s'])} | "
-                     f"{s['tokens_per_event']} | {ms(e['inter_token_mean_p50_s'])} |")
+                     f"{s['tokens_per_event']} | {ms(e['inter_token_mean_p50_s'])} | "
+                     f"{e['engine_thread_cpu_us_per_token']} / {s['engine_thread_cpu_us_per_token']} us | "
+                     f"{s['event_loop_cpu_us_per_token']} us |")
     verdict = "PASS" if not c["failures"] else f"FAIL ({len(c['failures'])}: {c['failures'][:3]})"
     lines += ["", f"Checks: {c['checked']} results compared with the engine's reference greedy tokens "
               f"({c['ties']} parted at a near-tie), streamed text = its tokens' text, usage, finish, one result "
@@ -323,7 +340,11 @@ def render_md(doc: dict) -> str:
               "(each asyncio + one keep-alive httpx client whose connections are open before the timed runs), "
               "so they do not take the server's GIL (they do share its CPU cores). The server sends the tokens "
               "of a choice that are ready together (a decode call of M steps delivers M) as one SSE event, so "
-              "inter-event gaps are about one engine call and an event carries up to M tokens."]
+              "inter-event gaps are about one engine call and an event carries up to M tokens. CPU / token: "
+              "CPU time of the thread that drives the engine (the caller of `engine.generate` alone; the "
+              "server's engine thread when serving) and of the server's event loop (HTTP, SSE, detokenization), "
+              "per generated token, in the reported (best) run: a measure of the server's own work that a busy "
+              "machine distorts less than tokens/s."]
     return "\n".join(lines) + "\n"
 
 
@@ -392,7 +413,8 @@ def main(argv=None) -> int:
             e = max((engine_level(engine, prompts, args.new, stop_ids, refs, checks, f"{c} clients run {k}")
                      for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
             clients.open(c)
-            s = max((server_level(server, clients, tok, prompts, args.new, refs, checks, f"{c} clients run {k}")
+            s = max((server_level(server, thread.ident, clients, tok, prompts, args.new, refs, checks,
+                                  f"{c} clients run {k}")
                      for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
             doc["levels"].append({"clients": c, "engine": e, "server": s,
                                   "overhead_pct": round(100 * (1 - s["tokens_per_s"] / e["tokens_per_s"]), 2)})

@@ -80,6 +80,11 @@ class Driver:
         self._thread.start()
 
     @property
+    def thread_ident(self) -> int | None:
+        """The engine thread's id (for CPU-time accounting: scripts/bench_serve.py)."""
+        return self._thread.ident
+
+    @property
     def ready(self) -> bool:
         return self.state == "ready"
 
