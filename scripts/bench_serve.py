@@ -158,10 +158,13 @@ async def one_stream(http, prompt, new: int) -> dict:
 
 
 async def open_connections(http, n: int) -> None:
-    """n keep-alive connections, opened by n concurrent one-token requests."""
+    """n keep-alive connections, opened by n concurrent streamed two-token requests (so the server's streaming
+    path has run, its lazy imports done, before the timed runs)."""
     async def one():
-        r = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
-        r.raise_for_status()
+        body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            await r.aread()
 
     await asyncio.gather(*(one() for _ in range(n)))
 
