@@ -203,3 +203,23 @@ def test_handoff_wakes_the_loop_once_per_batch():
     loop.close()
     with pytest.raises(RuntimeError):
         handoff.put(a, 6)
+
+
+def test_a_closed_loop_cancels_the_jobs_it_could_not_reach(server):
+    """When the handlers' loop is gone (the hand-over raises), the driver cancels the jobs it handed tokens to:
+    their next token returns False to the engine, which frees their slots."""
+    from ds4jax.serving.driver import Driver, Job
+    from ds4jax.serving.handoff import Handoff
+
+    loop = asyncio.new_event_loop()
+    handoff = Handoff()
+    handoff.bind(loop)
+    loop.close()
+    driver = Driver(server.engine, max_queue=4, batch=handoff.batch)
+    inbox: asyncio.Queue = asyncio.Queue()
+    job = Job(request=None, sink=lambda kind, value: handoff.put(inbox, (0, kind, value)))
+    deliver = driver.on_token(job)
+    events = _events(TOK.encode("abc"), 1)  # not a first token: buffered until the iteration ends
+    assert deliver(events[0]) and not job.cancelled
+    driver._flush()
+    assert job.cancelled and deliver(events[1]) is False
