@@ -55,6 +55,23 @@ def test_estimates_and_measured_costs():
     assert p.cost(4, 2) == pytest.approx(0.0012)  # measured
 
 
+def test_measured_costs_try_every_option_once_per_row_bucket():
+    """No guessed cost decides: plain and each k run once at a row bucket, then the measured figures choose."""
+    p = AdaptivePolicy(Adaptive(ks=(1, 3)), 3)
+    live = rows(2)
+    tried = []
+    for per_step in (0.001, 0.0011, 0.0013):  # plain, k=1, k=3: drafts are cheap here
+        tried.append(p.choose(live, 2))
+        p.observe_cost(2, tried[-1], per_step * 10, 10)
+    assert tried == [0, 1, 3]
+    assert p.choose(live, 2) == 3  # prior acceptance 0.5: E(3) = 1.875 tokens for 1.3 plain steps
+    assert p.choose(rows(4), 4) == 0  # a new row bucket is measured anew
+    many = AdaptivePolicy(Adaptive(ks=(1, 3)), 3)
+    for k, per_step in ((0, 0.001), (1, 0.003), (3, 0.009)):  # drafts dear: plain wins once measured
+        many.observe_cost(2, k, per_step, 1)
+    assert many.choose(live, 2) == 0
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ArgumentError, match="Adaptive.ks"):
         Adaptive(ks=(5,)).draft_lengths(3)
