@@ -10,7 +10,7 @@ start[b] = pool.lengths[slot]. Per layer:
    written to the paged pool, so windows straddling chunk boundaries give the same entries as a full forward.
    The state ring is then rewritten like the SWA ring.
 3. Compressed keys: HCA attends to all visible entries; CSA runs the indexer over the request's indexer keys and
-   attends to the selected entries. Attention and indexer go through `ds4jax.kernels` (Pallas or reference).
+   attends to the selected entries. Attention and indexer go through `ds4jax.runtime.kernels` (Pallas or reference).
 
 With an FP8 KV cache (`PoolSpec.kv_dtype`, `kv_quant`) every SWA key, compressed entry and indexer key is
 quantized when it is produced (one float32 scale per row, written beside it) and the kernels read the stored
