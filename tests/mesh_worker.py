@@ -8,7 +8,7 @@ table). Per engine case: `ds4jax.Engine` on the mesh (its fused prefill, decode 
 plain and one speculative greedy request, whose tokens must be the single-device run's. Per layer-split engine
 case: `Engine` stage by stage on a ragged batch joining mid-flight (tokens, pools, last logits, park / unpark,
 compiles after warmup) and `ds4jax.generate` with top-k sampling, against the single-device engine.
-Usage: python tests/mesh_worker.py NAME... (default: every layout and engine case).
+Usage: python tests/mesh_worker.py NAME... (default: every case, one group after the other).
 """
 
 import os
@@ -62,6 +62,11 @@ SPLIT_SNAPSHOTS = {"snapshots_split2_dp2_ep2": dict(layer_split=2, data=2, exper
 # park / unpark of the draft, against the same on one device (and plain greedy tokens)
 SPLIT_SPEC = {"spec_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
 SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engine's steps_per_call)
+# The cases in two groups that share no compiled program, run as two processes side by side (tests/test_mesh.py):
+# the speculative split cases (the largest group's programs) with the layouts; the engines, layer splits and
+# snapshots (which share SIZES' programs) in the other. Each group builds the references it needs.
+GROUPS = (list(SPLIT_SPEC) + list(LAYOUTS), list(ENGINES) + list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS))
+assert sorted(sum(GROUPS, [])) == sorted([*LAYOUTS, *ENGINES, *SPLIT_ENGINES, *SPLIT_SNAPSHOTS, *SPLIT_SPEC])
 FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 # The engine sizes of the split, snapshot and speculative cases: one set, so that their one-device references and
@@ -382,4 +387,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LAYOUTS) + list(ENGINES) + list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS) + list(SPLIT_SPEC))
+    main(sys.argv[1:] or [name for group in GROUPS for name in group])

@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_bench_mesh_smoke(tmp_path):
     out = tmp_path / "mesh.md"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the script forces its own 2 devices; the suite's other XLA flags (the cheap compile settings) stay
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     script = os.path.join(ROOT, "scripts", "bench_mesh.py")
     proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=1200, cwd=ROOT)

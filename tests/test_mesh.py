@@ -1,4 +1,4 @@
-"""Sharded execution (issue 12). The layouts run in one subprocess with 8 forced host devices (tests/mesh_worker.py;
+"""Sharded execution (issue 12). The layouts run in two subprocesses with 8 forced host devices (tests/mesh_worker.py;
 the rest of the suite keeps its 4); everything else here runs in-process on the suite's devices."""
 
 import json
@@ -29,14 +29,26 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def mesh_cases():
-    """Every case of the worker in one subprocess: the split, snapshot and speculative cases share their
-    one-device references and the split engines' programs there (one jit cache), which two processes would
-    each compile. conftest.py runs these tests first, so one test worker takes them all at the start."""
+    """Every case of the worker, in two subprocesses started together (`mesh_worker.GROUPS`): within a group the
+    cases share their one-device references and compiled programs (one jit cache), and the groups share none, so
+    the two run side by side on two cores instead of one after the other (the suite's longest item). conftest.py
+    runs these tests first, so one test worker takes them all at the start."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py")], capture_output=True, text=True,
-                          env=env, timeout=2400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    worker = os.path.join(HERE, "mesh_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, *group], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for group in mesh_worker.GROUPS]
+    try:  # every process is waited for (killed on a timeout or an error) before any assertion
+        outputs = [proc.communicate(timeout=2400) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {}
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-4000:]
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 @pytest.mark.slow
