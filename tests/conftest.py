@@ -91,12 +91,43 @@ def _release_executables():
         gc.collect()
 
 
-# Fixtures that take minutes (tests/test_mesh.py's one subprocess running every mesh case). Their tests run first:
-# with `-n 2` (.ci/run; xdist hands each worker a contiguous part of the collection, in order) one worker takes
-# them all at the start while the other runs the rest, rather than a worker starting them late and the suite
-# waiting on it, or a boundary between the parts splitting them so that two workers each run the subprocess.
-_LONG_FIXTURES = {"mesh_cases"}
+# The suite's long items, with their CPU seconds on the 2-core CI machine (measured under load: upper bounds). A
+# key is a node id prefix (a file, or a file::test) or "fixture:NAME" (every test using that fixture). Items under
+# one key share a module fixture (a subprocess, a compiled program set), so they stay together on one worker.
+_LONG = {
+    "fixture:mesh_cases": 420,  # tests/test_mesh.py's two worker processes (every layout and engine case)
+    "tests/rocm/test_kernel_compile.py::test_every_kernel": 200,  # every Triton kernel for 3 GPU targets
+    "tests/test_notebooks.py::test_notebook_runs": 150,  # five notebooks, a kernel process each
+    "tests/test_multiprocess.py": 120,  # meshes over several processes
+    "tests/test_bench_mesh.py": 60,
+    "tests/test_compilation_cache.py": 60,  # six fresh processes
+}
+
+
+def _long_key(item) -> str | None:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for key in _LONG:
+        if key.startswith("fixture:") and key[len("fixture:"):] in fixtures or item.nodeid.startswith(key):
+            return key
+    return None
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not _LONG_FIXTURES & set(getattr(item, "fixturenames", ())))  # stable: else as collected
+    """Put the long items first in both halves of the collection, split between the halves by their cost.
+
+    `.ci/run` uses `-n 2 --dist worksteal`: xdist hands each worker one contiguous half of the collection, and a
+    worker that runs out steals the END of the other's queue. So a long item at the start of a half runs first on
+    its worker, none is left to start last while the other worker idles, and the short items fill in around them.
+    (Without xdist the order changes nothing.)"""
+    groups: dict[str, list] = {}
+    short = []
+    for item in items:
+        key = _long_key(item)
+        (groups.setdefault(key, []) if key else short).append(item)
+    halves, load = ([], []), [0, 0]
+    for key in sorted(groups, key=lambda k: -_LONG[k]):  # greedy: the next longest to the lighter half
+        h = load.index(min(load))
+        halves[h].extend(groups[key])
+        load[h] += _LONG[key]
+    fill = max(0, len(items) // 2 - len(halves[0]))
+    items[:] = halves[0] + short[:fill] + halves[1] + short[fill:]
