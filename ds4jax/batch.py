@@ -9,7 +9,9 @@ Input: one JSON object per line with ``id`` and ``prompt`` (text, or a list of t
   finished; a rerun skips the ids already in the output (a torn last line from a kill is dropped first);
 * an invalid line (bad JSON, no id, a duplicate id, a bad field) becomes an error result naming its line number,
   never a crash; a request the engine rejects becomes an error result with its `ErrorCode`;
-* a tqdm progress bar counts finished requests and shows generated tokens/s.
+* a tqdm progress bar counts finished requests and shows generated tokens/s;
+* in a job of several processes (``ds4jax launch ... -- ds4jax batch ... --mesh ...``) every process runs the
+  engine and process 0 alone writes the output (and decides, for all, which ids a rerun skips).
 """
 
 from __future__ import annotations
@@ -108,7 +110,12 @@ def run(args, model=None, tokenizer=None) -> int:
         from ds4jax.errors import UsageError
 
         raise UsageError(f"input file {args.input!r} does not exist")
-    done = _done_keys(args.output)
+    from ds4jax.runtime import distributed
+
+    # a multi-process job (`ds4jax launch`): every process runs the same engine on the same requests (SPMD) and
+    # process 0 alone reads, trims and appends to the output; the others take its list of ids already done
+    writer = distributed.process_index() == 0
+    done = set(distributed.broadcast("batch ids done", sorted(_done_keys(args.output)) if writer else None))
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if model.config.eos_token_id is not None:
@@ -121,15 +128,17 @@ def run(args, model=None, tokenizer=None) -> int:
             key, rid, parsed = _parse(lineno, raw, defaults, seen)
             if key not in done:
                 todo.append((key, rid, lineno, parsed))
-    out = open(args.output, "a", encoding="utf-8")
+    out = open(args.output, "a", encoding="utf-8") if writer else None
 
     def write(key, rid, lineno, result: GenerateResult) -> None:
+        if out is None:
+            return
         row = {"key": key, "id": rid, "line": lineno, **result.to_json()}
         out.write(json.dumps(row) + "\n")
         out.flush()
         os.fsync(out.fileno())
 
-    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress, file=sys.stderr,
+    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress or not writer, file=sys.stderr,
                desc=f"{len(done)} done before" if done else None)
     tokens, start = [0], time.perf_counter()
     try:
@@ -159,7 +168,8 @@ def run(args, model=None, tokenizer=None) -> int:
             engine.generate([q for *_, q in valid], on_result=finished)
     finally:
         bar.close()
-        out.close()
+        if out is not None:
+            out.close()
     return 0
 
 

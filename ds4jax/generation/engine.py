@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
@@ -699,7 +700,7 @@ class Engine:
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
-            first = np.asarray(first)
+            first = np.asarray(fetch(first))
         now = time.perf_counter()
         for lv, c in zip(live, n):
             r = row_of[lv.slot]
@@ -748,12 +749,12 @@ class Engine:
         rows = self._padding_rows(plan)
         if speculative:
             out = self._spec_call(rows)
-            tokens, rounds, accepted, bad = jax.device_get((out.tokens, out.rounds, out.accepted, out.bad))
+            tokens, rounds, accepted, bad = fetch((out.tokens, out.rounds, out.accepted, out.bad))
             self.stats.spec_calls += 1
             self.stats.spec_rounds += int(rounds)
         else:
             out = self._decode_call(rows)
-            tokens, steps_run, bad = jax.device_get((out.tokens, out.steps, out.bad))
+            tokens, steps_run, bad = fetch((out.tokens, out.steps, out.bad))
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)
@@ -761,7 +762,7 @@ class Engine:
             r = row_of[lv.slot]
             if bad[r] >= 0 and lv.result.nonfinite_at is None:
                 lv.result.nonfinite_at = int(bad[r])
-        lengths = np.asarray(self.tpool.lengths if self.stages is None else self.stages.lengths(self.tpool))
+        lengths = np.asarray(fetch(self.tpool.lengths if self.stages is None else self.stages.lengths(self.tpool)))
         for lv in part:
             r = row_of[lv.slot]
             self.tbook.lengths[lv.slot] = lengths[lv.slot]
@@ -868,7 +869,7 @@ class Engine:
             t = snapshots.extract(self.tpool, np.int32(slot), ratios=self._ratios)
         d = snapshots.extract(self.dpool, np.int32(slot), ratios=()) if self.dpool is not None else {}
         logits, stream = _slot_rows(self.slot_state, np.int32(slot))
-        t, d, logits, stream = jax.device_get((t, d, logits, stream))
+        t, d, logits, stream = fetch((t, d, logits, stream))
         arrays = {f"target/{k}": v for k, v in t.items()}
         for name, per_page in self._ratios:
             arrays[f"target/{name}"] = arrays[f"target/{name}"][:, : pages * per_page]
@@ -954,7 +955,7 @@ class Engine:
             if self._live_dspec is not None:
                 for lv in part:
                     self.dbook.lengths[lv.slot] = lv.restored
-            first = np.asarray(first)
+            first = np.asarray(fetch(first))
             now = time.perf_counter()
             for lv in part:
                 r = row_of[lv.slot]
