@@ -95,7 +95,7 @@ def _release_executables():
 # with `-n 2` (.ci/run; xdist hands each worker a contiguous part of the collection, in order) one worker takes
 # them all at the start while the other runs the rest, rather than a worker starting them late and the suite
 # waiting on it, or a boundary between the parts splitting them so that two workers each run the subprocess.
-_LONG_FIXTURES = {"mesh_cases"}
+_LONG_FIXTURES = {"mesh_cases", "mp_job"}  # mp_job: tests/test_multiprocess.py's 2-process job
 
 
 def pytest_collection_modifyitems(items):

@@ -129,6 +129,18 @@ def test_batch_through_the_launcher(mp_job):
         proc.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_info_plans_a_checkpoint_on_stand_in_devices(mp_job):
+    """The README's command: the plan of the saved checkpoint on 8 stand-in devices, no weights read."""
+    _, _, root = mp_job
+    proc = subprocess.run([sys.executable, "-m", "ds4jax", "info", "--checkpoint", str(root / "ckpt"), "--mesh",
+                           "expert=4,tensor=2", "--devices", "8", "--device-memory", "80"], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "memory plan   expert 4 x tensor 2 (8 devices)" in proc.stdout and "of 80.0 GiB (--device-memory)" in \
+        proc.stdout, proc.stdout
+
+
 # ---- in process: the launcher on plain commands, --mesh, the fingerprint ------------------------------------------
 
 def _py(code: str) -> list[str]:

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.generation import loops, snapshots, spec_rounds
 from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
@@ -50,6 +49,7 @@ from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import pools, precompile
 from ds4jax.runtime.data_parallel import local_spec, rows_over_data
+from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec, configure
 from ds4jax.runtime.pools import PoolBook, PoolError

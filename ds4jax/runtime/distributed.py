@@ -166,19 +166,63 @@ def _transfers_on_loopback() -> None:
     jax.config.update("jax_cross_host_transport_addresses", "127.0.0.1:0")  # its default: 0.0.0.0 (every interface)
 
 
+def put(x, sharding):
+    """`jax.device_put` that also places host values on devices of other processes: every process builds its own
+    devices' blocks from its (equal) copy. (``device_put`` of a host value in a multi-process job first all-gathers
+    it to check the copies agree, and fails for a sharding with no devices in this process, a layer split's other
+    stage.) Device arrays go through ``device_put`` (a copy between processes where they differ)."""
+    import jax
+    import numpy as np
+
+    if process_count() == 1 or isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, value.__getitem__, dtype=value.dtype)
+
+
 def fetch(tree):
-    """`jax.device_get` that also reads arrays spanning other processes' devices (a data-parallel step's rows):
-    those are gathered first (`multihost_utils.process_allgather`), so every process gets the whole value."""
+    """`jax.device_get` for every process of a job, whatever devices an array lives on: an array over every process
+    (a data-parallel step's rows) is all-gathered (`multihost_utils.process_allgather`); one held by a single
+    process (a layer split's last stage) is read there and sent to the others through the key-value store. Every
+    process must call it on the same arrays (SPMD)."""
     import jax
 
+    if process_count() == 1:
+        return jax.device_get(tree)
+
     def whole(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not isinstance(x, jax.Array):
+            return x
+        holders = sorted({d.process_index for d in x.sharding.device_set})
+        if len(holders) == process_count():
+            if x.is_fully_addressable:
+                return x
             from jax.experimental import multihost_utils
 
             return multihost_utils.process_allgather(x, tiled=True)
-        return x
+        if len(holders) == 1:
+            return _from_holder(x, holders[0])
+        raise DistributedError(f"cannot read an array held by processes {holders} of {process_count()}")
 
     return jax.device_get(jax.tree.map(whole, tree))
+
+
+def _from_holder(x, holder: int):
+    import io
+
+    import numpy as np
+
+    key, client = _key("fetch"), _client()
+    if process_index() == holder:
+        value = np.asarray(x)
+        buf = io.BytesIO()
+        np.save(buf, value, allow_pickle=False)
+        _put_bytes(key, buf.getvalue())
+        return value
+    value = np.load(io.BytesIO(_get_bytes(key, holder, _BROADCAST_TIMEOUT_S)), allow_pickle=False)
+    if client.key_value_increment(f"{key}/read", 1) == process_count() - 1:  # the last reader frees the value
+        client.key_value_delete(key)
+    return value
 
 
 # ---- agreement across processes -----------------------------------------------------------------------------------
@@ -193,8 +237,11 @@ def _key(what: str) -> str:
 
 
 def _put(key: str, text: str) -> None:
+    _put_bytes(key, text.encode())
+
+
+def _put_bytes(key: str, data: bytes) -> None:
     client = _client()
-    data = text.encode()
     chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
     for i, chunk in enumerate(chunks):
         client.key_value_set_bytes(f"{key}/{i}", chunk)
@@ -202,10 +249,14 @@ def _put(key: str, text: str) -> None:
 
 
 def _get(key: str, owner: int, timeout_s: int) -> str:
+    return _get_bytes(key, owner, timeout_s).decode()
+
+
+def _get_bytes(key: str, owner: int, timeout_s: int) -> bytes:
     client, ms = _client(), timeout_s * 1000
     try:
         n = int(client.blocking_key_value_get(f"{key}/n", ms))
-        return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", ms) for i in range(n)).decode()
+        return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", ms) for i in range(n))
     except Exception as e:  # jax raises its own runtime error types for a deadline or a lost service
         raise DistributedError(f"process {owner} did not publish {key!r} within {timeout_s} s "
                                f"({str(e).splitlines()[0][:200]})") from None
