@@ -5,8 +5,9 @@ DIR/p{index}.json, process 0 also DIR/ckpt (the model, for the batch command) an
 Process 0 computes every one-device reference on its own first device (jit on one local device runs there alone)
 and hands it to process 1 through the coordinator's key-value store, so no reference is computed twice. Then,
 on every layout of `LAYOUTS`, both processes (SPMD): `forward_logits`, each process comparing the logits blocks it
-holds with the reference's, and an `Engine`'s greedy tokens; on EP 4 x TP 2 the engine speculates (k = 2) and
-restores a prefix snapshot. `agree` is checked to name a disagreeing process. Last, process 1 kills itself
+holds with the reference's, greedy decoding with it (`forward_greedy`), and an `Engine`'s greedy tokens; on EP 4 x TP 2 the engine speculates (k = 2) and
+restores a prefix snapshot. On the layer split only `forward_logits` and greedy decoding with it run (the
+engine's host loop does not run on a split across processes yet). `agree` is checked to name a disagreeing process. Last, process 1 kills itself
 (SIGKILL) in the middle of a generation: process 0, blocked in the step, must be ended by JAX's heartbeat
 (``DS4JAX_HEARTBEAT_TIMEOUT``), which the test reads from its output.
 """
@@ -32,6 +33,7 @@ SPECULATIVE = "ep4_tp2"
 SIZES = dict(max_slots=2, max_context=48, prefill_chunk=8, prefill_tokens=16, steps_per_call=4)
 PROMPTS = ([5, 17, 99, 3, 250, 41, 7, 300, 12, 8, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 NEW = 6
+START, WIDTH = 8, 16  # forward_greedy: prompt tokens kept, buffer width
 BATCH = [dict(id="a", prompt=PROMPTS[0], max_new_tokens=NEW), dict(id=7, prompt=PROMPTS[1], max_new_tokens=NEW),
          dict(id="c", prompt=PROMPTS[0], max_new_tokens=NEW)]  # the test writes "a" as done: 7 and c run
 
@@ -66,12 +68,33 @@ def engine_tokens(model, speculative: int, snapshots: bool) -> dict:
     return out
 
 
-def references(model, ids) -> dict:
+def forward_greedy(model):
+    """Greedy decoding with `forward_logits` alone (no pools): `NEW` tokens after the first `START` tokens of each
+    prompt, every step on the same [2, WIDTH] buffer (causal: the padding after a row's end changes nothing before
+    it), so one program serves every step. Returns (the first step's logits array, the tokens per row)."""
+    from ds4jax.runtime.distributed import fetch
+
+    buf = np.zeros((len(PROMPTS), WIDTH), np.int32)
+    for r, p in enumerate(PROMPTS):
+        buf[r, :START] = p[:START]
+    first, tokens = None, [[] for _ in PROMPTS]
+    for i in range(NEW):
+        out = ds4jax.forward_logits(model, buf)
+        first = out if first is None else first
+        nxt = np.argmax(fetch(out)[:, START - 1 + i], axis=-1)  # every process reads the logits, wherever they are
+        for r, t in enumerate(nxt.tolist()):
+            tokens[r].append(t)
+            buf[r, START + i] = t
+    return first, tokens
+
+
+def references(model) -> dict:
     import jax
 
     with jax.default_device(jax.local_devices()[0]):
-        return dict(logits=np.asarray(ds4jax.forward_logits(model, ids)).tolist(),
-                    plain=engine_tokens(model, 0, False)["tokens"], spec=engine_tokens(model, 2, True))
+        first, tokens = forward_greedy(model)
+        return dict(logits=np.asarray(first).tolist(), greedy=tokens, plain=engine_tokens(model, 0, False)["tokens"],
+                    spec=engine_tokens(model, 2, True))
 
 
 def compare_logits(out, ref: np.ndarray) -> tuple[float, int]:
@@ -97,21 +120,24 @@ def main(root: str, names) -> None:
         model = agreeable_model(config())  # the same seed in both processes: the same weights
     params = jax.tree.map(np.asarray, model.params)
     host = lambda: ds4jax.Model(model.config, params)
-    ids = np.asarray([PROMPTS[0][:8], PROMPTS[1][:8]], np.int32)
     if me == 0:
         ds4jax.save(host(), os.path.join(root, "ckpt"))
-    ref = distributed.broadcast("references", references(host(), ids) if me == 0 else None)
+    ref = distributed.broadcast("references", references(host()) if me == 0 else None)
     logits = np.asarray(ref["logits"], np.float32)
     if "split2_ep4" in layouts:
         stages = layouts["split2_ep4"].stages
         result["stage_processes"] = [sorted({d.process_index for d in s.devices.flat}) for s in stages]
     for name, layout in layouts.items():
         placed = place_model(host(), layout)
-        err, blocks = compare_logits(ds4jax.forward_logits(placed, ids), logits)
+        first, greedy = forward_greedy(placed)
+        err, blocks = compare_logits(first, logits)
+        result[name] = dict(logits=err, blocks=blocks, greedy=greedy == ref["greedy"], got_greedy=greedy)
+        if layout.num_stages > 1:  # the engine's host loop on a split across processes: not yet (docs/mesh.md)
+            print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
+            continue
         spec = name == SPECULATIVE
         got = engine_tokens(placed, 2 if spec else 0, spec)
-        result[name] = dict(logits=err, blocks=blocks, tokens=got["tokens"] == ref["plain"], got=got["tokens"],
-                            errors=got["errors"])
+        result[name].update(tokens=got["tokens"] == ref["plain"], got=got["tokens"], errors=got["errors"])
         if spec:
             result[name].update(spec=got, ref_spec=ref["spec"])
         print(name, json.dumps(result[name]), file=sys.stderr, flush=True)

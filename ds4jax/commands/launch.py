@@ -116,11 +116,12 @@ def environments(processes: int, devices: int, platform: str, port: int, heartbe
 
 
 def _end_with_parent() -> None:
-    """Linux: a process dies with the launcher (SIGTERM), so even a killed launcher leaves no job behind."""
+    """Linux: a process dies with the launcher (SIGKILL: jax catches SIGTERM, as a preemption notice), so even a
+    killed launcher leaves no job behind."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -163,15 +164,22 @@ def run(args) -> int:
     if not args.quiet:
         _say(f"{args.processes} processes x {args.devices_per_process} {platform} devices, coordinator "
              f"{envs[0]['JAX_COORDINATOR_ADDRESS']}: {' '.join(command)}")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a terminated launcher ends its job too
     try:
         status = _supervise(procs, args.timeout, args.grace)
     except KeyboardInterrupt:
         _say("interrupted; ending the processes")
         _end(procs)
         status = INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for t in pumps:
         t.join(timeout=5)
     return status
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
 
 
 def _supervise(procs, timeout: float | None, grace: float) -> int:
@@ -206,7 +214,8 @@ def _supervise(procs, timeout: float | None, grace: float) -> int:
 
 
 def _end(procs, wait: float = 5.0) -> None:
-    """SIGTERM every live process, SIGKILL those still there after `wait` seconds."""
+    """SIGTERM every live process, SIGKILL those still there after `wait` seconds (jax takes SIGTERM for a
+    preemption notice and goes on)."""
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -170,11 +170,14 @@ def put(x, sharding):
     """`jax.device_put` that also places host values on devices of other processes: every process builds its own
     devices' blocks from its (equal) copy. (``device_put`` of a host value in a multi-process job first all-gathers
     it to check the copies agree, and fails for a sharding with no devices in this process, a layer split's other
-    stage.) Device arrays go through ``device_put`` (a copy between processes where they differ)."""
+    stage.) Global arrays go through ``device_put`` (a copy between processes where they differ)."""
     import jax
     import numpy as np
 
-    if process_count() == 1 or isinstance(x, jax.Array):
+    if process_count() == 1:
+        return jax.device_put(x, sharding)
+    # a global array moves (between processes if need be); a host value or this process's own array is a copy
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable and not sharding.is_fully_addressable):
         return jax.device_put(x, sharding)
     value = np.asarray(x)
     return jax.make_array_from_callback(value.shape, sharding, value.__getitem__, dtype=value.dtype)
