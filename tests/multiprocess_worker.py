@@ -162,7 +162,7 @@ def kill_mid_generation(layout, model, me: int) -> None:
 
     engine = Engine(place_model(model, layout), **SIZES)  # the ep8 case's programs: nothing compiles
     print("generating; process 1 is about to be killed", file=sys.stderr, flush=True)
-    engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=NEW, on_token=on_token)])
+    engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=30, on_token=on_token)])  # many calls after
     print("UNEXPECTED: the generation finished", file=sys.stderr, flush=True)
 
 

@@ -187,15 +187,18 @@ def fetch(tree):
     """`jax.device_get` for every process of a job, whatever devices an array lives on: an array over every process
     (a data-parallel step's rows) is all-gathered (`multihost_utils.process_allgather`); one held by a single
     process (a layer split's last stage) is read there and sent to the others through the key-value store. Every
-    process must call it on the same arrays (SPMD)."""
+    process must call it on the same mesh arrays (SPMD); an array on one device (`SingleDeviceSharding`) is
+    taken for this process's own and read locally."""
     import jax
 
     if process_count() == 1:
         return jax.device_get(tree)
 
     def whole(x):
-        if not isinstance(x, jax.Array):
-            return x
+        if not isinstance(x, jax.Array) or isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            return x  # one device's array is this process's own (a one-device engine beside the job)
+        if x.is_fully_replicated and not x.is_fully_addressable and x.addressable_shards:
+            return x.addressable_data(0)  # every process holds a whole copy
         holders = sorted({d.process_index for d in x.sharding.device_set})
         if len(holders) == process_count():
             if x.is_fully_addressable:
