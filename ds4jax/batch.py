@@ -6,19 +6,21 @@ Input: one JSON object per line with ``id`` and ``prompt`` (text, or a list of t
 ``text``, ``tokens``, ``finish_reason``, ``error``, ``message``, ``timings``.
 
 * every result is appended and flushed the moment it finishes, so a crash, a kill or Ctrl-C loses nothing
-  finished; a rerun skips the ids already in the output (a torn last line from a kill is dropped first);
-* an invalid line (bad JSON, no id, a duplicate id, a bad field) becomes an error result naming its line number,
-  never a crash; a request the engine rejects becomes an error result with its `ErrorCode`;
-* a tqdm progress bar counts finished requests and shows generated tokens/s;
+  finished; a rerun skips the ids already done. It runs again the rows that failed for reasons outside the
+  request (``internal``, ``cancelled``, ``non_finite``) and those whose input line was edited since; with
+  ``--retry-failed`` every failed row. A retried row is first removed from the output (an atomic rewrite, see
+  `ds4jax.batch_files`), so each id's final result appears exactly once;
+* a line that is not UTF-8, not JSON, has no id, repeats an id or has a bad field becomes an error result naming
+  its line number while the other lines run; a request the engine rejects becomes an error result with its
+  `ErrorCode`. Bad flags and paths (a directory, ``/dev/zero``, no permission, a binary file) fail before any row;
+* a tqdm progress bar counts finished requests and shows generated tokens/s; a summary line ends the run;
 * in a job of several processes (``ds4jax launch ... -- ds4jax batch ... --mesh ...``) every process runs the
-  engine and process 0 alone writes the output (and decides, for all, which ids a rerun skips).
+  engine and process 0 alone rewrites and appends to the output (and decides, for all, which ids a rerun skips).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 
@@ -27,39 +29,23 @@ _FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids"
 
 def add_parser(sub) -> None:
     from ds4jax.commands.engine_options import add_engine_options
+    from ds4jax.commands.options import integer, non_negative_float, non_negative_int, positive_int, probability
 
     p = sub.add_parser("batch", help="generate for every line of a JSONL file (resumable)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("input", metavar="INPUT.jsonl", help="one JSON object per line: id, prompt, optional fields")
-    p.add_argument("output", metavar="OUTPUT.jsonl", help="results, appended; ids already there are skipped")
+    p.add_argument("output", metavar="OUTPUT.jsonl", help="results, appended; ids already done there are skipped")
     add_engine_options(p)
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default per request")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default per request (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default per request")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="default per request (0 = off)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="default per request")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="default per request")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                   help="default per request (0 = greedy)")
+    p.add_argument("--top-p", type=probability, default=1.0, metavar="P", help="default per request")
+    p.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="default per request (0 = off)")
+    p.add_argument("--seed", type=integer, default=0, metavar="S", help="default per request")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _done_keys(path: str) -> set[str]:
-    """Keys of the results already in `path`; a torn last line (a kill mid-write) is cut off first."""
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            cut = data.rfind(b"\n") + 1
-            f.truncate(cut)
-            data = data[:cut]
-    keys = set()
-    for raw in data.decode("utf-8", errors="replace").splitlines():
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and "key" in obj:
-            keys.add(obj["key"])
-    return keys
+    p.add_argument("--retry-failed", action="store_true",
+                   help="also run again the rows that failed because of the request (invalid_request, "
+                        "prompt_too_long, ...); a rerun always retries internal, cancelled and non_finite failures")
 
 
 def _parse(lineno: int, raw: str, defaults: dict, seen: set):
@@ -95,82 +81,148 @@ def _parse(lineno: int, raw: str, defaults: dict, seen: set):
     return key, rid, dict(kw, prompt=obj["prompt"])
 
 
+# Failures that say nothing about the request (the engine or the run failed): a rerun tries them again by default.
+RETRIED_BY_DEFAULT = frozenset({"internal", "cancelled", "non_finite"})
+
+
+def _retry(row, *, retry_failed: bool, digests: dict[str, str]) -> bool:
+    """Whether a rerun removes this output row (a `batch_files.Row`) and runs its request again (docs/errors.md,
+    batch reruns)."""
+    key, error = row.key, row.error
+    if error is None:
+        return False  # a finished result is final
+    recorded, current = row.input_sha256, digests.get(key)
+    if key.startswith("line:"):  # a line that could not be read or parsed: no id, so only the line speaks for it
+        return retry_failed or (recorded is not None and recorded != current)
+    if current is None:
+        return False  # the id is no longer in the input: its result stays as it is
+    return retry_failed or error in RETRIED_BY_DEFAULT or (recorded is not None and recorded != current)
+
+
+def _sampling_defaults(args) -> dict:
+    """The flag-level sampling defaults, checked as one `Request` is (`generation.request_checks`), so a bad value
+    fails up front naming its flag instead of failing every row."""
+    from ds4jax.errors import ArgumentError, UsageError
+    from ds4jax.generation.request_checks import check_request
+    from ds4jax.generation.requests import Request
+
+    defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed)
+    try:
+        check_request(Request(prompt=[0], **defaults), where="")
+    except ArgumentError as e:
+        field = (e.name or "").lstrip(".")
+        raise UsageError(e.message, name="--" + field.replace("_", "-"), value=e.value) from None
+    if args.max_new_tokens >= args.max_context:
+        raise UsageError(f"leaves no room for a prompt in --max-context {args.max_context}", name="--max-new-tokens",
+                         value=args.max_new_tokens)
+    return defaults
+
+
 def run(args, model=None, tokenizer=None) -> int:
     from tqdm import tqdm
 
-    from ds4jax.commands.engine_options import build_engine
+    from ds4jax import batch_files as files
+    from ds4jax.commands.engine_options import build_engine, check_engine_values
     from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
+    from ds4jax.runtime import distributed
 
+    # every check that needs no model comes first: a bad flag or path fails in a second, before any row
+    check_engine_values(args)
+    defaults = _sampling_defaults(args)
+    files.check_input(args.input)
+    files.check_output(args.output)
+    previous = files.read_output(args.output)
     if model is None:
         from ds4jax.cli import _load, enable_compilation_cache
 
         enable_compilation_cache()
         model, tokenizer = _load(args)
-    if not os.path.exists(args.input):
-        from ds4jax.errors import UsageError
-
-        raise UsageError(f"input file {args.input!r} does not exist")
-    from ds4jax.runtime import distributed
-
-    # a multi-process job (`ds4jax launch`): every process runs the same engine on the same requests (SPMD) and
-    # process 0 alone reads, trims and appends to the output; the others take its list of ids already done
-    writer = distributed.process_index() == 0
-    done = set(distributed.broadcast("batch ids done", sorted(_done_keys(args.output)) if writer else None))
-    defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed)
     if model.config.eos_token_id is not None:
         defaults["stop_ids"] = (model.config.eos_token_id,)
-    todo, seen = [], set()
-    with open(args.input, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            key, rid, parsed = _parse(lineno, raw, defaults, seen)
-            if key not in done:
-                todo.append((key, rid, lineno, parsed))
-    out = open(args.output, "a", encoding="utf-8") if writer else None
+    engine = build_engine(model, args, tokenizer)  # the engine `ds4jax warmup` with these flags compiles
 
-    def write(key, rid, lineno, result: GenerateResult) -> None:
+    rows, seen, digests = [], set(), {}
+    for line in files.read_input(args.input):
+        digests[f"line:{line.number}"] = line.digest
+        if line.text is None:
+            key, rid, parsed = f"line:{line.number}", None, line.problem
+        else:
+            key, rid, parsed = _parse(line.number, line.text, defaults, seen)
+        digests.setdefault(key, line.digest)
+        rows.append((key, rid, line.number, line.digest, parsed))
+    retry_failed = getattr(args, "retry_failed", False)
+    # a multi-process job (`ds4jax launch`): every process runs the same engine on the same requests (SPMD) and
+    # process 0 alone rewrites and appends to the output; the others take its list of ids already done
+    writer = distributed.process_index() == 0
+    existing = files.remove_retried(args.output, previous,
+                                    lambda row: _retry(row, retry_failed=retry_failed, digests=digests)) \
+        if writer else None
+    done = set(distributed.broadcast("batch ids done", sorted(existing.done) if writer else None))
+    todo = [r for r in rows if r[0] not in done]
+    out = files.Appender(args.output) if writer else None
+    written: dict[str, int] = {}
+
+    def write(key, rid, lineno, digest, result: GenerateResult) -> None:
         if out is None:
             return
-        row = {"key": key, "id": rid, "line": lineno, **result.to_json()}
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        os.fsync(out.fileno())
+        out.write({"key": key, "id": rid, "line": lineno, "input_sha256": digest, **result.to_json()})
+        code = result.error.value if result.error else "ok"
+        written[code] = written.get(code, 0) + 1
 
-    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress or not writer, file=sys.stderr,
-               desc=f"{len(done)} done before" if done else None)
+    before = f"{len(done)} done before" if done else None
+    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress or not writer, file=sys.stderr, desc=before)
     tokens, start = [0], time.perf_counter()
     try:
         valid = []
-        for key, rid, lineno, parsed in todo:
+        for key, rid, lineno, digest, parsed in todo:
             if isinstance(parsed, str):
-                write(key, rid, lineno, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=parsed))
+                write(key, rid, lineno, digest, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=parsed))
                 bar.update(1)
                 continue
             try:
-                valid.append((key, rid, lineno, Request(**parsed)))
+                valid.append((key, rid, lineno, digest, Request(**parsed)))
             except TypeError as e:
-                write(key, rid, lineno, GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"line {lineno}: {e}"))
+                write(key, rid, lineno, digest,
+                      GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"line {lineno}: {e}"))
                 bar.update(1)
-        if valid:
-            engine = build_engine(model, args, tokenizer)  # the engine `ds4jax warmup` with these flags compiles
-
+        if valid and (out is None or out.failed is None):
             def finished(i: int, result: GenerateResult) -> None:
-                key, rid, lineno, _ = valid[i]
+                key, rid, lineno, digest, _ = valid[i]
                 if result.error is not None and result.message:
                     result.message = f"line {lineno}: {result.message}"
-                write(key, rid, lineno, result)
+                write(key, rid, lineno, digest, result)
                 tokens[0] += len(result.tokens)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.1f}")
 
-            engine.generate([q for *_, q in valid], on_result=finished)
+            for _ in engine.stream([q for *_, q in valid], on_result=finished):
+                if out is not None and out.failed is not None:
+                    break  # the output cannot take more (a full disk): leaving the stream cancels the rest
     finally:
         bar.close()
         if out is not None:
             out.close()
+    if out is None:
+        return 0
+    if out.failed is not None:
+        raise out.failed
+    if not getattr(args, "quiet", False):
+        print(f"ds4jax: batch: {_summary(written, existing, retry_failed)}", file=sys.stderr)
     return 0
+
+
+def _summary(written: dict[str, int], existing, retry_failed: bool) -> str:
+    counts = lambda d: ", ".join(f"{n} {code}" for code, n in sorted(d.items())) or "none"
+    text = f"wrote {sum(written.values())} results ({counts(written)})"
+    if existing.done:
+        text += f"; {len(existing.done)} were done before"
+    if existing.retried:
+        text += f"; retried {counts(existing.retried)}"
+    failed = sum(n for code, n in written.items() if code != "ok" and code not in RETRIED_BY_DEFAULT)
+    if failed and not retry_failed:
+        text += f"; {failed} failed because of their request (--retry-failed runs them again)"
+    return text
 
 
 def main(argv=None) -> int:

@@ -120,8 +120,11 @@ def as_runtime_failure(e: BaseException, sizes: str = ""):
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
         held = f" ({sizes})" if sizes else ""
-        return DeviceMemoryError(f"out of memory: {first[:300]}{held}; reduce --max-new-tokens, the prompt, "
-                                 "--prefill-chunk, or use --dtype bfloat16")
+        # the weights and the KV pools are checked against the free memory before they are allocated (naming
+        # their fields: `ds4jax.runtime.memory`), so what failed here is a step's working memory or a compilation
+        return DeviceMemoryError(f"out of memory: {first[:300]}{held}; the weights and KV pools are checked "
+                                 "against the free memory before they are allocated, so this was most likely a "
+                                 "step's working memory: a smaller --prefill-chunk (or --max-slots) takes less")
     where = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
     return RuntimeFailure(f"internal error ({where}); rerun with --debug for the traceback")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import subprocess
 import sys
@@ -198,3 +199,90 @@ def test_compare_unreadable_checkpoint_is_2_not_1(ckpt, tmp_path, capsys):
     save_file(tensors, tmp_path / "model.safetensors")
     code, _, err = run(capsys, "compare", "--checkpoint", str(tmp_path))
     assert code == 2 and "layers.1.attn.wkv.weight" in err and "wrong shape" in err
+
+
+# ---- bounded inputs: configs, metadata files, memory (issue 24) ----------------------------------------------------
+
+def _config_with(tmp_path, **changes) -> str:
+    d = small_config().to_hf_dict()
+    d.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("key, field", [("n_routed_experts", "num_routed_experts"),
+                                        ("sliding_window", "sliding_window"), ("vocab_size", "vocab_size"),
+                                        ("hidden_size", "hidden_size"), ("num_attention_heads", "num_heads")])
+def test_info_refuses_a_huge_config_naming_the_field(tmp_path, capsys, key, field):
+    code, out, err = run(capsys, "info", "--checkpoint", _config_with(tmp_path, **{key: 2**31}))
+    assert code == 2 and f"Config.{field}: must be <= " in err and "2,147,483,648" in err and out == "", err
+
+
+def test_info_refuses_a_config_whose_fields_multiply_past_the_parameter_cap(tmp_path, capsys):
+    layers = 1000
+    d = dict(num_hidden_layers=layers, layer_types=["sliding_attention"] * layers, mlp_layer_types=["moe"] * layers,
+             n_routed_experts=8000, moe_intermediate_size=100_000, hidden_size=4096)
+    code, _, err = run(capsys, "info", "--checkpoint", _config_with(tmp_path, **d))
+    assert code == 2 and "parameters, more than the" in err and "routed experts" in err, err
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_metadata_linked_to_dev_zero_is_refused(ckpt, tmp_path, capsys, name):
+    import shutil
+
+    shutil.copytree(ckpt, tmp_path, dirs_exist_ok=True)
+    if name != "config.json":  # a real tokenizer.json, so that tokenizer_config.json is read too
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        shutil.copy(os.path.join(root, "checkpoints", "default", "tokenizer.json"), tmp_path / "tokenizer.json")
+    if (tmp_path / name).exists():
+        os.remove(tmp_path / name)
+    os.symlink("/dev/zero", tmp_path / name)
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--checkpoint", str(tmp_path), "-q")
+    assert code == 2 and "is a link to /dev/zero, a character device, not a regular file" in err, err
+
+
+def test_shards_may_link_outside_the_checkpoint_but_must_be_regular_files(ckpt, tmp_path):
+    from ds4jax.errors import CheckpointError
+    from ds4jax.io import checkpoint
+
+    for f in os.listdir(ckpt):  # a Hugging Face cache layout: every file a link into a blob store elsewhere
+        os.symlink(os.path.join(ckpt, f), tmp_path / f)
+    assert checkpoint.load(str(tmp_path)).config == small_config()
+    os.remove(tmp_path / "model.safetensors")
+    os.symlink("/dev/zero", tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors: is a link to /dev/zero"):
+        checkpoint.load(str(tmp_path))
+
+
+def test_orbax_metadata_linked_to_dev_zero_is_refused(tmp_path):
+    from ds4jax.errors import CheckpointError
+    from ds4jax.io import orbax_checkpoint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(tmp_path / "params")
+    os.symlink(os.path.join(root, "checkpoints", "default", "config.json"), tmp_path / "config.json")
+    os.symlink("/dev/zero", tmp_path / "params" / "_METADATA")
+    with pytest.raises(CheckpointError, match="_METADATA: is a link to /dev/zero"):
+        orbax_checkpoint.stored_metadata(str(tmp_path))
+
+
+def test_a_file_over_its_cap_is_refused_unread(tmp_path):
+    from ds4jax.bounded_read import read_bytes
+    from ds4jax.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps(small_config().to_hf_dict()))
+    with pytest.raises(ConfigError, match="bytes, more than the 100 this file may have"):
+        read_bytes(str(tmp_path / "config.json"), ConfigError, cap=100)
+
+
+@pytest.mark.parametrize("free, says", [
+    ([1000], "out of memory before allocating the weights ("),
+    ([1 << 40, 1000], "out of memory before allocating the KV pools (1 slots x max_context"),  # the weights fit
+])
+def test_out_of_memory_names_what_was_being_allocated(ckpt, capsys, monkeypatch, free, says):
+    from ds4jax.runtime import memory
+
+    answers = iter(free)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: next(answers, free[-1]))
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--checkpoint", ckpt, "--dtype", "float32", "-q")
+    assert code == 3 and says in err and "--max-new-tokens" not in err, err

@@ -87,6 +87,40 @@ def test_fuzz_config_file(tmp_path_factory, data):
 
 # ---- safetensors files, index files --------------------------------------------------------------------------------
 
+# an HF config.json key for each capped field (issue 24: n_routed_experts 2**31 made `info` report 636 trillion
+# parameters and `load` build a name plan per expert)
+CAPPED_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+               "head_dim": "head_dim", "q_lora_rank": "q_lora_rank", "o_lora_rank": "o_lora_rank",
+               "index_num_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+               "sliding_window": "sliding_window", "num_routed_experts": "n_routed_experts",
+               "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+               "hc_mult": "hc_mult", "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+               "max_position_embeddings": "max_position_embeddings", "num_layers": "num_hidden_layers"}
+
+
+def test_every_capped_field_has_a_config_key():
+    from ds4jax.model.config import FIELD_CAPS
+
+    assert set(FIELD_CAPS) - {"csa_ratio", "hca_ratio"} == set(CAPPED_KEYS)  # ratios: compress_rates below
+
+
+@CI
+@given(field=st.sampled_from(sorted(CAPPED_KEYS) + ["csa_ratio", "hca_ratio"]), excess=st.integers(1, 2**64))
+def test_fuzz_config_field_above_its_cap(field, excess):
+    from ds4jax.errors import ConfigError
+    from ds4jax.model.config import FIELD_CAPS, from_hf_config
+
+    d = json.loads(json.dumps(BASE_CONFIG))
+    value = FIELD_CAPS[field] + excess
+    if field in CAPPED_KEYS:
+        d[CAPPED_KEYS[field]] = value
+    else:
+        d["compress_rates"]["compressed_sparse_attention" if field == "csa_ratio" else
+                            "heavily_compressed_attention"] = value
+    with pytest.raises(ConfigError, match=rf"Config\.{field}: must be (<= |in \[1, )"):
+        from_hf_config(d)
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("fuzz_good"))

@@ -28,11 +28,59 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_mesh_option(p)
 
 
+def check_engine_values(args: argparse.Namespace) -> None:
+    """Run each integer engine option of `args` through its argparse type, so a Namespace built by hand (a caller
+    of `ds4jax.batch.run`) is checked as the command line is: `UsageError` naming the flag."""
+    from ds4jax.errors import UsageError
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_options(parser)
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.type is None or not action.option_strings or value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if action.type in (positive_int, non_negative_int):
+                    raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}")
+                continue
+            action.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(str(e), name=action.option_strings[0], value=value) from None
+
+
 def build_engine(model, args: argparse.Namespace, tokenizer=None):
-    """The `Engine` that `args` (the options above) describe."""
+    """The `Engine` that `args` (the options above) describe. A value it cannot take (out of range, or not for this
+    model: --speculative without an MTP block, pools that cannot be sized) raises `UsageError` naming the flag,
+    before any request runs."""
+    from ds4jax.errors import InputError, UsageError
     from ds4jax.generation.engine import Engine
 
-    # a Namespace built by hand (older callers of batch.run) may not name --prefill-tokens: its default then
-    return Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
-                  prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
-                  steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+    check_engine_values(args)
+    try:
+        # a Namespace built by hand (older callers of batch.run) may not name --prefill-tokens: its default then
+        engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
+                      prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
+                      steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+    except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
+        flags = {"max_slots": "--max-slots", "max_context": "--max-context", "prefill_chunk": "--prefill-chunk",
+                 "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",
+                 "speculative": "--speculative"}
+        attr = next((a for a in flags if a in str(e)), None)
+        where = {} if attr is None else dict(name=flags[attr], value=getattr(args, attr, None))
+        raise UsageError(f"the engine cannot be built: {e}", **where) from None
+    if engine.layout is None:  # one device runs every step (a mesh splits them)
+        _check_step_memory(engine)
+    return engine
+
+
+def _check_step_memory(engine) -> None:
+    """The widest prefill call's working memory (a lower bound from the config) against the free memory left once
+    the weights and pools are in place: too little is a `DeviceMemoryError` naming the flags, before any step."""
+    from ds4jax.model import footprint
+    from ds4jax.runtime import memory
+
+    tokens = max(rows * width for rows, width in engine.buckets.prefill)
+    memory.check_fits(footprint.step_bytes(engine.cfg, tokens, engine.tspec.dtype),
+                      f"a prefill step's working memory ({tokens} tokens: --prefill-tokens, --prefill-chunk; x "
+                      f"{footprint.STEP_FIELDS})")

@@ -38,7 +38,7 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.generation import loops, snapshots, spec_rounds
-from ds4jax.generation.buckets import bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
+from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.programs import Recorder, WarmupReport
 from ds4jax.generation.request_checks import request_problem
@@ -175,7 +175,7 @@ class Engine:
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in
         # token 0 replaces the bad draw) and only records `nonfinite_at` (`generate(check_finite=False)`)
         self.check_finite = bool(check_finite)
-        self.steps_per_call = int(steps_per_call)
+        self.steps_per_call = _positive(steps_per_call, "steps_per_call")  # 0 would loop on nothing
         page = page_size or default_page_size(cfg)
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
                       draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
@@ -272,7 +272,7 @@ class Engine:
     def _zeros(self, spec: PoolSpec) -> pools.KVPool:
         if self.stages is not None:
             return self.stages.zeros(spec)
-        return self._committed(pools.zeros(spec)) if self.layout is None else self.layout.pool_zeros(spec)
+        return self._committed(pools.allocate(spec)) if self.layout is None else self.layout.pool_zeros(spec)
 
     def _placed(self, pool: pools.KVPool, spec: PoolSpec) -> pools.KVPool:
         """`pool` on its canonical placement (a program run outside the engine's steps, e.g. the slot reset,

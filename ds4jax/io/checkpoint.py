@@ -38,12 +38,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ds4jax.bounded_read import regular_file
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.io import orbax_checkpoint
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
-from ds4jax.model import layer_stack
+from ds4jax.model import footprint, layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.runtime import memory
 from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -254,6 +256,7 @@ class _Shard:
     def __init__(self, path: str, stack: ExitStack):
         self.path = path
         self.name = os.path.basename(path)
+        regular_file(path, CheckpointError)  # a link may leave the directory (HF caches); reads stay within the header
         try:
             self._file = stack.enter_context(safe_open(path, framework="np"))
         except Exception as e:  # corrupt header, not a safetensors file, ...
@@ -617,6 +620,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
 
         return load_sharded(ckpt_dir, dtype, mesh)
     cfg, block = _read_config(ckpt_dir)
+    memory.check_fits(*footprint.weights(cfg, dtype))  # before any tensor is read
     with ExitStack() as stack:
         where = _open_shards(ckpt_dir, stack)
         leaves, locs, raws = _resolve(cfg, _plan(cfg, dtype), where, ckpt_dir)

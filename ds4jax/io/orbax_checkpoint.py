@@ -19,9 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.model import layer_stack
+from ds4jax.bounded_read import regular_files
+from ds4jax.errors import CheckpointError
+from ds4jax.model import footprint, layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.runtime import memory
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -100,6 +103,7 @@ def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     params = os.path.join(os.path.abspath(os.fspath(path)), PARAMS_DIR)  # Orbax wants absolute paths
+    regular_files(params, ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "manifest.ocdbt"), CheckpointError)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(params)
@@ -121,6 +125,8 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
 
     ckpt_dir = os.fspath(path)
     cfg, _ = _read_config(ckpt_dir)
+    if layout is None:  # one device holds every weight (a mesh splits them)
+        memory.check_fits(*footprint.weights(cfg, dtype))
     stored = stored_metadata(ckpt_dir)
     target = abstract(cfg, dtype)
     if not any(k.startswith("mtp.") for k in stored):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, Sequence
 
+from ds4jax.bounded_read import TOKENIZER_CAP, regular_file
 from ds4jax.errors import TokenizerError  # noqa: F401 (re-exported: importable from here too)
 
 
@@ -50,6 +51,7 @@ class HFTokenizer:
     def __init__(self, path: str, bos_id: int | None, eos_id: int | None):
         from tokenizers import Tokenizer as _Tokenizer
 
+        regular_file(path, TokenizerError, TOKENIZER_CAP)  # from_file would read a link to /dev/zero forever
         try:
             self._tok = _Tokenizer.from_file(path)
         except Exception as e:  # the Rust side raises plain Exceptions for malformed files

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any, Mapping
 
+from ds4jax.bounded_read import read_bytes
 from ds4jax.errors import ConfigError  # noqa: F401 (re-exported: importable from here too)
 
 
@@ -150,6 +151,34 @@ def _fail(field: str, why: str) -> None:
     raise ConfigError(f"Config.{field}: {why}")
 
 
+# Upper bounds of every field that scales memory or compute, checked before anything is sized from a config
+# (parameters, pools, the loader's name plan): each is 8x or more above DeepSeek-V4-Pro's value (in parentheses),
+# so a corrupt or hostile config.json (n_routed_experts 2**31, sliding_window 2**31) fails here naming the field.
+# `footprint.check_parameters` then bounds their product, the parameter count. docs/errors.md lists them.
+FIELD_CAPS = {
+    "vocab_size": 1 << 21,  # (129280)
+    "hidden_size": 1 << 16,  # (7168)
+    "num_layers": 1024,  # (61)
+    "num_heads": 1 << 12,  # (128)
+    "head_dim": 1 << 13,  # (512)
+    "q_lora_rank": 1 << 16,  # (1536)
+    "o_lora_rank": 1 << 16,  # (1024)
+    "index_num_heads": 1 << 12,  # (64)
+    "index_head_dim": 1 << 13,  # (128)
+    "index_topk": 1 << 16,  # (1024)
+    "sliding_window": 1 << 16,  # (128): every request holds a ring of this many rows per layer
+    "csa_ratio": 1 << 12,  # (4)
+    "hca_ratio": 1 << 12,  # (128)
+    "num_routed_experts": 1 << 13,  # (384)
+    "num_experts_per_tok": 1 << 10,  # (6)
+    "moe_intermediate_size": 1 << 17,  # (3072)
+    "hc_mult": 64,  # (4)
+    "hc_sinkhorn_iters": 1 << 10,  # (20)
+    "max_position_embeddings": 1 << 24,  # (1048576)
+}
+MAX_LAYERS = FIELD_CAPS["num_layers"]
+
+
 def validate(cfg: Config) -> None:
     positive = (
         "vocab_size hidden_size num_layers num_heads head_dim rope_head_dim q_lora_rank o_groups o_lora_rank "
@@ -160,6 +189,10 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             _fail(name, f"must be a positive int, got {value!r}")
+    for name, cap in FIELD_CAPS.items():
+        if getattr(cfg, name) > cap:
+            _fail(name, f"must be <= {cap:,} (the bound ds4jax checks before sizing anything), got "
+                        f"{getattr(cfg, name):,}")
     if len(cfg.attention_types) != cfg.num_layers:
         _fail("attention_types", f"has {len(cfg.attention_types)} entries, num_layers is {cfg.num_layers}")
     if len(cfg.mlp_types) != cfg.num_layers:
@@ -190,10 +223,16 @@ def validate(cfg: Config) -> None:
     if cfg.yarn is not None and not (0 < cfg.yarn.factor < math.inf and cfg.yarn.original_max_position_embeddings > 0
                                      and math.isfinite(cfg.yarn.beta_fast) and math.isfinite(cfg.yarn.beta_slow)):
         _fail("yarn", f"factor and original_max_position_embeddings must be > 0, got {cfg.yarn!r}")
+    if cfg.yarn is not None and cfg.yarn.original_max_position_embeddings > FIELD_CAPS["max_position_embeddings"]:
+        _fail("yarn", f"original_max_position_embeddings must be <= {FIELD_CAPS['max_position_embeddings']:,}, "
+                      f"got {cfg.yarn.original_max_position_embeddings:,}")
     for name in ("bos_token_id", "eos_token_id"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < cfg.vocab_size:
             _fail(name, f"must be a token id inside the vocabulary [0, {cfg.vocab_size}), got {value!r}")
+    from ds4jax.model.footprint import check_parameters  # it reads the parameter declaration, which imports us
+
+    check_parameters(cfg)
 
 
 # ---- presets ------------------------------------------------------------------------------------
@@ -269,7 +308,6 @@ PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 # ---- HF config.json conversion -------------------------------------------------------------------
 
 _LEGACY_RATIO = {0: AttentionType.SLIDING}
-MAX_LAYERS = 1024  # DeepSeek-V4 Pro has 61; a larger count in a config.json is a corrupt file
 
 
 class _Fields(dict):
@@ -451,14 +489,9 @@ def load_config(path: str | os.PathLike) -> Config:
 
 
 def read_json(path: str, error: type[Exception]) -> Any:
-    """A JSON file's content; a missing, unreadable, non-UTF-8 or malformed file raises `error` naming it."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise error("does not exist", source=path) from None
-    except OSError as e:
-        raise error(f"cannot be read ({e.strerror})", source=path) from None
+    """A JSON file's content; a missing, unreadable, non-regular, oversized, non-UTF-8 or malformed file raises
+    `error` naming it."""
+    data = read_bytes(path, error)  # a regular file under a size cap (a link to /dev/zero is refused)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:

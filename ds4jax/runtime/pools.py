@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.runtime import pool_layout as layout
-from ds4jax.runtime.pool_spec import PoolSpec, shapes
+from ds4jax.runtime import memory, pool_layout as layout
+from ds4jax.runtime.pool_spec import PoolSpec, shapes, total_bytes
 from ds4jax.errors import PoolError  # noqa: F401 (re-exported: importable from here too)
 
 
@@ -51,6 +51,16 @@ def _filled(spec: PoolSpec, fill: float) -> KVPool:
 def zeros(spec: PoolSpec) -> KVPool:
     """A fresh pool: every slot empty, no pages assigned."""
     return _filled(spec, 0.0)
+
+
+def allocate(spec: PoolSpec) -> KVPool:
+    """`zeros` on one device, after checking that it has the memory: a `DeviceMemoryError` names the pools and
+    the fields their size grows with, rather than an XLA out-of-memory error. (A mesh's pools are split over its
+    devices and placed by `MeshLayout.pool_zeros`.)"""
+    memory.check_fits(total_bytes(spec), f"the KV pools ({spec.max_slots} slots x max_context {spec.max_context}, "
+                                         f"{spec.num_layers} layers x sliding_window {spec.sliding_window}, "
+                                         f"head_dim {spec.head_dim}, {spec.dtype})")
+    return zeros(spec)
 
 
 def poisoned(spec: PoolSpec) -> KVPool:
