@@ -151,18 +151,23 @@ def main(root: str, names) -> None:
 
 
 def kill_mid_generation(layout, model, me: int) -> None:
-    """Process 1 dies (SIGKILL) after its first token; process 0 goes on into the next step and waits there
-    for process 1 until the heartbeat timeout ends it."""
+    """Process 1 dies (SIGKILL) as its second decode call starts; process 0 goes into that call and waits there
+    (the step's collectives need process 1) until the heartbeat timeout ends it."""
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
-    def on_token(_event):
-        if me == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-
     engine = Engine(place_model(model, layout), **SIZES)  # the ep8 case's programs: nothing compiles
+    decode, calls = engine._decode_call, []
+
+    def dying(rows):
+        calls.append(1)
+        if me == 1 and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return decode(rows)
+
+    engine._decode_call = dying
     print("generating; process 1 is about to be killed", file=sys.stderr, flush=True)
-    engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=30, on_token=on_token)])  # many calls after
+    engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=30)])  # 8 decode calls of 4 steps
     print("UNEXPECTED: the generation finished", file=sys.stderr, flush=True)
 
 
