@@ -8,7 +8,7 @@ on every layout of `LAYOUTS`, both processes (SPMD): `forward_logits`, each proc
 holds with the reference's, greedy decoding with it (`forward_greedy`), and an `Engine`'s greedy tokens; on EP 4 x TP 2 the engine speculates (k = 2) and
 restores a prefix snapshot. On the layer split only `forward_logits` and greedy decoding with it run (the
 engine's host loop does not run on a split across processes yet). `agree` is checked to name a disagreeing process. Last, process 1 kills itself
-(SIGKILL) in the middle of a generation: process 0, blocked in the step, must be ended by JAX's heartbeat
+(SIGKILL) in the middle of a generation: process 0 must not succeed and must be ended by JAX's heartbeat
 (``DS4JAX_HEARTBEAT_TIMEOUT``), which the test reads from its output.
 """
 
@@ -151,8 +151,9 @@ def main(root: str, names) -> None:
 
 
 def kill_mid_generation(layout, model, me: int) -> None:
-    """Process 1 dies (SIGKILL) as its second decode call starts; process 0 goes into that call and waits there
-    (the step's collectives need process 1) until the heartbeat timeout ends it."""
+    """Process 1 dies (SIGKILL) as its second decode call starts; process 0 goes into that call, whose collectives
+    need process 1: the step fails there (an error result), and the heartbeat timeout ends the process at its
+    shutdown barrier, or in the step if it blocks."""
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
@@ -167,8 +168,12 @@ def kill_mid_generation(layout, model, me: int) -> None:
 
     engine._decode_call = dying
     print("generating; process 1 is about to be killed", file=sys.stderr, flush=True)
-    engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=30)])  # 8 decode calls of 4 steps
-    print("UNEXPECTED: the generation finished", file=sys.stderr, flush=True)
+    result = engine.generate([Request(prompt=list(PROMPTS[0]), max_new_tokens=30)])[0]  # 8 decode calls of 4 steps
+    # the step fails in process 0 (the CPU collectives see the peer gone) or blocks until the heartbeat ends it
+    if result.error is None:
+        print("UNEXPECTED: the generation succeeded without process 1", file=sys.stderr, flush=True)
+    else:
+        print(f"generation failed: {result.error.value}: {(result.message or '')[:300]}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

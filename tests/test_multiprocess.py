@@ -91,8 +91,8 @@ def test_processes_that_disagree_are_named(mp_job):
 
 @pytest.mark.slow
 def test_a_killed_process_ends_the_job(mp_job):
-    """Process 1 SIGKILLs itself mid-generation; process 0, waiting in the step, is ended by JAX's heartbeat (its
-    own fatal error, well inside --grace) and the launcher fails."""
+    """Process 1 SIGKILLs itself as a decode call starts; process 0's generation does not succeed (its step fails
+    without the peer), JAX's heartbeat ends process 0 (its own fatal error, inside --grace) and the launcher fails."""
     proc, _, _ = mp_job
     err = proc.stderr
     assert proc.returncode == launch.RUNTIME_FAILURE, err[-3000:]
