@@ -7,6 +7,8 @@ This package never imports ds4jax.
 
 from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.grouped_matmul_fp4 import BlockSizes as GroupedMatmulFp4BlockSizes
+from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4, grouped_matmul_fp4_reference
 from pallas_kernels.indexer_topk import BlockSizes as IndexerTopkBlockSizes
 from pallas_kernels.indexer_topk import (
     indexer_topk,
@@ -30,6 +32,9 @@ __all__ = [
     "GroupedMatmulBlockSizes",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "GroupedMatmulFp4BlockSizes",
+    "grouped_matmul_fp4",
+    "grouped_matmul_fp4_reference",
     "IndexerTopkBlockSizes",
     "SinkhornBlockSizes",
     "SparseAttentionBlockSizes",

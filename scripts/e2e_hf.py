@@ -26,26 +26,26 @@ def hf_tensors(cfg, params):
     import jax
     import torch
 
-    from ds4jax.io import checkpoint as ck
+    from ds4jax.io import safetensors_layout as sl
 
-    leaves = {leaf.path: leaf for leaf in ck._plan(cfg, params["embed"].dtype)}
+    leaves = {leaf.path: leaf for leaf in sl.plan(cfg, params["embed"].dtype)}
     experts = {}
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = ck._path_of(key_path)
+        path = sl.path_of(key_path)
         if path[0] == "mtp":  # HF has no MTP block
             array.delete()
             continue
         leaf = leaves[path]
-        if leaf.layout == ck.EXPERTS:  # HF fuses them: gate_up_proj [x, 2f, e] = (w1 | w3)^T, down_proj = w2^T
+        if leaf.layout == sl.EXPERTS:  # HF fuses them: gate_up_proj [x, 2f, e] = (w1 | w3)^T, down_proj = w2^T
             experts.setdefault(path[1], {})[path[-1]] = array
             continue
         t = torch.from_dlpack(array)
-        if leaf.layout == ck.T:
+        if leaf.layout == sl.T:
             t = t.T
-        elif leaf.layout == ck.WO_A:
+        elif leaf.layout == sl.WO_A:
             g, hd, o = t.shape
             t = t.permute(0, 2, 1).reshape(g * o, hd)
-        yield ck._aliases(leaf.sources[0]), t, [array]
+        yield sl.aliases(leaf.sources[0]), t, [array]
     for layer, w in experts.items():
         up = torch.cat([torch.from_dlpack(w["w1"]).transpose(1, 2), torch.from_dlpack(w["w3"]).transpose(1, 2)], 1)
         yield {f"model.layers.{layer}.mlp.experts.gate_up_proj"}, up, [w["w1"], w["w3"]]

@@ -1,5 +1,6 @@
-"""A live `ds4jax serve` in this process for the server tests: the one-layer engine of `small_engine` (its programs
-are shared with the other engine tests of the worker) behind uvicorn on a free 127.0.0.1 port."""
+"""A live `ds4jax serve` in this process for the server tests: the one-layer engine of `small_engine` with up to
+`LOGPROBS` logprobs (its programs compiled once per process, for every server of the tests) behind uvicorn on a
+free 127.0.0.1 port."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.server import free_port, uvicorn_server
 from small_engine import one_layer_model, small_engine
 
+LOGPROBS = 5
 READY_TIMEOUT_S = 600  # warm-up compiles the engine's programs (seconds on an idle CPU; minutes on a busy one)
 
 
 @contextlib.contextmanager
 def live_server(config: ServerConfig = ServerConfig(), engine=None):
     """Yields (Server, base URL) once /health is 200; stops it (and checks it stopped) afterwards."""
-    engine = engine or small_engine(one_layer_model())
+    engine = engine or small_engine(one_layer_model(), logprobs=LOGPROBS)
     server = Server(engine, ByteTokenizer(), config)
     port = free_port()
     uv = uvicorn_server(server, "127.0.0.1", port, log_level="warning")

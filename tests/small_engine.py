@@ -20,7 +20,7 @@ def one_layer_model(seed: int = 3) -> Model:
     return Model(cfg, jax.jit(P.init, static_argnums=0)(cfg, jax.random.key(seed)))  # one program, not per leaf
 
 
-def small_engine(model: Model) -> Engine:
+def small_engine(model: Model, logprobs: int = 0) -> Engine:
     """Four slots of MAX_CONTEXT tokens, speculative k=1, one prefill width and one row bucket."""
     return Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=1, prefill_chunk=8,
-                  row_buckets=(4,), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0)
+                  row_buckets=(4,), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0, logprobs=logprobs)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 
 from bad_inputs import small_config, write_checkpoint
 from ds4jax.errors import Ds4jaxError
-from ds4jax.io import checkpoint
+from ds4jax.io import checkpoint, safetensors_layout
 
 CI = settings(derandomize=True, database=None, deadline=None, print_blob=False, max_examples=50,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -182,7 +182,7 @@ def _check_loaded(model):
 
 
 NAMES = sorted(  # the tensor names of the fixture checkpoint (independent of the fixture, for the strategy)
-    leaf_name for leaf in checkpoint._plan(small_config(), np.float32) for leaf_name in leaf.sources)
+    leaf_name for leaf in safetensors_layout.plan(small_config(), np.float32) for leaf_name in leaf.sources)
 
 
 @settings(CI, max_examples=60)

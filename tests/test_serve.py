@@ -1,5 +1,6 @@
 """`ds4jax serve` through real clients: the official `openai` package and httpx against a live server on
-127.0.0.1 (tests/serve_helpers.py). One server for the module; a second, tiny-queue one with an API key."""
+127.0.0.1 (tests/serve_helpers.py). One server for the module; a second, tiny-queue one with an API key. Their
+engines return up to `LOGPROBS` logprobs (`serve_helpers`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import httpx
 import openai
 import pytest
 
+from ds4jax.io.tokenizer import ByteTokenizer
 from ds4jax.serving.config import ServerConfig
-from serve_helpers import live_server, metric
+from serve_helpers import LOGPROBS, live_server, metric
 from small_engine import MAX_CONTEXT
 
 
@@ -64,16 +66,112 @@ def test_chat_thinking_off_and_on(client):
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
 
 
-def test_n_seed_and_logprobs(client):
+def test_n_and_seed(client):
     r = client.completions.create(model="tiny", prompt="x", max_tokens=5, temperature=1.0, n=2, seed=7)
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 10
     again = client.completions.create(model="tiny", prompt="x", max_tokens=5, temperature=1.0, n=2, seed=7)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # the seed decides
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=2)
-    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == "logprobs"
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
+
+
+def _chat_ids(entries) -> list[int]:
+    """Token ids back from chat logprobs' bytes (the byte tokenizer: id = byte + 3; these tokens are all bytes)."""
+    assert all(len(e.bytes) == 1 for e in entries)
+    return [e.bytes[0] + ByteTokenizer.OFFSET for e in entries]
+
+
+def test_logprobs_chat_and_completions_match_the_model(served, client):
+    """Greedy chat logprobs equal log_softmax of forward_logits over the prompt and the continuation (1e-5);
+    completions of the same prompt ids report the same values; the streams concatenate to the whole answers."""
+    import jax
+    import numpy as np
+
+    import ds4jax
+    from ds4jax.serving.chat import render_ids
+
+    server, _ = served
+    msgs = [{"role": "user", "content": "hi"}]
+    new = 6
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=new, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == new
+    ids = _chat_ids(content)
+    prompt = render_ids(msgs, ByteTokenizer(), thinking=False)
+    logits = ds4jax.forward_logits(server.engine.model, np.asarray([prompt + ids]))[0]
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))[len(prompt) - 1: len(prompt) - 1 + new]
+    np.testing.assert_allclose([e.logprob for e in content], ref[np.arange(new), ids], atol=1e-5)
+    for e, row in zip(content, ref):
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the best one
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], -np.sort(-row)[:3], atol=1e-5)
+        assert e.token == bytes(e.bytes).decode("utf-8", errors="replace")
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=new, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+
+    comp = client.completions.create(model="tiny", prompt=prompt, max_tokens=new, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in content] and lp.tokens == [e.token for e in content]
+    assert all(len(t) <= 3 and lp.tokens[i] in t for i, t in enumerate(lp.top_logprobs))  # 2 best + the sampled
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] <= len(comp.choices[0].text)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=new, temperature=0, logprobs=2,
+                                            stream=True))
+    joined = {k: [x for c in chunks if c.choices[0].logprobs for x in getattr(c.choices[0].logprobs, k)]
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined == {k: getattr(lp, k) for k in joined}
+
+
+def test_logprobs_with_n_2(client):
+    """Sampled choices each carry their own logprobs (one per token), whole and streamed alike."""
+    kw = dict(model="tiny", prompt="x", max_tokens=4, temperature=1.0, n=2, seed=3, logprobs=1)
+    whole = client.completions.create(**kw)
+    by_index = {c.index: c.logprobs for c in whole.choices}
+    assert all(len(v.token_logprobs) == 4 and all(x <= 0 for x in v.token_logprobs) for v in by_index.values())
+    streamed = {0: [], 1: []}
+    for c in client.completions.create(stream=True, **kw):
+        if c.choices[0].logprobs:
+            streamed[c.choices[0].index] += c.choices[0].logprobs.token_logprobs
+    assert streamed == {i: v.token_logprobs for i, v in by_index.items()}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=1.0, n=2, seed=3, logprobs=True)
+    assert [len(c.logprobs.content) for c in chat.choices] == [3, 3]
+    assert all(c.logprobs.content[0].top_logprobs == [] for c in chat.choices)  # top_logprobs defaults to 0
+
+
+def test_logprobs_off_are_rejected():
+    """An engine without logprobs (``--max-logprobs 0``): asking is 400 unsupported_parameter; neutral values pass."""
+    from ds4jax.serving import params
+    from ds4jax.serving.errors import APIError
+
+    limits = params.Limits(model="m", max_context=64, spec_positions=0, max_tokens_cap=8, default_max_tokens=4,
+                           max_n=2, vocab_size=ByteTokenizer.VOCAB_SIZE, max_logprobs=0)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for body, is_chat, param in (({"prompt": "x", "logprobs": 1}, False, "logprobs"),
+                                 ({"prompt": "x", "logprobs": 0}, False, "logprobs"),
+                                 ({**chat, "logprobs": True}, True, "logprobs"),
+                                 ({**chat, "top_logprobs": 2}, True, "top_logprobs")):
+        with pytest.raises(APIError) as e:
+            params.parse(body, limits, ByteTokenizer(), is_chat=is_chat)
+        assert e.value.code == "unsupported_parameter" and e.value.param == param
+    for body, is_chat in (({"prompt": "x", "logprobs": None}, False), ({**chat, "logprobs": False,
+                                                                        "top_logprobs": 0}, True)):
+        assert params.parse(body, limits, ByteTokenizer(), is_chat=is_chat).logprobs is None
+
+
+def test_logprobs_bad_values(served):
+    base = served[1]
+    cases = [({"prompt": "x", "logprobs": LOGPROBS + 1}, "/v1/completions", "invalid_request", "logprobs"),
+             ({"prompt": "x", "logprobs": True}, "/v1/completions", "invalid_request", "logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions",
+              "invalid_request", "top_logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+              "/v1/chat/completions", "invalid_request", "top_logprobs")]
+    for body, route, code, param in cases:
+        r = httpx.post(base + route, json={"max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
+        assert r.json()["error"]["param"] == param
 
 
 def test_http_errors(served):

@@ -18,7 +18,12 @@ def test_flags_build_the_server(monkeypatch):
     assert server.config.api_key == "from-env" and server.config.max_queue == 5
     assert server.limits.max_tokens_cap == 9 and server.engine.tspec.max_slots == 2
     assert server.engine.steps_per_call == 4
+    assert server.engine.logprobs == server.limits.max_logprobs == 20  # OpenAI's cap, by default
     assert server.driver.state == "starting"  # nothing runs until the app starts
+    off = serve.build(cli.build_parser().parse_args(["serve", "--max-logprobs", "0", "--max-context", "64"]),
+                      one_layer_model(), ByteTokenizer())[0]
+    assert off.engine.logprobs == off.limits.max_logprobs == 0
+    assert cli.build_parser().parse_args(["warmup", "--max-logprobs", "20"]).max_logprobs == 20
 
 
 def test_help_does_not_import_jax():

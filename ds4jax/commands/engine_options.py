@@ -49,6 +49,13 @@ def check_engine_values(args: argparse.Namespace) -> None:
             raise UsageError(str(e), name=action.option_strings[0], value=value) from None
 
 
+def add_logprobs_option(p: argparse.ArgumentParser, default: int) -> None:
+    """``--max-logprobs`` (serve, and warmup to compile serve's programs); batch builds its engine without them."""
+    p.add_argument("--max-logprobs", type=non_negative_int, default=default, metavar="N",
+                   help="the engine's programs also return each token's log-probability and N alternatives (0 = "
+                        "off; `ds4jax serve` uses 20, OpenAI's cap)")
+
+
 def build_engine(model, args: argparse.Namespace, tokenizer=None):
     """The `Engine` that `args` (the options above) describe. A value it cannot take (out of range, or not for this
     model: --speculative without an MTP block, pools that cannot be sized) raises `UsageError` naming the flag,
@@ -60,8 +67,9 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
     try:
         # a Namespace built by hand (older callers of batch.run) may not name --prefill-tokens: its default then
         engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
-                      prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
-                      steps_per_call=args.steps_per_call, tokenizer=tokenizer)
+                        prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
+                        steps_per_call=args.steps_per_call, tokenizer=tokenizer,
+                        logprobs=getattr(args, "max_logprobs", 0))
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
         flags = {"max_slots": "--max-slots", "max_context": "--max-context", "prefill_chunk": "--prefill-chunk",
                  "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",

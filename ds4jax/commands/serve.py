@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ds4jax.commands.engine_options import add_engine_options
+from ds4jax.commands.engine_options import add_engine_options, add_logprobs_option
 from ds4jax.commands.options import HelpFormatter, positive_int
 
 NAME = "serve"
@@ -22,6 +22,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "(stream or not), GET /v1/models, /health, /metrics. docs/serving.md.",
                        formatter_class=HelpFormatter)
     add_engine_options(p)
+    add_logprobs_option(p, 20)
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--api-key", default=None, metavar="KEY",

@@ -15,7 +15,7 @@ NAME = "warmup"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ds4jax.commands.engine_options import add_engine_options
+    from ds4jax.commands.engine_options import add_engine_options, add_logprobs_option
 
     p = sub.add_parser(NAME, help="compile an engine's programs (fills the compilation cache) and list them",
                        description="Build the Engine that `ds4jax batch` builds from the same flags, compile every "
@@ -23,6 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "the compilation cache on, later runs with these flags load the programs.",
                        formatter_class=HelpFormatter)
     add_engine_options(p)
+    add_logprobs_option(p, 0)  # --max-logprobs 20 (and --steps-per-call 4) compiles what `ds4jax serve` runs
     return p
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
-from ds4jax.generation import loops, snapshots, spec_rounds
+from ds4jax.generation import logprob_rows, loops, snapshots, spec_rounds
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.programs import Recorder, WarmupReport
@@ -142,7 +142,9 @@ class Engine:
     takes in all (default max(prefill_chunk, 16 x max_slots)), so a call of R rows takes
     min(prefill_chunk, prefill_tokens // R) per row.
     row_buckets / prefill_row_buckets: the row counts of decode / prefill calls (`buckets.engine_buckets`).
-    kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`)."""
+    kernels: `Impl` or its name; default from DS4JAX_KERNELS / the backend (`ds4jax.runtime.kernels`).
+    logprobs: N > 0 makes every program also return each token's log-probability and its N most likely
+    alternatives (requests ask with `Request.logprobs` <= N); 0 (the default) compiles the programs without them."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
@@ -150,7 +152,7 @@ class Engine:
                  row_buckets: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
-                 check_finite: bool = True):
+                 check_finite: bool = True, logprobs: int = 0):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -176,6 +178,10 @@ class Engine:
         # token 0 replaces the bad draw) and only records `nonfinite_at` (`generate(check_finite=False)`)
         self.check_finite = bool(check_finite)
         self.steps_per_call = _positive(steps_per_call, "steps_per_call")  # 0 would loop on nothing
+        self.logprobs = int(logprobs)
+        if not 0 <= self.logprobs <= cfg.vocab_size or (self.logprobs and self.stages is not None):
+            raise PoolError(f"logprobs must be in [0, {cfg.vocab_size}] (the vocabulary) and 0 on a layer split, "
+                            f"got {logprobs}")
         page = page_size or default_page_size(cfg)
         common = dict(max_context=max_context, max_slots=max_slots, memory_budget_bytes=memory_budget_bytes,
                       draft_tokens=k + 1 if k else 0, page_size=page, dtype=pool_dtype(model))
@@ -446,6 +452,10 @@ class Engine:
                 if not least <= len(seq) <= MAX_FORCED or any(not 0 <= int(t) < v for t in seq):
                     return fail(ErrorCode.INVALID_REQUEST, f"budget.{name} must hold {least}..{MAX_FORCED} ids "
                                                            f"in the vocabulary [0, {v}), got {seq}")
+        if req.logprobs is not None and (not self.logprobs or req.logprobs > self.logprobs):
+            return fail(ErrorCode.INVALID_REQUEST, f"logprobs={req.logprobs}: this engine returns at most "
+                                                   f"{self.logprobs} alternatives (Engine(logprobs=N))"
+                        if self.logprobs else "logprobs needs an engine built with Engine(logprobs=N)")
         points = set()
         for p in req.snapshot_at:
             if not isinstance(p, (int, np.integer)) or not 1 <= p <= len(ids):
@@ -455,7 +465,8 @@ class Engine:
             points.add(len(ids))
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[: len(stops)] = stops
-        result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None)
+        result = GenerateResult(prefill_tokens=len(ids), accepted_per_round=[] if k else None,
+                                logprobs=None if req.logprobs is None else [])
         return _Live(index, req, ids, result, int(k), seed_key_data(req.seed), stop, now,
                      snap_points=tuple(sorted(points)), in_span=budget is not None and not budget.open_ids)
 
@@ -667,12 +678,13 @@ class Engine:
             first, self.tpool, self.dpool, self.slot_state = self.stages.prefill(
                 self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
                 finishing, spec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
-            return first
+            return first, None
         with self._on_mesh():
-            first, self.tpool, self.dpool, self.slot_state = loops.prefill_call(
+            first, self.tpool, self.dpool, self.slot_state, lp = loops.prefill_call(
                 self.model.params, self.tpool, self.dpool, self.slot_state, rows, token_ids, n_tokens, next_ids,
-                finishing, cfg=self.cfg, tspec=self.tspec, dspec=self._live_dspec, kernels=self.kernels)
-        return first
+                finishing, cfg=self.cfg, tspec=self.tspec, dspec=self._live_dspec, kernels=self.kernels,
+                logprobs=self.logprobs)
+        return first, lp
 
     def _prefill_once(self, live: list[_Live], events: list[TokenEvent]) -> None:
         plan = self._row_plan(live, self.prefill_row_buckets)
@@ -693,14 +705,14 @@ class Engine:
             n_tokens[r] = c
             finishing[r] = lv.pos + c == len(lv.ids)
         self.tbook.check_extend(rows.slots, tok, n_tokens)  # padding rows (n_tokens 0) are not looked at
-        first = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
+        first, lp = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
         self.stats.prefill_steps += 1
         self.stats.prompt_tokens += int(n_tokens.sum())
         self.tbook.commit(rows.slots, n_tokens)
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
-            first = np.asarray(fetch(first))
+            first, lp = np.asarray(fetch(first)), logprob_rows.fetch(lp, [lv.request for lv in live])
         now = time.perf_counter()
         for lv, c in zip(live, n):
             r = row_of[lv.slot]
@@ -716,7 +728,7 @@ class Engine:
                     if self.check_finite:
                         self._fail_nonfinite(lv)
                         continue
-                self._deliver(lv, [token], events)
+                self._deliver(lv, [token], events, logprob_rows.first(lp, r, lv.request.logprobs))
                 if not lv.done:
                     self._check_finished(lv)
 
@@ -728,7 +740,8 @@ class Engine:
             return out
         with self._on_mesh():
             out, self.tpool = loops.decode_loop(self.model.params, self.tpool, rows, cfg=self.cfg, spec=self.tspec,
-                                                kernels=self.kernels, max_steps=self.steps_per_call)
+                                                kernels=self.kernels, max_steps=self.steps_per_call,
+                                                logprobs=self.logprobs)
         return out
 
     def _spec_call(self, rows: Rows):
@@ -740,7 +753,8 @@ class Engine:
         with self._on_mesh():
             out, self.tpool, self.dpool, self.slot_state = spec_rounds.speculative_loop(
                 self.model.params, self.tpool, self.dpool, self.slot_state, rows, cfg=self.cfg, tspec=self.tspec,
-                dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call)
+                dspec=self.dspec, k=self.k, kernels=self.kernels, max_rounds=self.steps_per_call,
+                logprobs=self.logprobs)
         return out
 
     def _decode_once(self, part: list[_Live], speculative: bool, events: list[TokenEvent]) -> None:
@@ -758,6 +772,7 @@ class Engine:
             accepted = None
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(steps_run)
+        lp = logprob_rows.fetch(out.logprobs, [lv.request for lv in part])
         for lv in part:
             r = row_of[lv.slot]
             if bad[r] >= 0 and lv.result.nonfinite_at is None:
@@ -773,7 +788,7 @@ class Engine:
             emitted = [int(t) for t in tokens[r] if t >= 0]
             if self.check_finite and bad[r] >= 0:  # only the tokens before the first bad one are real
                 emitted = emitted[: max(int(bad[r]) - len(lv.result.tokens), 0)]
-            self._deliver(lv, emitted, events)
+            self._deliver(lv, emitted, events, logprob_rows.row(lp, r, len(emitted), lv.request.logprobs))
             if self.check_finite and bad[r] >= 0 and not lv.done:
                 self._fail_nonfinite(lv)
             if not lv.done:
@@ -951,43 +966,48 @@ class Engine:
                 r = row_of[lv.slot]
                 sampled[r] = lv.restored == len(lv.ids)
                 nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
-            first = self._restore_call(rows, sampled, nxt)
+            first, lp = self._restore_call(rows, sampled, nxt)
             if self._live_dspec is not None:
                 for lv in part:
                     self.dbook.lengths[lv.slot] = lv.restored
-            first = np.asarray(fetch(first))
+            first, lp = np.asarray(fetch(first)), logprob_rows.fetch(lp, [lv.request for lv in part])
             now = time.perf_counter()
             for lv in part:
                 r = row_of[lv.slot]
                 if sampled[r]:
                     lv.first_token = now
                     lv.result.timings.prefill_s = now - lv.admitted
-                    self._deliver(lv, [int(first[r])], events)
+                    self._deliver(lv, [int(first[r])], events, logprob_rows.first(lp, r, lv.request.logprobs))
                     if not lv.done:
                         self._check_finished(lv)
 
     def _restore_call(self, rows: Rows, sampled, next_ids):
+        """-> (first tokens, their logprobs or None)."""
         if self.stages is not None:
             first, self.dpool, self.slot_state = self.stages.restore(
                 self.dpool, self.slot_state, rows, sampled, next_ids, params=self.model.params,
                 dspec=self._live_dspec, kernels=self.kernels)
-            return first
+            return first, None
         with self._on_mesh():
-            first, self.dpool, self.slot_state = loops.restore_call(
+            first, self.dpool, self.slot_state, lp = loops.restore_call(
                 self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, cfg=self.cfg,
-                dspec=self._live_dspec, kernels=self.kernels)
-        return first
+                dspec=self._live_dspec, kernels=self.kernels, logprobs=self.logprobs)
+        return first, lp
 
     # ---- delivery and finishing ------------------------------------------------------------------------------
-    def _deliver(self, lv: _Live, tokens: list[int], events: list[TokenEvent]) -> None:
+    def _deliver(self, lv: _Live, tokens: list[int], events: list[TokenEvent], logprobs=None) -> None:
+        """logprobs: one `TokenLogprob` per token, or None (the request asked for none)."""
         del lv.forced[: len(tokens)]  # forced tokens are the first a call emits
-        for t in tokens:
+        for j, t in enumerate(tokens):
             if lv.done:
                 return
             self._track_budget(lv, t)
             res = lv.result
-            ev = TokenEvent(lv.index, t, len(res.tokens))
+            lp = logprobs[j] if logprobs is not None else None
+            ev = TokenEvent(lv.index, t, len(res.tokens), lp)
             res.tokens.append(t)
+            if lp is not None:
+                res.logprobs.append(lp)
             lv.cur = t
             self.stats.tokens += 1
             events.append(ev)

@@ -12,6 +12,10 @@ Token draws use ``fold_in(key(seed), index)`` so a request's tokens never depend
 
 Per-slot device state (`SlotState`) keeps what a request carries between calls: its last logits (prefix
 snapshots) and, when speculating, the draft's last logits and stream.
+
+With ``logprobs=N`` (static; 0 = off, and then the programs are exactly those without it) every program also
+returns each emitted token's log-probability and the N most likely alternatives (`sampling.token_logprobs`), in
+buffers shaped like its tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ds4jax.generation.sampling import sample, token_keys
+from ds4jax.generation.sampling import TokenLogprobs, sample, token_keys, token_logprobs
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
@@ -71,14 +75,28 @@ def set_rows(table: jax.Array, slots: jax.Array, where: jax.Array, values: jax.A
     return table.at[slots].set(jnp.where(where, values.astype(table.dtype), table[slots]))
 
 
-_PREFILL_STATIC = ("cfg", "tspec", "dspec", "kernels")
+def logprob_buffers(shape: tuple[int, ...], n: int) -> TokenLogprobs | None:
+    """Empty per-token log-probability buffers for `shape` tokens (None when `n` is 0: logprobs off)."""
+    if not n:
+        return None
+    return TokenLogprobs(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (n,), jnp.int32),
+                         jnp.zeros(shape + (n,), jnp.float32))
+
+
+def first_logprobs(logits, first, n: int) -> TokenLogprobs | None:
+    """The first tokens' log-probabilities [B] (None when logprobs are off)."""
+    return token_logprobs(logits, first, n) if n else None
+
+
+_PREFILL_STATIC = ("cfg", "tspec", "dspec", "kernels", "logprobs")
 
 
 @cached_jit
 @functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("tpool", "dpool", "slot_state"))
 def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens, next_ids, finishing,
-                 *, cfg, tspec, dspec, kernels):
-    """One prefill chunk. Returns (first tokens [B] (valid where `finishing`), tpool, dpool, slot_state).
+                 *, cfg, tspec, dspec, kernels, logprobs: int = 0):
+    """One prefill chunk. Returns (first tokens [B] (valid where `finishing`), tpool, dpool, slot_state, their
+    `TokenLogprobs` [B] or None).
 
     token_ids / next_ids [B, C] (next_ids: the id of token i+1 for the draft; the last one of a finishing row
     is replaced by the sampled first token); n_tokens [B]; finishing [B] bool."""
@@ -89,7 +107,8 @@ def prefill_call(params, tpool, dpool, slot_state: SlotState, rows: Rows, token_
     if dspec is not None:
         dpool, slot_state = draft_prefill(params, dpool, slot_state, rows, out.streams, first, token_ids, n_tokens,
                                           next_ids, finishing, cfg=cfg, dspec=dspec, kernels=kernels)
-    return flag_nonfinite(first, out.logits), tpool, dpool, rows_over_data(slot_state)
+    return (flag_nonfinite(first, out.logits), tpool, dpool, rows_over_data(slot_state),
+            first_logprobs(out.logits, first, logprobs))
 
 
 def draft_prefill(params, dpool, slot_state: SlotState, rows: Rows, streams, first, token_ids, n_tokens, next_ids,
@@ -127,12 +146,14 @@ def flag_nonfinite(first, logits):
 
 
 @cached_jit
-@functools.partial(jax.jit, static_argnames=("cfg", "dspec", "kernels"), donate_argnames=("dpool", "slot_state"))
-def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, dspec, kernels):
+@functools.partial(jax.jit, static_argnames=("cfg", "dspec", "kernels", "logprobs"),
+                   donate_argnames=("dpool", "slot_state"))
+def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, cfg, dspec, kernels,
+                 logprobs: int = 0):
     """After a prefix snapshot was written into a slot (target at length L, draft at L-1): the first token is
     sampled from the saved logits (rows with `sampled`: the prompt is exactly the prefix), and the draft runs its
     pending row L-1 (target stream of L-1, id of token L: that first token, or next_ids = the prompt's token L).
-    Returns (first tokens [B], dpool, slot_state)."""
+    Returns (first tokens [B], dpool, slot_state, their `TokenLogprobs` [B] or None)."""
     logits = slot_state.last_logits[rows.slots]
     keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
     first = sample(logits, keys, rows.temperature, rows.top_p, rows.top_k)
@@ -146,7 +167,7 @@ def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next
         slot_state = slot_state._replace(
             draft_logits=set_rows(slot_state.draft_logits, rows.slots, keep, dout.logits),
             draft_stream=set_rows(slot_state.draft_stream, rows.slots, keep, dout.streams[:, 0]))
-    return first, dpool, rows_over_data(slot_state)
+    return first, dpool, rows_over_data(slot_state), first_logprobs(logits, first, logprobs)
 
 
 class DecodeOut(NamedTuple):
@@ -155,31 +176,36 @@ class DecodeOut(NamedTuple):
     done: jax.Array  # [B] finished (stop id or budget)
     steps: jax.Array  # [] steps run
     bad: jax.Array  # [B] index of the first token whose logits were not finite (-1 = none)
+    logprobs: TokenLogprobs | None = None  # [B, M] of the tokens (with `logprobs` on)
 
 
 @cached_jit
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "kernels", "max_steps"), donate_argnames=("pool",))
-def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "kernels", "max_steps", "logprobs"),
+                   donate_argnames=("pool",))
+def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int, logprobs: int = 0):
     """Up to `max_steps` decode steps; stops after the step in which any active row finishes."""
     b = rows.slots.shape[0]
     buf = jnp.full((b, max_steps), -1, jnp.int32)
 
     def cond(c):
-        _, _, _, done, _, i, finished, _ = c
+        _, _, _, done, _, i, finished, _, _ = c
         return (i < max_steps) & ~finished & jnp.any(~done)
 
     def body(c):
-        pool, cur, n_out, done, buf, i, _, bad = c
+        pool, cur, n_out, done, buf, i, _, bad, lp = c
         live = ~done
         batch = steps.StepBatch(rows.slots, cur[:, None], live.astype(jnp.int32))
         out, pool = steps.step(params, pool, batch, None, cfg=cfg, spec=spec, role=Role.TARGET,
                                 logits=steps.Logits.LAST, kernels=kernels)
-        return (pool,) + decode_update(rows, out.logits, live, cur, n_out, done, buf, i, bad)
+        new = decode_update(rows, out.logits, live, cur, n_out, done, buf, i, bad)
+        if lp is not None:  # column i: the token this step emitted (rows that did not run leave junk, never read)
+            lp = jax.tree.map(lambda a, x: a.at[:, i].set(x), lp, token_logprobs(out.logits, new[0], logprobs))
+        return (pool,) + new + (lp,)
 
     init = (pool, rows.cur, rows.n_out, decode_done0(rows), buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
-            jnp.full((b,), -1, jnp.int32))
-    pool, _, n_out, done, buf, i, _, bad = jax.lax.while_loop(cond, body, init)
-    return DecodeOut(buf, n_out, done, i, bad), pool
+            jnp.full((b,), -1, jnp.int32), logprob_buffers((b, max_steps), logprobs))
+    pool, _, n_out, done, buf, i, _, bad, lp = jax.lax.while_loop(cond, body, init)
+    return DecodeOut(buf, n_out, done, i, bad, lp), pool
 
 
 def decode_done0(rows: Rows):

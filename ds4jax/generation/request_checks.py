@@ -44,6 +44,9 @@ def check_request(req, where: str = "Request") -> None:
     on_token = getattr(req, "on_token", None)
     if on_token is not None and not callable(on_token):
         raise ArgumentError("must be callable", name=f"{where}.on_token", value=on_token)
+    logprobs = getattr(req, "logprobs", None)
+    if logprobs is not None:
+        check_int(logprobs, f"{where}.logprobs", low=0)
     snapshot_at = getattr(req, "snapshot_at", ())
     _ids(snapshot_at, f"{where}.snapshot_at", low=1)
     budget = getattr(req, "budget", None)

@@ -32,12 +32,22 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the raw model distribution (log_softmax of the logits, before
+    temperature / top-p / top-k; forced tokens too) and the most likely alternatives, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One streamed token of one request (``index`` counts the request's generated tokens from 0)."""
 
     request: int  # position of the request in the list given to `generate` / `stream`
     token: int
     index: int
+    logprob: TokenLogprob | None = None  # with Request.logprobs set (an engine built with logprobs=N)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,8 @@ class Request:
     Sampling: ``temperature == 0`` is greedy; otherwise temperature, `top_k` (0 = off) and `top_p` filter the
     distribution and `seed` alone decides the draws (the same request gives the same tokens in any batch).
     `speculative`: None uses the engine's k, 0 decodes this request plainly, 1..k caps its accepted drafts.
+    `logprobs`: None records none; 0..N (an engine built with ``logprobs=N``) records each token's log-probability
+    and that many alternatives (`TokenLogprob`, on the events and in `GenerateResult.logprobs`).
     `on_token(event)` is called for every token as it is delivered; returning False (or raising) cancels the
     request only."""
 
@@ -73,6 +85,7 @@ class Request:
     budget: Budget | None = None
     snapshot: bool = False  # save a prefix snapshot of the prompt after prefill (issue 9)
     snapshot_at: tuple[int, ...] = ()  # extra prompt positions to snapshot at (prefill chunks split there)
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -95,6 +108,7 @@ class GenerateResult:
     prefill_tokens: int = 0  # prompt tokens this request prefilled (0 after an exact snapshot hit)
     budget_forced_close: bool = False
     nonfinite_at: int | None = None  # index of the first token whose logits held NaN/Inf (prefill, decode, rounds)
+    logprobs: list[TokenLogprob] | None = None  # one per token, with Request.logprobs set
 
     @property
     def ok(self) -> bool:
@@ -110,4 +124,6 @@ class GenerateResult:
                 "error": self.error.value if self.error else None, "message": self.message or None,
                 "timings": dataclasses.asdict(self.timings),
                 **({"accepted_per_round": self.accepted_per_round} if self.accepted_per_round is not None else {}),
-                **({"nonfinite_at": self.nonfinite_at} if self.nonfinite_at is not None else {})}
+                **({"nonfinite_at": self.nonfinite_at} if self.nonfinite_at is not None else {}),
+                **({"logprobs": [{"logprob": t.logprob, "top": [list(x) for x in t.top]} for t in self.logprobs]}
+                   if self.logprobs is not None else {})}

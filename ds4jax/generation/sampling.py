@@ -1,4 +1,7 @@
-"""Token sampling: greedy, temperature, top-k and nucleus (top-p), with per-request keys."""
+"""Token sampling: greedy, temperature, top-k and nucleus (top-p), with per-request keys; log-probabilities of the
+emitted tokens (`token_logprobs`)."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +52,19 @@ def token_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
     """Typed keys [b] for token `index[b]` of each request: draws depend on the request's seed and the index only."""
     base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
     return jax.vmap(jax.random.fold_in)(base, index)
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of emitted tokens under the raw model distribution (log_softmax of the float32 logits,
+    before temperature / top-p / top-k, as vLLM's default ``raw_logprobs``); shapes [...] and [..., n]."""
+    token: jax.Array  # float32 the emitted token's log-probability
+    top_ids: jax.Array  # int32 the n most likely ids, most likely first
+    top: jax.Array  # float32 their log-probabilities
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
+    """logits [..., v], tokens [...] (any id in the vocabulary: sampled, greedy or forced) -> `TokenLogprobs`."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token = jnp.take_along_axis(logp, jnp.clip(tokens, 0, logp.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logp, n)
+    return TokenLogprobs(token, top_ids.astype(jnp.int32), top)

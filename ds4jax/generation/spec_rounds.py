@@ -9,7 +9,9 @@ target's streams. `speculative_loop` runs rounds until M are done or any row fin
 can stream tokens, free slots and admit requests.
 
 Every step goes through `steps.step` with the engine's `kernels` choice (target and draft alike).
-Compiles once per (config, pool specs, k, row bucket, M, kernels).
+Compiles once per (config, pool specs, k, row bucket, M, kernels, logprobs). With ``logprobs=N`` the emitted
+tokens' log-probabilities come from the verify logits that chose them (position j of the round for its j-th
+token), so they are the target's, exactly as plain decoding would report them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
-from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, set_rows
-from ds4jax.generation.sampling import filter_logits, token_keys
+from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
+from ds4jax.generation.sampling import TokenLogprobs, filter_logits, token_keys, token_logprobs
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
@@ -36,6 +38,7 @@ class SpecOut(NamedTuple):
     accepted: jax.Array  # [B, M] accepted drafts per round (-1 = no round for this row)
     rounds: jax.Array  # [] rounds run
     bad: jax.Array  # [B] index of the first emitted token whose target logits were not finite (-1 = none)
+    logprobs: TokenLogprobs | None = None  # [B, M * (k+1)] of the tokens (with `logprobs` on)
 
 
 class RoundCarry(NamedTuple):
@@ -55,6 +58,7 @@ class RoundCarry(NamedTuple):
     finished: jax.Array
     fp: jax.Array  # [B] forced tokens consumed
     bad: jax.Array  # [B] see SpecOut.bad
+    lp: TokenLogprobs | None = None  # see SpecOut.logprobs (None: logprobs off)
 
 
 def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
@@ -161,7 +165,12 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     first_stop = jnp.where(jnp.any(stop_hit, axis=1), jnp.argmax(stop_hit, axis=1) + 1, a + 1)
     count = jnp.where(active, jnp.minimum(jnp.minimum(a + 1, first_stop), rows.max_new - c.n_out), 0)
     write = jnp.where(j < count[:, None], emitted, -1)
-    buf = jax.vmap(lambda o, w, n: jax.lax.dynamic_update_slice(o, w, (n,)))(c.buf, write, c.n_buf)
+    put = jax.vmap(lambda o, w, n: jax.lax.dynamic_update_slice(o, w, (n,) + (0,) * (w.ndim - 1)))
+    buf = put(c.buf, write, c.n_buf)
+    lp = c.lp
+    if lp is not None:  # entries past `count` are junk the next round overwrites (and the host never reads)
+        n = lp.top.shape[-1]
+        lp = jax.tree.map(lambda o, w: put(o, w, c.n_buf), lp, token_logprobs(verify.logits, emitted, n))
     n_out = c.n_out + count
     # numerics guard: the verify logits that chose this round's tokens (positions 0..a) must be finite
     broken = ~jnp.isfinite(verify.logits).all(axis=-1) & (j <= a[:, None])  # [b, k+1]
@@ -175,7 +184,7 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
                              c.draft_stream)
     nxt_carry = RoundCarry(c.tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
                        c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
-                       c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad)
+                       c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad, lp)
     return nxt_carry, lengths
 
 
@@ -190,14 +199,16 @@ def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels) 
     return c._replace(tpool=tpool.replace(lengths=lengths))
 
 
-def initial_carry(tpool, dpool, slot_state: SlotState, rows: Rows, *, k: int, max_rounds: int) -> RoundCarry:
+def initial_carry(tpool, dpool, slot_state: SlotState, rows: Rows, *, k: int, max_rounds: int,
+                  logprobs: int = 0) -> RoundCarry:
     """The state before a call's first round (rows done from the start never run)."""
     b = rows.slots.shape[0]
     done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
     return RoundCarry(tpool, dpool, rows.cur, slot_state.draft_logits[rows.slots], slot_state.draft_stream[rows.slots],
                   rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
                   jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
-                  jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32))
+                  jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32),
+                  logprob_buffers((b, max_rounds * (k + 1)), logprobs))
 
 
 def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
@@ -205,18 +216,18 @@ def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
     slot_state = slot_state._replace(
         draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
         draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad), rows_over_data(slot_state)
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad, c.lp), rows_over_data(slot_state)
 
 
 @cached_jit
-@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds", "logprobs"),
                    donate_argnames=("tpool", "dpool", "slot_state"))
 def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *, cfg, tspec, dspec, k, kernels,
-                     max_rounds: int):
+                     max_rounds: int, logprobs: int = 0):
     """Up to `max_rounds` rounds; returns after the round in which any row finishes.
 
     Returns (SpecOut, tpool, dpool, slot_state)."""
-    init = initial_carry(tpool, dpool, slot_state, rows, k=k, max_rounds=max_rounds)
+    init = initial_carry(tpool, dpool, slot_state, rows, k=k, max_rounds=max_rounds, logprobs=logprobs)
 
     def cond(c):
         return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)

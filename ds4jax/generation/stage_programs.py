@@ -232,7 +232,7 @@ class StagePrograms:
         when `dspec` is not None. Returns (first tokens, dpool, slot_state)."""
         dparams = self.draft_params(params) if dspec is not None else {}
         with self.layout.active(self.last):
-            first, dpool, state = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
+            first, dpool, state, _ = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
                                                      self.put(np.asarray(sampled), self.last),
                                                      self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
                                                      dspec=dspec, kernels=kernels)

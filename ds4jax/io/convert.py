@@ -52,9 +52,22 @@ def _extras(src: str) -> list[str]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, dtype: Any = None,
-            overwrite: bool = False) -> str:
-    """Convert `src` to format `to` (default: the other one) at `dst`; returns the format written."""
-    from ds4jax.io import checkpoint, orbax_checkpoint
+            overwrite: bool = False, quantize: str | None = None) -> str:
+    """Convert `src` to format `to` (default: the other one) at `dst`; returns the format written.
+
+    ``quantize="fp4"`` / ``"fp8"`` writes the published quantized safetensors layout (`ds4jax.save`'s `quantize`),
+    quantized from the source's values read in float32 (unless `dtype` says otherwise)."""
+    import numpy as np
+
+    from ds4jax.errors import ArgumentError
+    from ds4jax.io import checkpoint, official_format, orbax_checkpoint
+
+    official_format.check_quantize(quantize)
+    if quantize is not None:
+        if to == "orbax":
+            raise ArgumentError("the Orbax format stores the params as they are: quantize writes safetensors",
+                                name="quantize", value=quantize)
+        to, dtype = "safetensors", dtype or np.float32
 
     src, dst = os.fspath(src), os.fspath(dst)
     if not os.path.isdir(src):
@@ -64,23 +77,25 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     to = to or ("safetensors" if source_format(src) == "orbax" else "orbax")
     if to not in FORMATS:
         raise checkpoint.CheckpointError(f"unknown format {to!r}; expected one of {FORMATS}")
-    model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src))
+    model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src), weights="bf16")
     with orbax_checkpoint.atomic_directory(dst, overwrite=overwrite) as tmp:
         for name in _extras(src):
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
         if to == "orbax":
             orbax_checkpoint.write_params(model.params, tmp)
         else:
-            checkpoint.save(model, tmp, overwrite=True)
+            checkpoint.save(model, tmp, overwrite=True, quantize=quantize)
             os.remove(os.path.join(tmp, CONFIG_FILE))  # written again below, last
-        write_config(model, tmp)
+        write_config(model, tmp, quantize)
     return to
 
 
-def write_config(model, directory: str) -> None:
+def write_config(model, directory: str, quantize: str | None = None) -> None:
     """config.json is written last: a directory without it is not a checkpoint."""
+    from ds4jax.io import official_format
+
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(model.config.to_hf_dict(), f, indent=2)
+        json.dump(official_format.official_config(model.config, quantize, (128, 128)), f, indent=2)
 
 
 def add_parser(sub) -> None:
@@ -93,12 +108,15 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="weight dtype (auto: float32 if the source embedding is float32, else bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--quantize", choices=("fp8", "fp4"), default=None,
+                   help="write the published quantized safetensors layout: FP8 dense linears with 128x128 E8M0 "
+                        "block scales, routed experts FP4 (fp4, instruct) or FP8 (fp8, base)")
 
 
 def run(args) -> int:
     import jax.numpy as jnp
 
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
-    written = convert(args.src, args.dst, to=args.to, dtype=dtype, overwrite=args.overwrite)
+    written = convert(args.src, args.dst, to=args.to, dtype=dtype, overwrite=args.overwrite, quantize=args.quantize)
     print(f"wrote {written} checkpoint {args.dst}")
     return 0

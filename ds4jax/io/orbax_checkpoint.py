@@ -21,9 +21,11 @@ import numpy as np
 
 from ds4jax.bounded_read import regular_files
 from ds4jax.errors import CheckpointError
+from ds4jax.io.safetensors_layout import read_config
 from ds4jax.model import footprint, layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
+from ds4jax.model.quantized import dequantize_tree
 from ds4jax.runtime import memory
 
 PARAMS_DIR = "params"
@@ -37,9 +39,7 @@ def is_orbax(path: str | os.PathLike) -> bool:
 
 
 def _error(message: str) -> Exception:
-    from ds4jax.io.checkpoint import CheckpointError  # the safetensors loader's error type, one for all formats
-
-    return CheckpointError(message)
+    return CheckpointError(message)  # one error type for every checkpoint format
 
 
 def _keystr(key_path) -> str:
@@ -83,7 +83,8 @@ def write_params(params: Any, directory: str) -> None:
     """Orbax write of a params pytree into `directory`/params (synchronous)."""
     import orbax.checkpoint as ocp
 
-    host = layer_stack.unstacked_host(params)  # numpy leaves: no device placement recorded in the checkpoint;
+    host = layer_stack.unstacked_host(dequantize_tree(params, params["embed"].dtype))  # numpy leaves; a quantized
+    # model is stored as its values (Orbax holds the params layout only): no device placement recorded in the checkpoint;
     # per-layer dicts: the stored layout does not depend on how a model runs its layers
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(os.path.abspath(directory), PARAMS_DIR), host)
@@ -119,12 +120,10 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
 
     With a `layout` (`ds4jax.make_mesh`), each leaf is restored with its mesh sharding: Orbax reads only the
     chunks of each device's block (host-local when several processes share the mesh)."""
-    from ds4jax.io.checkpoint import _read_config
-
     import orbax.checkpoint as ocp
 
     ckpt_dir = os.fspath(path)
-    cfg, _ = _read_config(ckpt_dir)
+    cfg, _ = read_config(ckpt_dir)
     if layout is None:  # one device holds every weight (a mesh splits them)
         memory.check_fits(*footprint.weights(cfg, dtype))
     stored = stored_metadata(ckpt_dir)

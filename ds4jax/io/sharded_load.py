@@ -6,7 +6,7 @@ devices' share), and `read_block` reads exactly that block from the file: a slic
 weights (transposed / regrouped into the params layout), the covering 128x128 blocks for FP8 and the covering
 32-column groups for FP4 (dequantized, then cropped), only the experts in the block for routed experts.
 Blocks a process needs twice (replicated parameters) are read once. Header validation is the single-device
-loader's (`checkpoint._resolve` / `_validate`), so the same errors name the same tensors.
+loader's (`safetensors_layout.resolve` / `validate`), so the same errors name the same tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ds4jax.io import checkpoint as ck
+from ds4jax.io import quant_formats as qf
+from ds4jax.io import safetensors_layout as sl
 from ds4jax.model import layer_stack
 from ds4jax.model.handle import Model
+from ds4jax.model.params import abstract
 
 
 class ReadCounter:
@@ -42,12 +44,7 @@ class ReadCounter:
 
 
 def _read(shard, key: str, index: tuple, counter: ReadCounter | None) -> np.ndarray:
-    dtype, shape = shard.info(key)
-    if dtype.startswith("F8"):  # numpy has no float8: slice the raw bytes through a memmap
-        begin, _ = shard._data_offsets()[key]
-        a = np.array(np.memmap(shard.path, dtype=np.uint8, mode="r", offset=begin, shape=shape)[index])
-    else:
-        a = shard._file.get_slice(key)[index]
+    a = shard.read(key, index)
     if counter is not None:
         counter.add(key, index, a.nbytes)
     return a
@@ -66,20 +63,20 @@ def _region(loc, rows: tuple[int, int], cols: tuple[int, int] | None, block, cou
         return _read(loc.shard, loc.key, lead + (slice(r0, r1), slice(c0, c1)), counter)
     scale_shard, scale_key = loc.scale
     s_dtype, _ = scale_shard.info(scale_key)
-    to_float = ck.e8m0_to_float if s_dtype in ("F8_E8M0", "U8") else (lambda s: s.astype(np.float32))
-    if dtype == ck._FP8_WEIGHT:
+    to_float = qf.e8m0_to_float if s_dtype in ("F8_E8M0", "U8") else (lambda s: s.astype(np.float32))
+    if dtype == sl.FP8_WEIGHT:
         br, bc = block
         R0, C0 = r0 // br * br, c0 // bc * bc
         R1, C1 = min(-(-r1 // br) * br, shape[-2]), min(-(-c1 // bc) * bc, shape[-1])
         raw = _read(loc.shard, loc.key, lead + (slice(R0, R1), slice(C0, C1)), counter)
         s = to_float(_read(scale_shard, scale_key, lead + (slice(R0 // br, -(-R1 // br)),
                                                           slice(C0 // bc, -(-C1 // bc))), counter))
-        return ck.dequant_fp8(raw, s, block)[r0 - R0 : r1 - R0, c0 - C0 : c1 - C0]
-    g = ck.FP4_BLOCK  # packed [out, in/2], scales [out, in/32]
+        return qf.dequant_fp8(raw, s, block)[r0 - R0 : r1 - R0, c0 - C0 : c1 - C0]
+    g = qf.FP4_BLOCK  # packed [out, in/2], scales [out, in/32]
     C0, C1 = c0 // g * g, -(-c1 // g) * g
     packed = _read(loc.shard, loc.key, lead + (slice(r0, r1), slice(C0 // 2, C1 // 2)), counter)
     s = to_float(_read(scale_shard, scale_key, lead + (slice(r0, r1), slice(C0 // g, C1 // g)), counter))
-    return ck.dequant_fp4(packed, s)[:, c0 - C0 : c1 - C0]
+    return qf.dequant_fp4(packed, s)[:, c0 - C0 : c1 - C0]
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -97,15 +94,15 @@ def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None
     shape = leaf.target.shape
     b = _bounds(index, shape)
     np_dtype = np.dtype(leaf.target.dtype)
-    if leaf.layout == ck.EXPERTS:  # ours [x, in, out] <- per expert [out, in]
+    if leaf.layout == sl.EXPERTS:  # ours [x, in, out] <- per expert [out, in]
         (x0, x1), (i0, i1), (o0, o1) = b
         parts = [_region(locs[leaf.sources[x]], (o0, o1), (i0, i1), block, counter).T for x in range(x0, x1)]
         return np.stack(parts).astype(np_dtype)
     loc = locs[leaf.sources[0]]
-    if leaf.layout == ck.T:
+    if leaf.layout == sl.T:
         (i0, i1), (o0, o1) = b
         a = _region(loc, (o0, o1), (i0, i1), block, counter).T
-    elif leaf.layout == ck.WO_A:  # ours [g, h*d/g, o] <- [g*o, h*d/g] with rows group-major
+    elif leaf.layout == sl.WO_A:  # ours [g, h*d/g, o] <- [g*o, h*d/g] with rows group-major
         (g0, g1), (h0, h1), (o0, o1) = b
         o = shape[2]
         a = _region(loc, (g0 * o, g1 * o), (h0, h1), block, counter)
@@ -115,9 +112,9 @@ def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None
     elif len(shape) == 2:
         a = _region(loc, b[0], b[1], block, counter)
     else:
-        raise ck.CheckpointError(f"{leaf.path}: no sliced reader for a {len(shape)}-d {leaf.layout} leaf")
+        raise sl.CheckpointError(f"{leaf.path}: no sliced reader for a {len(shape)}-d {leaf.layout} leaf")
     if leaf.integer:
-        ck._check_tid2eid(a, loc, cfg)
+        sl.check_tid2eid(a, loc, cfg)
     return np.ascontiguousarray(np.asarray(a).astype(np_dtype))
 
 
@@ -131,13 +128,13 @@ def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool 
                  counter: ReadCounter | None = None) -> Model:
     """`ds4jax.load(path, dtype, mesh=layout)`: every device's block read straight from the files."""
     ckpt_dir = os.fspath(path)
-    cfg, block = ck._read_config(ckpt_dir)
+    cfg, block = sl.read_config(ckpt_dir)
     layout.stage_ranges(cfg.num_layers)  # a bad layer split fails before anything is read
     with ExitStack() as stack:
-        where = ck._open_shards(ckpt_dir, stack)
-        leaves, locs, raws = ck._resolve(cfg, ck._plan(cfg, dtype), where, ckpt_dir)
+        where = sl.open_shards(ckpt_dir, stack)
+        leaves, locs, raws = sl.resolve(cfg, sl.plan(cfg, dtype), where, ckpt_dir)
         for raw in raws:
-            ck._validate(raw, block)
+            sl.validate(raw, block)
         shardings = layout.param_shardings(cfg)
         arrays = {}
         for leaf in tqdm(leaves, desc=f"loading into {layout.describe()}", unit="tensor", disable=not progress):
@@ -150,9 +147,9 @@ def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool 
                 return cache[key]
 
             arrays[leaf.path] = jax.make_array_from_callback(leaf.target.shape, _at(shardings, leaf.path), cb)
-    tree = ck.abstract(cfg, dtype)
+    tree = abstract(cfg, dtype)
     if not any(p[0] == "mtp" for p in arrays):
         tree.pop("mtp", None)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    params = jax.tree_util.tree_unflatten(treedef, [arrays[ck._path_of(kp)] for kp, _ in flat])
+    params = jax.tree_util.tree_unflatten(treedef, [arrays[sl.path_of(kp)] for kp, _ in flat])
     return Model(config=cfg, params=layer_stack.for_loader(cfg, params, layout), layout=layout)

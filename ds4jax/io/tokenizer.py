@@ -6,6 +6,7 @@ same rule holds whatever post-processor a ``tokenizer.json`` declares.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Protocol, Sequence
 
@@ -21,6 +22,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes: ...  # one token's own bytes (part of a character, maybe)
 
 
 class ByteTokenizer:
@@ -43,6 +46,10 @@ class ByteTokenizer:
         """Special and out-of-range ids are dropped; invalid UTF-8 (a random model emits plenty) becomes U+FFFD."""
         data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.VOCAB_SIZE)
         return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The byte of a byte id; b"" for the special ids."""
+        return bytes([token - self.OFFSET]) if self.OFFSET <= token < self.VOCAB_SIZE else b""
 
 
 class HFTokenizer:
@@ -69,6 +76,32 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A byte-level BPE token's bytes (its characters mapped back through the byte-to-character table); a
+        special or non-byte-level token's UTF-8 text."""
+        piece = self._tok.id_to_token(int(token))
+        if piece is None:
+            return b""
+        table = _byte_level_table()
+        if type(self._tok.decoder).__name__ == "ByteLevel" and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's character -> byte map (GPT-2's): printable Latin-1 bytes stand for themselves, the other
+    bytes for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(0x100 + extra)] = b
+            extra += 1
+    return table
 
 
 def _read_json(path: str) -> dict[str, Any]:

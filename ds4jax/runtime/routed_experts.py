@@ -3,7 +3,8 @@
 The n·k (token, expert) selections are sorted by expert and padded so every tile of `tile_m` rows has one expert;
 `pallas_kernels.grouped_matmul` then reads each used expert's weights once per tile — at decode exactly the
 selected experts, nothing else — for the gate and up projections together, then the down projection. The
-result, weighted, is scattered back to the tokens (padding rows are dropped).
+result, weighted, is scattered back to the tokens (padding rows are dropped). FP4 experts (a checkpoint loaded
+with ``weights="checkpoint"``) go through `pallas_kernels.grouped_matmul_fp4`, which reads the packed bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from ds4jax.model.config import Config
 from ds4jax.model.layers.moe import Routing, swiglu
+from ds4jax.model.quantized import Format, dense, is_quantized
 
 DECODE_TILE = 16  # Triton's smallest matmul extent: a decode selection fills one row of a 16-row tile
 PREFILL_TILE = 64
@@ -43,6 +45,15 @@ def sort_into_tiles(experts: jax.Array, num_experts: int, tile_m: int) -> tuple[
     return src, jnp.where(first_row < ends[-1], group, -1)
 
 
+def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) -> tuple[jax.Array, ...]:
+    """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes;
+    FP8 experts (base checkpoints) dequantized whole first (no FP8 grouped kernel yet); arrays as they are."""
+    if all(is_quantized(w) and w.format is Format.FP4 for w in ws):
+        return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
+                                                 interpret=interpret)
+    return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, interpret=interpret)
+
+
 def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config, *, interpret: bool) -> jax.Array:
     """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`."""
     n, k = routing.experts.shape
@@ -51,9 +62,8 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     live = src >= 0
     token = jnp.where(live, src // k, n)  # padding rows: out of range, dropped by the scatter below
     xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
-    w = lambda name: p[name].astype(x.dtype)
-    gate, up = pallas_kernels.grouped_matmul(xs, (w("w1"), w("w3")), tile_group, interpret=interpret)
+    gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret)
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
-    (y,) = pallas_kernels.grouped_matmul(h, (w("w2"),), tile_group, interpret=interpret)
+    (y,) = _grouped(h, (p["w2"],), tile_group, interpret)
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")

@@ -11,8 +11,12 @@ target on this host (`ds4jax.rocm_check`) patches `device_target` and clears JAX
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # MI300: FP8 in the FNUZ formats only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,19 @@ class Target:
     @property
     def is_rocm(self) -> bool:
         return self.platform == "rocm"
+
+    @property
+    def fp8_dtype(self) -> Any:
+        """The FP8 E4M3 variant this device computes with: MI300 (gfx940-942) has only the FNUZ formats
+        (exponent bias 8, no negative zero); MI355 (gfx950), NVIDIA and the CPU use OCP float8_e4m3fn.
+        Quantized weights are stored in it on the device (`ds4jax.io.quantized_load`)."""
+        fnuz = self.is_rocm and (self.arch or "") in FNUZ_ARCHS
+        return jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn
+
+    @property
+    def keeps_checkpoint_formats(self) -> bool:
+        """Whether `ds4jax.load` keeps FP8 / FP4 weights as stored by default (GPUs; a CPU dequantizes)."""
+        return self.platform in ("cuda", "rocm")
 
 
 def target_of(device) -> Target:

@@ -1,6 +1,9 @@
 """The one thread that owns the `Engine` (it is not thread-safe): HTTP handlers submit `Job`s to a bounded queue,
 the driver feeds them into one running `Engine.stream` as slots free up, and each job's tokens and result go
-back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop).
+back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop). A
+job's tokens of one engine iteration go in one ``("tokens", [TokenEvent, ...])`` call after it: one thread hop per
+job and engine call instead of one per token (a decode call delivers up to steps-per-call tokens at once anyway);
+a job's first token goes at once (time to first token).
 
 * Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
   `max_queue`; the handler answers 429 with Retry-After.
@@ -36,7 +39,8 @@ class NotAccepting(Exception):
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One choice of one HTTP request. `sink(kind, value)`: ("token", id) per token, then ("done", result)."""
+    """One choice of one HTTP request. `sink(kind, value)`: ("tokens", [TokenEvent, ...]) per engine iteration
+    that delivered some, then ("done", result)."""
     request: Request
     sink: Callable[[str, object], None]
     label: str = ""  # the HTTP request's id, for logs
@@ -59,6 +63,7 @@ class Driver:
         self.error: str | None = None
         self.warmup_report = None
         self._thread = threading.Thread(target=self._main, name="ds4jax-engine", daemon=True)
+        self._batch: dict[Job, list[TokenEvent]] = {}  # this engine iteration's tokens per job (engine thread)
 
     # ---- the handlers' side ------------------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> None:
@@ -163,6 +168,7 @@ class Driver:
             run: list[Job] = []  # index in this stream -> job
             for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
                                         feed=lambda: self._feed(run)):
+                self._flush()
                 self._sample_stats()
 
     def _feed(self, run: list[Job]) -> list[Request]:
@@ -184,7 +190,19 @@ class Driver:
             self._gauges()
             self._cv.notify_all()
 
+    def _flush(self, jobs=None) -> None:
+        """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
+        for job in list(self._batch) if jobs is None else jobs:
+            events = self._batch.pop(job, None)
+            if not events:
+                continue
+            try:
+                job.sink("tokens", events)
+            except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
+                job.cancelled = True  # its next token cancels it
+
     def _done(self, job: Job, result: GenerateResult) -> None:
+        self._flush([job])  # its last tokens before its result
         job.result = result
         if self.metrics is not None:
             self.metrics.finished(job, result)
@@ -205,11 +223,9 @@ class Driver:
             if not job.first_token:
                 job.first_token = now
             job.last_token = now
-            try:
-                job.sink("token", event.token)
-            except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
-                job.cancelled = True
-                return False
+            self._batch.setdefault(job, []).append(event)
+            if event.index == 0:  # the first token goes at once: the rest of its iteration (a decode call) would
+                self._flush([job])  # delay it by a whole call
             return True
 
         return deliver

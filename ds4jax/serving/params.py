@@ -3,9 +3,10 @@
 Every field is checked on the host and a bad one is a 400 naming it. Fields fall in three sets (docs/serving.md
 has the table): supported; ignored (bookkeeping fields clients send that do not change generation: `user`,
 `metadata`, `store`, `service_tier`, `parallel_tool_calls`); and rejected with ``unsupported_parameter`` unless
-they hold their neutral value (`logprobs`, `top_logprobs`, penalties, `logit_bias`, `echo`, `suffix`, tools, ...),
-because silently ignoring them would return something else than what was asked. Anything else is
-``unknown_parameter``.
+they hold their neutral value (penalties, `logit_bias`, `echo`, `suffix`, tools, ...), because silently ignoring
+them would return something else than what was asked. Anything else is ``unknown_parameter``. `logprobs` (an int
+for completions; true plus `top_logprobs` for chat) is supported up to the engine's ``logprobs`` setting
+(``--max-logprobs``); with that at 0 it is rejected unless neutral.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ MAX_SEED = (1 << 63) - 1
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # field -> its neutral values (accepted, since clients send them by default); anything else is rejected
 NEUTRAL = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "prediction": (None,),
@@ -33,8 +34,9 @@ NEUTRAL = {
 }
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                     "stream_options"})
-COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "thinking", "thinking_budget", "chat_template_kwargs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "thinking", "thinking_budget", "chat_template_kwargs",
+                        "logprobs", "top_logprobs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Limits:
     default_max_tokens: int
     max_n: int
     vocab_size: int
+    max_logprobs: int = 0  # the engine's logprobs setting: most alternatives per token (0: logprobs rejected)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class GenerationParams:
     include_usage: bool
     thinking: bool  # chat: the prompt opens a <think> span whose text is returned as reasoning_content
     thinking_budget: int | None  # the engine force-closes the span after this many tokens
+    logprobs: int | None = None  # alternatives per token with each token's log-probability (None: not asked)
 
     def seed_of(self, choice: int) -> int:
         """Choice j's seed: independent streams per choice (the CLI's row 0 draws with row_seed(seed, 0), so
@@ -151,6 +155,27 @@ def _ids(ids: list, vocab: int) -> list[int]:
     return ids
 
 
+def _logprobs(body: dict, is_chat: bool, most: int) -> int | None:
+    """Completions: ``logprobs: N`` (0..most). Chat: ``logprobs: true`` with ``top_logprobs: N`` (0..most; it
+    needs logprobs true, as OpenAI). None when not asked."""
+    if not most:  # only the neutral values (completions' logprobs 0 asks for the sampled tokens' values)
+        value, top = body.get("logprobs"), body.get("top_logprobs")
+        name = "logprobs" if value is not None and value is not False else "top_logprobs" if top else None
+        if name is not None:
+            raise APIError(ServerCode.UNSUPPORTED_PARAMETER, f"{name}: this server was started with "
+                           "--max-logprobs 0", param=name)
+        return None
+    if not is_chat:
+        if body.get("logprobs") is True:
+            raise invalid("logprobs", f"completions take the number of alternatives (0..{most}), not true")
+        return _int(body, "logprobs", None, 0, most) if body.get("logprobs") is not False else None
+    on = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, most)
+    if top and not on:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    return (top or 0) if on else None
+
+
 def _thinking(body: dict) -> tuple[bool, int | None]:
     """DeepSeek's ``thinking: {"type": "enabled"|"disabled"}`` (also a bool, or vLLM's
     ``chat_template_kwargs: {"thinking": bool}``) and a budget: ``thinking.budget_tokens`` or ``thinking_budget``."""
@@ -216,4 +241,4 @@ def parse(body, limits: Limits, tokenizer, *, is_chat: bool) -> GenerationParams
         top_k=max(_int(body, "top_k", 0, -1), 0), seed=_int(body, "seed", None, -MAX_SEED - 1, MAX_SEED),
         stop=_stop(body), n=n, stream=stream,
         include_usage=stream and bool(options) and _bool(options, "include_usage", False),
-        thinking=thinking, thinking_budget=budget)
+        thinking=thinking, thinking_budget=budget, logprobs=_logprobs(body, is_chat, limits.max_logprobs))

@@ -21,6 +21,7 @@ import pytest
 
 from pallas_kernels import (IndexerTopkBlockSizes, SparseAttentionBlockSizes, grouped_matmul, indexer_topk, sinkhorn,
                             sparse_attention)
+from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4
 
 S = jax.ShapeDtypeStruct
 T, H, D, HI, DI = 4, 64, 512, 64, 128
@@ -57,6 +58,12 @@ def _grouped(rows, tiles, n_w, k, n):
                             S((tiles,), jnp.int32))
 
 
+def _grouped_fp4(rows, tiles, n_w, k, n):
+    """The same with the checkpoint's FP4 experts: packed [256, k/2, n] + E8M0 scales [256, k/32, n]."""
+    w = lambda: (S((256, k // 2, n), jnp.uint8), S((256, k // 32, n), jnp.uint8))
+    return grouped_matmul_fp4, (S((rows, k), jnp.bfloat16), tuple(w() for _ in range(n_w)), S((tiles,), jnp.int32))
+
+
 def _sinkhorn(tokens, m=4):
     """The mHC projection (20 rounds): decode batch 64 (one program) and a 16k-token prefill (a masked tail)."""
     return functools.partial(sinkhorn, iters=20, eps=1e-6), (S((tokens, m, m), jnp.float32),)
@@ -65,6 +72,8 @@ def _sinkhorn(tokens, m=4):
 CASES = {
     "grouped_decode_gate_up": _grouped(96, 6, 2, 4096, 2048),
     "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
+    "grouped_fp4_decode_gate_up": _grouped_fp4(96, 6, 2, 4096, 2048),
+    "grouped_fp4_prefill_down": _grouped_fp4(448 * 64, 448, 1, 2048, 4096),
     "sparse_bf16_split": _sparse(jnp.bfloat16, None),
     "sparse_bf16_h16_w4": _sparse(jnp.bfloat16, SparseAttentionBlockSizes(block_h=16, num_warps=4, num_splits=1)),
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),

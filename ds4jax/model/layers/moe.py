@@ -1,5 +1,9 @@
 """Mixture of experts (spec §3.9): sqrt-softplus router with selection bias or hash routing, clamped SwiGLU
 routed experts through `jax.lax.ragged_dot`, plus the always-on shared expert.
+
+Quantized experts (`ds4jax.model.quantized.QuantizedWeight`) work on every strategy: ``gather`` and ``tiles`` index
+the stored bytes and dequantize only the experts they gathered; ``ragged`` dequantizes the stack (the CPU
+reference). The pooled steps' kernel path reads FP4 in `pallas_kernels.grouped_matmul_fp4`.
 """
 
 import os
@@ -10,6 +14,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import Config, MlpType
 from ds4jax.model.layers.linear import linear, linear_f32
+from ds4jax.model.quantized import dense
 
 
 class Routing(NamedTuple):
@@ -60,7 +65,7 @@ def moe_strategy(rows: int, num_experts: int) -> str:
 def _ffn_rows(xs, w1, w3, w2, limit):
     """Expert FFN with weights per row (xs [n, e], w [n, e, f]) or per tile (xs [t, b, e], w [t, e, f])."""
     rows = "b" if xs.ndim == 3 else ""
-    dot = lambda a, w, eq: jnp.einsum(eq, a, w.astype(a.dtype), preferred_element_type=jnp.float32)
+    dot = lambda a, w, eq: jnp.einsum(eq, a, dense(w, a.dtype), preferred_element_type=jnp.float32)
     up = f"t{rows}e,tef->t{rows}f"
     h = swiglu(dot(xs, w1, up), dot(xs, w3, up), limit).astype(xs.dtype)
     return dot(h, w2, f"t{rows}f,tfe->t{rows}e")
@@ -106,7 +111,7 @@ def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strateg
     token_of = order // k
     group_sizes = jnp.bincount(flat_experts, length=cfg.num_routed_experts).astype(jnp.int32)
     xs = x[token_of]  # [n*k, e] grouped by expert
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes, preferred_element_type=jnp.float32)
+    dot = lambda a, w: jax.lax.ragged_dot(a, dense(w, a.dtype), group_sizes, preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, p["w1"]), dot(xs, p["w3"]), cfg.swiglu_limit).astype(x.dtype)
     y = dot(h, p["w2"]) * flat_weights[order][:, None]  # [n*k, e] float32
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y)

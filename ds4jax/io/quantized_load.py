@@ -1,0 +1,81 @@
+"""Keeping a checkpoint's FP8 / FP4 weights as stored (`ds4jax.load(..., weights="checkpoint")`).
+
+A params leaf becomes a `ds4jax.model.quantized.QuantizedWeight` straight from the checkpoint bytes when all of
+its sources are quantized the same way and the layout keeps the blocks whole: a transposed linear (``[out, in]``
+-> ``[in, out]``: bytes and scale grid transpose) or a routed-expert stack (one such per expert). The bytes are
+never dequantized on the host; only the transposes and the stacking copy them. Anything else quantized
+(``wo_a``, which DeepSeek's own inference also dequantizes; HF's fused gate_up rows; FP4 with float scales) is
+dequantized into the compute dtype as in the ``"bf16"`` mode.
+
+FP8 bytes go to the device in its FP8 variant (`Target.fp8_dtype`): on MI300 the OCP bytes are converted to FNUZ
+exactly (`quant_formats.ocp_to_fnuz`: the scales double). FP8 scales are float32 (one per block, negligible
+bytes); FP4 scales stay E8M0 bytes, which the kernels decode.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.errors import CheckpointError
+from ds4jax.io.quant_formats import e8m0_to_float, ocp_to_fnuz
+from ds4jax.io.safetensors_layout import (EXPERTS, FP4_WEIGHT, FP8_WEIGHT, T, Leaf, Loc, check_finite_values,
+                                          read_scale, read_tensor)
+from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight
+
+_E8M0 = ("F8_E8M0", "U8")
+
+
+def quantized_format(leaf: Leaf, locs: dict[str, Loc]) -> Format | None:
+    """The format `leaf` can be kept in as stored, or None (unquantized, or a layout that needs dequantizing)."""
+    if leaf.layout not in (T, EXPERTS):
+        return None
+    formats = set()
+    for name in leaf.sources:
+        loc = locs[name]
+        if loc.scale is None or loc.rows is not None:
+            return None
+        dtype, _ = loc.shard.info(loc.key)
+        if dtype == FP8_WEIGHT:
+            formats.add(Format.FP8)
+        elif dtype in FP4_WEIGHT and loc.scale[0].info(loc.scale[1])[0] in _E8M0:
+            formats.add(Format.FP4)
+        else:
+            return None
+    return formats.pop() if len(formats) == 1 else None
+
+
+def _fp8_source(loc: Loc, fp8_dtype, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:
+    raw = read_tensor(loc.shard, loc.key, loc.expert).view(np.uint8)  # [out, in]
+    if check_finite:
+        bad = (raw & 0x7F) == 0x7F  # E4M3 NaN
+        if bad.any():
+            index = [int(i) for i in np.argwhere(bad)[0]]
+            raise CheckpointError(f"non-finite value nan at index {index}", source=loc.shard.path, name=loc.key)
+    scale = read_scale(*loc.scale, loc.expert)  # float32 [ceil(out/bo), ceil(in/bi)], finite
+    if np.dtype(fp8_dtype) == np.dtype(jnp.float8_e4m3fnuz):
+        raw, scale = ocp_to_fnuz(raw, scale)
+    return raw.T, scale.T
+
+
+def _fp4_source(loc: Loc) -> tuple[np.ndarray, np.ndarray]:
+    packed = read_tensor(loc.shard, loc.key, loc.expert).view(np.uint8)  # [out, in/2]
+    scale_shard, scale_key = loc.scale
+    scale = read_tensor(scale_shard, scale_key, loc.expert).view(np.uint8)  # E8M0 [out, in/32]
+    check_finite_values(e8m0_to_float(scale), scale_shard, scale_key, "scale")  # byte 255 is NaN
+    return packed.T, scale.T
+
+
+def load_quantized(leaf: Leaf, locs: dict[str, Loc], fmt: Format, block: tuple[int, int], fp8_dtype,
+                   check_finite: bool = False) -> QuantizedWeight:
+    """The leaf as a `QuantizedWeight` (device arrays); `block` is the checkpoint's FP8 block over [out, in]."""
+    parts = [_fp8_source(locs[n], fp8_dtype, check_finite) if fmt is Format.FP8 else _fp4_source(locs[n])
+             for n in leaf.sources]
+    if leaf.layout == EXPERTS:
+        values, scales = np.stack([v for v, _ in parts]), np.stack([s for _, s in parts])
+    else:
+        (values, scales), = parts
+    values, scales = np.ascontiguousarray(values), np.ascontiguousarray(scales)
+    if fmt is Format.FP8:
+        return QuantizedWeight(jnp.asarray(values.view(fp8_dtype)), jnp.asarray(scales), fmt, (block[1], block[0]))
+    return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), fmt, FP4_BLOCK)

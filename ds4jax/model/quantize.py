@@ -1,0 +1,101 @@
+"""Quantizing a model's weights on the device into the published formats (`QuantizedWeight` leaves).
+
+The same numbers as the host quantizers of `ds4jax.io.quant_formats` (and so as a checkpoint written with
+``ds4jax.save(..., quantize=...)`` and loaded with ``weights="checkpoint"``), computed with jnp where the weights
+already are: one power-of-two scale per block from the block's largest magnitude, values rounded to nearest
+(ties to even) e4m3 or e2m1. `quantize_model` picks the leaves as the published checkpoints do
+(`official_format.weight_format`): the FP8 dense linears and the routed experts (FP4, or FP8 for ``"fp8"``);
+``wo_a`` stays as it is (upstream dequantizes it too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.io import official_format
+from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
+from ds4jax.io.safetensors_layout import EXPERTS, T, plan
+from ds4jax.model.handle import Model
+from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight
+
+# e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
+# (round half to even on the mantissa bit), so the comparison is > where the lower code is even, >= where odd
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _exponents(amax: jax.Array, top: float) -> jax.Array:
+    """Smallest e with amax <= top * 2^e (0 for zero blocks), clipped to E8M0's [-127, 127]; exact (fixed up
+    after the float log)."""
+    amax = amax.astype(jnp.float32)
+    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / top)).astype(jnp.int32)
+    e = jnp.where(amax > jnp.ldexp(jnp.float32(top), e), e + 1, e)
+    e = jnp.where(amax <= jnp.ldexp(jnp.float32(top), e - 1), e - 1, e)
+    return jnp.clip(jnp.where(amax > 0, e, 0), -127, 127)
+
+
+def quantize_fp8(w: jax.Array, block: tuple[int, int], fp8_dtype=jnp.float8_e4m3fn) -> QuantizedWeight:
+    """[..., in, out] float -> FP8 `QuantizedWeight` with `block` = (rows, cols) of the params layout.
+
+    In float8_e4m3fnuz (MI300) the same bytes-equivalent values are stored with doubled scales, as the loader's
+    OCP -> FNUZ conversion does."""
+    *lead, r, c = w.shape
+    br, bc = block
+    R, C = -(-r // br), -(-c // bc)
+    a = jnp.pad(jnp.abs(w.astype(jnp.float32)), [(0, 0)] * len(lead) + [(0, R * br - r), (0, C * bc - c)])
+    e = _exponents(a.reshape(*lead, R, br, C, bc).max(axis=(-3, -1)), FP8_MAX)
+    full = jnp.repeat(jnp.repeat(e, br, axis=-2), bc, axis=-1)[..., :r, :c]
+    q = jnp.ldexp(w.astype(jnp.float32), -full).astype(jnp.float8_e4m3fn)
+    scale = jnp.ldexp(jnp.float32(1), e)
+    if jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fnuz):  # the same value in FNUZ is half the bytes' value
+        q, scale = (q.astype(jnp.float32) / 2).astype(jnp.float8_e4m3fnuz), scale * 2
+    return QuantizedWeight(q, scale, Format.FP8, block)
+
+
+def _e2m1_codes(x: jax.Array) -> jax.Array:
+    """float32 with |x| <= 6 -> e2m1 codes (int32), round to nearest, ties to even."""
+    m = jnp.abs(x)
+    code = sum(((m >= t) if odd_below else (m > t)).astype(jnp.int32) for t, odd_below in _E2M1_MIDPOINTS)
+    return jnp.where(jnp.signbit(x), code | 8, code)
+
+
+def quantize_fp4(w: jax.Array) -> QuantizedWeight:
+    """[..., in, out] float (in % 32 == 0) -> FP4 `QuantizedWeight` (packed along in, E8M0 per 32 inputs)."""
+    *lead, k, n = w.shape
+    g = w.astype(jnp.float32).reshape(*lead, k // 32, 32, n)
+    e = _exponents(jnp.abs(g).max(axis=-2), FP4_MAX)  # [..., k/32, n]
+    codes = _e2m1_codes(jnp.ldexp(g, -e[..., None, :])).reshape(*lead, k // 2, 2, n)
+    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).astype(jnp.uint8)
+    return QuantizedWeight(packed, (e + 127).astype(jnp.uint8), Format.FP4, FP4_BLOCK)
+
+
+def _names(path) -> tuple[str, ...]:
+    """The dict keys of a params path: the same for a per-layer and a stacked (`LayerStack`) tree."""
+    return tuple(k if isinstance(k, str) else k.key for k in path
+                 if isinstance(k, str) or isinstance(k, jax.tree_util.DictKey))
+
+
+def quantize_model(model: Model, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
+                   fp8_dtype=jnp.float8_e4m3fn) -> Model:
+    """`model` with the leaves a published ``quantize`` checkpoint stores quantized replaced by `QuantizedWeight`s
+    (`block` is the FP8 block over the checkpoint's [out, in]). Leaf by leaf on the params as they are (stacked
+    layers stay stacked), so the peak is the model plus its quantized copy."""
+    official_format.check_quantize(quantize)
+    formats = {}
+    for leaf in plan(model.config, jnp.float32):
+        fmt = official_format.weight_format(leaf.sources[0], quantize) if leaf.layout in (T, EXPERTS) else None
+        formats[_names(leaf.path)] = fmt
+    fp4 = jax.jit(quantize_fp4)
+    fp8 = jax.jit(quantize_fp8, static_argnums=(1, 2))
+
+    def one(key_path, w):
+        fmt = formats[_names(key_path)]
+        if fmt == "fp4":
+            return fp4(w)
+        if fmt == "fp8":
+            return fp8(w, (block[1], block[0]), fp8_dtype)
+        return w
+
+    return dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(one, model.params))

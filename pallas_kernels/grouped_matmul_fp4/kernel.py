@@ -1,0 +1,108 @@
+"""Grouped matmul over row tiles with MXFP4 weights — portable Pallas kernel (Triton backend; interpret on CPU).
+
+The routed-expert GEMM of an MoE layer reading the checkpoint's FP4 experts as they are: 0.53 bytes per weight
+(packed E2M1 + one E8M0 byte per 32 inputs) instead of bf16's 2. Program (tile, column block, k split) streams
+its expert's packed rows [16, block_n] and their scale row [1, block_n] and decodes them in registers (integer
+ops; no FP4 hardware assumed, which MI300 lacks) to x's dtype — exact, e2m1 times a power of two — then
+multiplies. Packed row j holds inputs 2j and 2j + 1, so x enters split into its even and odd columns (the
+wrapper's strided slices of the activations): y = x_even @ W_low + x_odd @ W_high, with one 16-deep dot per
+nibble and scale group. Empty tiles (group -1) read no weight; sorting, tiles and k splits are the bf16 grouped
+matmul's (`pallas_kernels.grouped_matmul`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, unpack_fp4
+from pallas_kernels.grouped_matmul.blocks import choose_k_splits
+from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
+from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
+
+ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale: the depth of each dot
+
+
+def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, precision):
+    w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
+    tile_m, block_n = o_refs[0].shape
+    g = group_ref[0]
+    n0 = pl.program_id(1) * block_n
+    j_base = pl.program_id(2) * j_per_split
+    dtype = xe_ref.dtype
+
+    def body(i, accs):
+        j0 = pl.multiple_of(j_base + i * block_j, block_j)
+        accs = list(accs)
+        for c in range(block_j // ROWS_PER_SCALE):  # one scale group of 32 inputs per dot pair
+            j = j0 + c * ROWS_PER_SCALE
+            xe = xe_ref[:, pl.ds(j, ROWS_PER_SCALE)]
+            xo = xo_ref[:, pl.ds(j, ROWS_PER_SCALE)]
+            for w, (p_ref, s_ref) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
+                even, odd = unpack_fp4(p_ref[g, pl.ds(j, ROWS_PER_SCALE), pl.ds(n0, block_n)])
+                scale = e8m0_to_float(s_ref[g, pl.ds(j // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
+                lo = (e2m1_to_float(even) * scale).astype(dtype)
+                hi = (e2m1_to_float(odd) * scale).astype(dtype)
+                accs[w] = (accs[w] + lax.dot(xe, lo, precision=precision, preferred_element_type=jnp.float32)
+                           + lax.dot(xo, hi, precision=precision, preferred_element_type=jnp.float32))
+        return tuple(accs)
+
+    @pl.when(g >= 0)
+    def _():
+        zeros = tuple(jnp.zeros((tile_m, block_n), jnp.float32) for _ in range(n_w))
+        accs = lax.fori_loop(0, j_per_split // block_j, body, zeros)
+        for o, acc in zip(o_refs, accs):
+            o[...] = acc
+
+    @pl.when(g < 0)
+    def _():  # an empty tile reads no weight
+        for o in o_refs:
+            o[...] = jnp.zeros((tile_m, block_n), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
+    """y[r] = x[r] @ W[tile_group[r // tile_m]] for each FP4 weight (see `reference`).
+
+    Args:
+      x: [rows, k] bf16/f32 (k % 32 == 0), rows = tiles * tile_m, sorted and padded by group.
+      ws: tuple of (packed [groups, k/2, n] uint8, scales [groups, k/32, n] uint8 E8M0).
+      tile_group: [tiles] i32 group of each tile, -1 = empty tile. block_sizes: `BlockSizes` or None.
+    Returns:
+      tuple of [rows, n] f32, one per weight; empty tiles give zeros.
+    """
+    ws = tuple(tuple(w) for w in ws)
+    validate_grouped_matmul_fp4_static(x, ws, tile_group)
+    rows, k = x.shape
+    kk, n = ws[0][0].shape[1:]
+    tiles = tile_group.shape[0]
+    tile_m = rows // tiles
+    bs = block_sizes or BlockSizes.get_default(x.dtype, tile_m)
+    block_n = min(bs.block_n, n)
+    block_j = max(ROWS_PER_SCALE, min(bs.block_j, kk) // ROWS_PER_SCALE * ROWS_PER_SCALE)
+    if n % block_n or kk % block_j:
+        raise ValueError(f"n={n} and k/2={kk} must be multiples of block_n={block_n} and block_j={block_j}")
+    n_blocks, j_blocks = n // block_n, kk // block_j
+    k_splits = choose_k_splits(bs.k_splits, tiles=tiles, n_blocks=n_blocks, k_blocks=j_blocks)
+    x_even, x_odd = x[:, 0::2], x[:, 1::2]  # inputs 2j and 2j + 1: packed row j's low and high nibbles
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j, s: (0,) * a.ndim)
+    x_spec = pl.BlockSpec((tile_m, kk), lambda t, j, s: (t, 0))
+    flat_ws = [a for pair in ws for a in pair]
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits,
+                          precision=_backend.dot_precision(x.dtype)),
+        grid=(tiles, n_blocks, k_splits),
+        in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
+        out_specs=[pl.BlockSpec((None, tile_m, block_n), lambda t, j, s: (s, t, j)) for _ in ws],
+        out_shape=[jax.ShapeDtypeStruct((k_splits, rows, n), jnp.float32) for _ in ws],
+        compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
+                                                 interpret=interpret),
+        interpret=interpret,
+        name="grouped_matmul_fp4",
+    )(tile_group, x_even, x_odd, *flat_ws)
+    return tuple(o[0] if k_splits == 1 else jnp.sum(o, axis=0) for o in out)

@@ -1,0 +1,30 @@
+"""Input checks for the FP4 grouped matmul (static: shapes/dtypes at trace time)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FP4_GROUP = 32  # inputs per E8M0 scale
+
+
+def validate_grouped_matmul_fp4_static(x, ws, tile_group) -> None:
+    """Raise ValueError naming the offending argument."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [rows, k], got shape {x.shape}")
+    k = x.shape[1]
+    if k % FP4_GROUP:
+        raise ValueError(f"x's k={k} must be a multiple of {FP4_GROUP} (one E8M0 scale per 32 inputs)")
+    if not ws:
+        raise ValueError("ws must hold at least one (packed, scales) weight")
+    for i, (packed, scales) in enumerate(ws):
+        groups, n = packed.shape[0], packed.shape[-1]
+        if packed.dtype != jnp.uint8 or packed.shape != (groups, k // 2, n) or packed.shape != ws[0][0].shape:
+            raise ValueError(f"ws[{i}] packed must be uint8 [groups, k/2={k // 2}, n] like ws[0], got "
+                             f"{packed.dtype}{list(packed.shape)}")
+        if scales.dtype != jnp.uint8 or scales.shape != (groups, k // FP4_GROUP, n):
+            raise ValueError(f"ws[{i}] scales must be uint8 E8M0 [groups, k/32={k // FP4_GROUP}, n={n}], got "
+                             f"{scales.dtype}{list(scales.shape)}")
+    if tile_group.ndim != 1 or tile_group.dtype != jnp.int32:
+        raise ValueError(f"tile_group must be [tiles] int32, got {tile_group.dtype}{list(tile_group.shape)}")
+    if tile_group.shape[0] == 0 or x.shape[0] % tile_group.shape[0]:
+        raise ValueError(f"x rows ({x.shape[0]}) must be a whole number of tiles ({tile_group.shape[0]})")

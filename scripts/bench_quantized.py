@@ -1,0 +1,241 @@
+"""FP8 dense + FP4 experts vs bf16 on the device: decode and prefill of `flash_slice(n)` (issue 26).
+
+One process, seeded random weights (`P.init(cfg, key(0), bf16)`, as `bench_e2e.py`):
+
+1. ``bf16``: the bf16 model; prefill 2048 tokens (b=1) and greedy decode at b=1 and b=8 after 2048-token prompts;
+2. ``fp8_fp4``: the same weights quantized on the device as a published instruct checkpoint
+   (`ds4jax.model.quantize.quantize_model`: FP8 E4M3 + 128x128 E8M0 block scales for the dense linears, FP4
+   experts; the bf16 copy is dropped first), the same cases; routed experts through `grouped_matmul_fp4`;
+3. ``dequantized``: the quantized values dequantized to bf16 (the bf16 programs, same weights as 2): the
+   correctness check. Quantized vs dequantized logits (prefill last token, first decode step with a fixed token)
+   must agree to bf16 rounding (cosine >= 0.99, finite), else the exit status is 1. Quantized vs the original
+   bf16 is the quantization error, reported (on random weights FP4 is coarse: not a pass/fail criterion).
+
+Per case: ms (per step for decode), bytes a step must read in that format, the roofline (bytes / device-timed
+copy bandwidth; prefill: max of weight reads and FLOPs at the measured matmul rate) and the fraction of it.
+
+    PYTHONPATH=. python scripts/bench_quantized.py [--layers 4] [--out $OUT/quant] [--smoke]
+
+Writes OUT/quantized.json (rewritten as results arrive) and OUT/quantized.md. --smoke: tiny config, short
+sequences, interpreted kernels (a CPU check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ds4jax  # noqa: E402
+import e2e_common as common  # noqa: E402
+from e2e_ds4jax import Bench, copy_bandwidth, matmul_flops  # noqa: E402
+from ds4jax.model import layer_stack  # noqa: E402
+from ds4jax.model import params as P  # noqa: E402
+from ds4jax.model.handle import Model  # noqa: E402
+from ds4jax.model.quantize import quantize_model  # noqa: E402
+from ds4jax.model.quantized import is_quantized  # noqa: E402
+from ds4jax.runtime import steps  # noqa: E402
+from ds4jax.runtime.target import device_target  # noqa: E402
+
+MIN_COSINE = 0.99  # quantized path vs the same values in bf16: only rounding order differs
+CHECK_TOKEN = 7  # the decode check feeds this token to every row (same input whatever the modes' prefill argmax)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "quant") if os.environ.get("OUT")
+                    else "docs/benchmarks")
+    ap.add_argument("--kernels", default=None, choices=["pallas", "reference", "pallas_interpret"],
+                    help="default: pallas on a GPU, pallas_interpret with --smoke")
+    ap.add_argument("--smoke", action="store_true")
+    return ap.parse_args(argv)
+
+
+def cases(smoke: bool) -> list[common.Case]:
+    s = 32 if smoke else 1
+    return [common.Case("prefill_b1_s2048", "prefill", 1, 2048 // s, 2048 // s),
+            common.Case("decode_b1_ctx2048", "decode", 1, 2048 // s, new=32 // (s // 8 or 1)),
+            common.Case("decode_b8_ctx2048", "decode", 8, 2048 // s, new=32 // (s // 8 or 1))]
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def compare(got, ref) -> dict:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    finite = bool(np.isfinite(got).all() and np.isfinite(ref).all())
+    return {"finite": finite, "cosine": cosine(got, ref) if finite else float("nan"),
+            "max_abs_err": float(np.abs(got - ref).max()) if finite else float("nan"),
+            "rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()) if finite else float("nan"),
+            "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
+
+
+def check_logits(bench: Bench, case: common.Case) -> np.ndarray:
+    """Logits that do not depend on the mode's own greedy choices: prefill's last token (all rows), or one decode
+    step feeding CHECK_TOKEN after the prefill (the timed decode program)."""
+    logits, pool = bench.prefill(case.rows, case.size, min(case.size, case.chunk))()
+    if case.kind == "prefill":
+        return np.asarray(logits, np.float32)
+    rows = case.rows
+    batch = steps.StepBatch(jnp.arange(rows, dtype=jnp.int32), jnp.full((rows, 1), CHECK_TOKEN, jnp.int32),
+                            jnp.ones((rows,), jnp.int32))
+    out, _ = steps.decode(bench.model.params, pool, batch, cfg=bench.model.config, spec=bench.spec,
+                          kernels=bench.kernels)
+    return np.asarray(out.logits, np.float32)
+
+
+def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, timed: bool = True) -> tuple[dict, dict]:
+    """(per case results, per case check logits) for one weight format."""
+    cfg = model.config
+    bench = Bench(model, kernels, max_context=2048 + 512, max_slots=8)
+    pb, active = common.param_bytes(cfg, model.params), common.active_params(cfg, model.params)
+    results, logits = {}, {}
+    for case in cases(smoke):
+        try:
+            t = time.perf_counter()
+            logits[case.name] = check_logits(bench, case)
+            r = {"check_compile_s": time.perf_counter() - t}
+            if timed and case.kind == "prefill":
+                fn = bench.prefill(case.rows, case.size, case.chunk)
+                jax.block_until_ready(fn()[0])
+                secs = statistics.median(common.timed(fn, 3))
+                nbytes, flops = common.prefill_cost(cfg, pb, active, case.rows, case.size)
+                floor = max(nbytes / bw, flops / peak)
+                r.update(ms=secs * 1e3, tokens_per_s=case.rows * case.size / secs, bytes=nbytes, flops=flops,
+                         roofline_ms=floor * 1e3, roofline_bound="weights" if nbytes / bw >= flops / peak else "flops",
+                         fraction_of_roofline=floor / secs)
+            elif timed:
+                fn, _, _ = bench.decode(case.rows, case.size, case.new)
+                fn()
+                secs = statistics.median(common.timed(fn, 3)) / case.new
+                need = common.decode_bytes(cfg, pb, case.rows, case.size)
+                r.update(ms=secs * 1e3, ms_per_step=secs * 1e3, tokens_per_s=case.rows / secs, bytes=need,
+                         roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs)
+                del fn
+        except Exception as e:  # recorded; the other cases still run, and the run fails
+            r = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}
+        results[case.name] = r
+        print(case.name, json.dumps(r)[:300], flush=True)
+        gc.collect()
+    return results, logits
+
+
+def dequantized(model: Model) -> Model:
+    """The quantized values in bf16, on the device, leaf by leaf (`QuantizedWeight.dequantize`)."""
+    deq = jax.jit(lambda w: w.dequantize(jnp.bfloat16))
+    params = jax.tree.map(lambda w: deq(w) if is_quantized(w) else w, model.params, is_leaf=is_quantized)
+    return Model(model.config, params)
+
+
+def failures(res: dict) -> list[str]:
+    out = []
+    for mode, by_case in res["modes"].items():
+        out += [f"{mode} {name}: {r['error'][:200]}" for name, r in by_case.items() if "error" in r]
+    for name, c in res["checks"].items():
+        q = c.get("fp8_fp4_vs_dequantized")
+        if q is None:
+            out.append(f"{name}: no check logits")
+        elif not q["finite"] or not q["cosine"] >= MIN_COSINE:
+            out.append(f"{name}: quantized vs dequantized cosine {q['cosine']:.4f} < {MIN_COSINE} or non-finite")
+    return out
+
+
+def write_markdown(res: dict, path: str) -> None:
+    lines = [f"# FP8 dense + FP4 experts vs bf16: `flash_slice({res['layers']})`", "",
+             f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth "
+             f"{res['copy_bandwidth_tb_s'] or 0:.2f} TB/s (device-timed), bf16 matmul {res['matmul_tflop_s'] or 0:.0f} "
+             f"TFLOP/s. Weights: bf16 {res['weight_gb']['bf16']:.2f} GB, FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} "
+             "GB. Written by `scripts/bench_quantized.py`.", "",
+             "| case | format | ms (per step) | bytes read | roofline ms | fraction | speedup vs bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for name in res["modes"]["bf16"]:
+        base = res["modes"]["bf16"][name].get("ms")
+        for mode in ("bf16", "fp8_fp4"):
+            r = res["modes"][mode].get(name, {})
+            if "ms" not in r:
+                lines.append(f"| {name} | {mode} | error | | | | |")
+                continue
+            speed = f"{base / r['ms']:.2f}x" if base else ""
+            lines.append(f"| {name} | {mode} | {r['ms']:.3f} | {r['bytes'] / 1e9:.3f} GB | {r['roofline_ms']:.3f} | "
+                         f"{100 * r['fraction_of_roofline']:.0f} % | {speed} |")
+    lines += ["", "Logits (prefill: last token of every row; decode: one step feeding a fixed token after the "
+              "prefill):", "",
+              "| case | quantized vs dequantized (cosine, rel err) | quantized vs bf16 (cosine, rel err, argmax equal) |",
+              "|---|---|---|"]
+    for name, c in res["checks"].items():
+        q, b = c.get("fp8_fp4_vs_dequantized") or {}, c.get("fp8_fp4_vs_bf16") or {}
+        lines.append(f"| {name} | {q.get('cosine', float('nan')):.5f}, {q.get('rel_err', float('nan')):.2e} | "
+                     f"{b.get('cosine', float('nan')):.4f}, {b.get('rel_err', float('nan')):.2e}, "
+                     f"{b.get('argmax_equal')} |")
+    lines += ["", f"Check: quantized vs dequantized cosine >= {MIN_COSINE}: "
+              + ("PASS" if not res["failures"] else "FAIL: " + "; ".join(res["failures"])), ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.makedirs(args.out, exist_ok=True)
+    kernels = args.kernels or ("pallas_interpret" if args.smoke else "pallas")
+    cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
+    gpu = jax.default_backend() != "cpu"
+    host_bw, device_bw = copy_bandwidth() if gpu else (None, None)
+    res = {"layers": args.layers if not args.smoke else "tiny", "device": str(jax.devices()[0]),
+           "jax": jax.__version__, "kernels": kernels, "target": str(device_target()),
+           "copy_bandwidth_tb_s": (device_bw or host_bw) / 1e12 if gpu else None,
+           "matmul_tflop_s": matmul_flops() / 1e12 if gpu else None, "weight_gb": {}, "modes": {}, "checks": {}}
+    bw = (res["copy_bandwidth_tb_s"] or 1.0) * 1e12
+    peak = (res["matmul_tflop_s"] or 1.0) * 1e12
+    json_path = os.path.join(args.out, "quantized.json")
+    t0 = time.perf_counter()
+    params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, jnp.bfloat16)))(jax.random.key(common.SEED))
+    model = Model(cfg, params)
+    del params
+    res["weight_gb"]["bf16"] = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
+    res["modes"]["bf16"], bf16_logits = run_mode(model, kernels, args.smoke, bw, peak)
+    common.write_json(json_path, res)
+
+    t = time.perf_counter()
+    quantized = quantize_model(model, "fp4", fp8_dtype=device_target().fp8_dtype)
+    jax.block_until_ready(quantized.params)
+    res["quantize_s"] = time.perf_counter() - t
+    del model
+    gc.collect()
+    res["weight_gb"]["fp8_fp4"] = sum(x.nbytes for x in jax.tree.leaves(quantized.params)) / 1e9
+    res["modes"]["fp8_fp4"], q_logits = run_mode(quantized, kernels, args.smoke, bw, peak)
+    common.write_json(json_path, res)
+
+    plain = dequantized(quantized)
+    del quantized
+    gc.collect()
+    _, deq_logits = run_mode(plain, kernels, args.smoke, bw, peak, timed=False)
+    for name in bf16_logits:
+        pairs = {"fp8_fp4_vs_dequantized": (q_logits, deq_logits), "fp8_fp4_vs_bf16": (q_logits, bf16_logits),
+                 "dequantized_vs_bf16": (deq_logits, bf16_logits)}
+        res["checks"][name] = {k: compare(a[name], b[name]) for k, (a, b) in pairs.items() if name in a and name in b}
+    res["total_s"] = time.perf_counter() - t0
+    res["failures"] = failures(res)
+    common.write_json(json_path, res)
+    write_markdown(res, os.path.join(args.out, "quantized.md"))
+    print(json.dumps({"checks": res["checks"], "failures": res["failures"], "total_s": res["total_s"]})[:3000])
+    return 1 if res["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
