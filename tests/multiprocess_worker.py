@@ -1,14 +1,18 @@
 """One process of the 2-process job that tests/test_multiprocess.py starts with ``ds4jax launch --processes 2
 --devices-per-process 4`` (8 devices, 4 per process). Usage: multiprocess_worker.py DIR [LAYOUT...]; each process writes
-DIR/p{index}.json, process 0 also DIR/ckpt (the model, for the batch command) and DIR/batch_ref.json.
+DIR/p{index}.json, process 0 also DIR/ckpt (the model, which both processes load) and, through the batch command,
+DIR/out.jsonl (from DIR/in.jsonl: the test writes both before the job starts).
 
-Process 0 computes every one-device reference on its own first device (jit on one local device runs there alone)
-and hands it to process 1 through the coordinator's key-value store, so no reference is computed twice. Then,
-on every layout of `LAYOUTS`, both processes (SPMD): `forward_logits`, each process comparing the logits blocks it
-holds with the reference's, greedy decoding with it (`forward_greedy`), and an `Engine`'s greedy tokens; on EP 4 x TP 2 the engine speculates (k = 2) and
-restores a prefix snapshot. On the layer split only `forward_logits` and greedy decoding with it run (the
-engine's host loop does not run on a split across processes yet). `agree` is checked to name a disagreeing process. Last, process 1 kills itself
-(SIGKILL) in the middle of a generation: process 0 must not succeed and must be ended by JAX's heartbeat
+Process 0 computes the one-device reference on its own first device (jit on one local device runs there alone):
+the logits of `forward_logits` and greedy decoding with it, whose tokens are also the greedy tokens an `Engine`
+must give (the prompts are whole, so both decode the same thing). It hands the reference to process 1 through
+the coordinator's key-value store, so nothing is computed twice. Then, on every layout of `LAYOUTS`, both
+processes (SPMD): `forward_logits`, each process comparing the logits blocks it holds with the reference's, and
+greedy decoding with it (`forward_greedy`); an `Engine` runs on the layouts of `ENGINES`: on EP 4 x TP 2 it
+speculates (k = 2) and restores a prefix snapshot, on DP 2 x EP 4 its rows are split over the two processes (the
+engine's host loop does not run on a split across processes yet). `agree` is checked to name a disagreeing
+process, and ``ds4jax batch`` runs on the speculating engine's mesh and flags (`batch_command`). Last, on the DP 2 x EP 4 engine (its programs already compiled), process 1 kills itself (SIGKILL) in
+the middle of a generation: process 0 must not succeed and must be ended by JAX's heartbeat
 (``DS4JAX_HEARTBEAT_TIMEOUT``), which the test reads from its output.
 """
 
@@ -28,12 +32,15 @@ from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
 
 LAYOUTS = {"ep8": dict(expert=8), "ep4_tp2": dict(expert=4, tensor=2), "dp2_ep4": dict(data=2, expert=4),
            "split2_ep4": dict(layer_split=2, expert=4)}  # split2: one stage per process
-SPECULATIVE = "ep4_tp2"
-# the engine of every case, and of the batch command the test runs on the saved checkpoint (the same flags)
-SIZES = dict(max_slots=2, max_context=48, prefill_chunk=8, prefill_tokens=16, steps_per_call=4)
+SPECULATIVE, DATA = "ep4_tp2", "dp2_ep4"
+ENGINES = (SPECULATIVE, DATA)  # the layouts an Engine runs on (every layout runs forward_logits)
+# the speculating engine, and the batch command run on the saved checkpoint (the same flags, so the same programs,
+# compiled once); one slot, so one program of each kind
+SIZES = dict(max_slots=1, max_context=48, prefill_chunk=8, prefill_tokens=16, steps_per_call=4)
+DATA_SLOTS = 2  # the data-parallel engine: one row per data shard
 PROMPTS = ([5, 17, 99, 3, 250, 41, 7, 300, 12, 8, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 NEW = 6
-START, WIDTH = 8, 16  # forward_greedy: prompt tokens kept, buffer width
+WIDTH = len(PROMPTS[0]) + NEW  # forward_greedy's buffer: a whole prompt and every new token
 BATCH = [dict(id="a", prompt=PROMPTS[0], max_new_tokens=NEW), dict(id=7, prompt=PROMPTS[1], max_new_tokens=NEW),
          dict(id="c", prompt=PROMPTS[0], max_new_tokens=NEW)]  # the test writes "a" as done: 7 and c run
 
@@ -51,13 +58,11 @@ def requests(speculative):
     return [Request(prompt=list(p), max_new_tokens=NEW, speculative=speculative) for p in PROMPTS]
 
 
-def engine_tokens(model, speculative: int, snapshots: bool) -> dict:
-    """Greedy tokens of `PROMPTS` through an `Engine` of `SIZES`; with `snapshots`, prompt 0 again from a prefix
-    snapshot made on its first run (an exact hit: no prefill)."""
-    from ds4jax.generation.engine import Engine
+def engine_tokens(engine, snapshots: bool) -> dict:
+    """Greedy tokens of `PROMPTS` through `engine`; with `snapshots`, prompt 0 again from a prefix snapshot made
+    on its first run (an exact hit: no prefill)."""
     from ds4jax.generation.requests import Request
 
-    engine = Engine(model, speculative=speculative, **SIZES)
     results = engine.generate(requests(None))
     out = dict(tokens=[r.tokens for r in results], errors=[r.message for r in results if r.error is not None])
     if snapshots:
@@ -69,22 +74,23 @@ def engine_tokens(model, speculative: int, snapshots: bool) -> dict:
 
 
 def forward_greedy(model):
-    """Greedy decoding with `forward_logits` alone (no pools): `NEW` tokens after the first `START` tokens of each
-    prompt, every step on the same [2, WIDTH] buffer (causal: the padding after a row's end changes nothing before
-    it), so one program serves every step. Returns (the first step's logits array, the tokens per row)."""
+    """Greedy decoding with `forward_logits` alone (no pools): `NEW` tokens after each (whole) prompt, every step on
+    the same [2, WIDTH] buffer (causal: the padding after a row's end changes nothing before it), so one program
+    serves every step. Returns (the first step's logits array, the tokens per row)."""
     from ds4jax.runtime.distributed import fetch
 
+    start = len(PROMPTS[0])
+    assert all(len(p) == start for p in PROMPTS)
     buf = np.zeros((len(PROMPTS), WIDTH), np.int32)
-    for r, p in enumerate(PROMPTS):
-        buf[r, :START] = p[:START]
+    buf[:, :start] = PROMPTS
     first, tokens = None, [[] for _ in PROMPTS]
     for i in range(NEW):
         out = ds4jax.forward_logits(model, buf)
         first = out if first is None else first
-        nxt = np.argmax(fetch(out)[:, START - 1 + i], axis=-1)  # every process reads the logits, wherever they are
+        nxt = np.argmax(fetch(out)[:, start - 1 + i], axis=-1)  # every process reads the logits, wherever they are
         for r, t in enumerate(nxt.tolist()):
             tokens[r].append(t)
-            buf[r, START + i] = t
+            buf[r, start + i] = t
     return first, tokens
 
 
@@ -93,8 +99,7 @@ def references(model) -> dict:
 
     with jax.default_device(jax.local_devices()[0]):
         first, tokens = forward_greedy(model)
-        return dict(logits=np.asarray(first).tolist(), greedy=tokens, plain=engine_tokens(model, 0, False)["tokens"],
-                    spec=engine_tokens(model, 2, True))
+        return dict(logits=np.asarray(first).tolist(), greedy=tokens)
 
 
 def compare_logits(out, ref: np.ndarray) -> tuple[float, int]:
@@ -114,50 +119,76 @@ def main(root: str, names) -> None:
     me = jax.process_index()
     result = dict(process=me, processes=jax.process_count(), devices=jax.device_count(),
                   local=jax.local_device_count())
-    from spec_helpers import agreeable_model
-
-    with jax.default_device(jax.local_devices()[0]):
-        model = agreeable_model(config())  # the same seed in both processes: the same weights
+    model = shared_model(os.path.join(root, "ckpt"), me)
     params = jax.tree.map(np.asarray, model.params)
     host = lambda: ds4jax.Model(model.config, params)
-    if me == 0:
-        ds4jax.save(host(), os.path.join(root, "ckpt"))
     ref = distributed.broadcast("references", references(host()) if me == 0 else None)
     logits = np.asarray(ref["logits"], np.float32)
+    result["reference"] = ref["greedy"]
     if "split2_ep4" in layouts:
         stages = layouts["split2_ep4"].stages
         result["stage_processes"] = [sorted({d.process_index for d in s.devices.flat}) for s in stages]
+    from ds4jax.generation.engine import Engine
+
+    engines = {}
     for name, layout in layouts.items():
         placed = place_model(host(), layout)
         first, greedy = forward_greedy(placed)
         err, blocks = compare_logits(first, logits)
         result[name] = dict(logits=err, blocks=blocks, greedy=greedy == ref["greedy"], got_greedy=greedy)
-        if layout.num_stages > 1:  # the engine's host loop on a split across processes: not yet (docs/mesh.md)
-            print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
-            continue
-        spec = name == SPECULATIVE
-        got = engine_tokens(placed, 2 if spec else 0, spec)
-        result[name].update(tokens=got["tokens"] == ref["plain"], got=got["tokens"], errors=got["errors"])
-        if spec:
-            result[name].update(spec=got, ref_spec=ref["spec"])
+        if name in ENGINES:
+            spec = name == SPECULATIVE
+            sizes = SIZES if spec else dict(SIZES, max_slots=DATA_SLOTS)
+            engines[name] = Engine(placed, speculative=2 if spec else 0, **sizes)
+            got = engine_tokens(engines[name], spec)
+            result[name].update(tokens=got["tokens"] == ref["greedy"], got=got["tokens"], errors=got["errors"])
+            if spec:
+                result[name].update(spec=got)
         print(name, json.dumps(result[name]), file=sys.stderr, flush=True)
     try:
         distributed.agree("the test value", me)
     except distributed.DistributedError as e:
         result["disagree"] = str(e)
+    result["batch"] = batch_command(root)
     with open(os.path.join(root, f"p{me}.json"), "w") as f:
         json.dump(result, f)
-    kill_mid_generation(make_mesh(**LAYOUTS["ep8"]), host(), me)
+    kill_mid_generation(engines[DATA], me)
 
 
-def kill_mid_generation(layout, model, me: int) -> None:
+def shared_model(ckpt: str, me: int):
+    """The test's model in both processes: process 0 builds it and saves it to `ckpt` (the checkpoint the batch
+    command reads), then both load it from there (process 1 builds nothing: a build compiles ~40 programs)."""
+    import jax
+
+    with jax.default_device(jax.local_devices()[0]):
+        if me == 0:
+            from spec_helpers import agreeable_model
+
+            built = agreeable_model(config())
+            ds4jax.save(ds4jax.Model(built.config, jax.tree.map(np.asarray, built.params)), ckpt)
+        distributed.broadcast("the checkpoint is saved", True)  # process 1 waits for it
+        return ds4jax.load(ckpt, dtype=np.float32)
+
+
+def batch_command(root: str) -> int:
+    """``ds4jax batch ROOT/in.jsonl ROOT/out.jsonl --checkpoint ROOT/ckpt --mesh expert=4,tensor=2`` with the
+    speculating engine's flags, run in every process of this job by `cli.main` (what the ``ds4jax`` command runs):
+    its programs are the speculating engine's, already compiled. The test wrote the input and a resumed output
+    before the job started; returns the command's exit status."""
+    from ds4jax import cli
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
+    return cli.main(["batch", os.path.join(root, "in.jsonl"), os.path.join(root, "out.jsonl"), "--checkpoint",
+                     os.path.join(root, "ckpt"), "--mesh", "expert=4,tensor=2", "--dtype", "float32",
+                     "--speculative", "2", f"--max-new-tokens={NEW}", "--no-progress", *flags])
+
+
+def kill_mid_generation(engine, me: int) -> None:
     """Process 1 dies (SIGKILL) as its second decode call starts; process 0 goes into that call, whose collectives
     need process 1: the step fails there (an error result), and the heartbeat timeout ends the process at its
-    shutdown barrier, or in the step if it blocks."""
-    from ds4jax.generation.engine import Engine
+    shutdown barrier, or in the step if it blocks. `engine` has run already: nothing compiles."""
     from ds4jax.generation.requests import Request
 
-    engine = Engine(place_model(model, layout), **SIZES)  # the ep8 case's programs: nothing compiles
     decode, calls = engine._decode_call, []
 
     def dying(rows):
@@ -177,4 +208,4 @@ def kill_mid_generation(layout, model, me: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] or list(LAYOUTS))  # layout names: a subset, to debug one
+    main(sys.argv[1], sys.argv[2:] or list(LAYOUTS))  # layout names: a subset with DATA, to debug one
