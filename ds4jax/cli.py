@@ -21,7 +21,6 @@ import sys
 from typing import Sequence
 
 OK, COMPARISON_FAILED, BAD_INPUT, RUNTIME_FAILURE, INTERRUPTED = 0, 1, 2, 3, 130
-USER_ERROR = BAD_INPUT  # the older name
 
 # One line per subcommand, in help order.
 SUBCOMMANDS = (

@@ -9,6 +9,7 @@
     │   │   └── UsageError                command-line arguments
     │   ├── PoolSpecError                 pool capacities that cannot be built or cannot hold what is asked
     │   └── PoolError                     a step input that would overflow a pool (nothing has been written)
+    │       └── EngineBusy                an Engine call from inside another call of that engine (a callback)
     └── RuntimeFailure (RuntimeError)     valid input, failed run; `ds4jax` exits 3
         ├── NonFiniteError                NaN/Inf logits; names the first layer that produced them
         └── DeviceMemoryError             out of device memory; names the sizes involved
@@ -98,6 +99,11 @@ class PoolError(InputError):
     Nothing has been written."""
 
 
+class EngineBusy(PoolError):
+    """An `Engine` call made from inside another call of the same engine on the same thread (e.g. a callback
+    calling `generate`): it would wait for itself. Calls from other threads wait their turn instead."""
+
+
 class RuntimeFailure(Ds4jaxError, RuntimeError):
     """The input was valid but the run failed (numerics, device memory). ``ds4jax`` exits 3."""
 
@@ -113,6 +119,6 @@ class DeviceMemoryError(RuntimeFailure):
 
 
 __all__ = [
-    "ArgumentError", "CheckpointError", "ConfigError", "DeviceMemoryError", "Ds4jaxError", "InputError",
+    "ArgumentError", "CheckpointError", "ConfigError", "DeviceMemoryError", "Ds4jaxError", "EngineBusy", "InputError",
     "NonFiniteError", "PoolError", "PoolSpecError", "RuntimeFailure", "TokenizerError", "UsageError", "show_value",
 ]

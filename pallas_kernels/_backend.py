@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -71,6 +70,3 @@ def dot_precision(dtype) -> lax.Precision:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-def default_interpret() -> bool:
-    """Interpret on hosts without a GPU (CPU tests); compile otherwise."""
-    return jax.default_backend() == "cpu"

@@ -1,19 +1,27 @@
-"""Engine benchmark: 64 requests with mixed prompt lengths (128-4096) through one `ds4jax.Engine` on
-`flash_slice(4)` (random bf16 weights, MTP block included), plain and speculative decoding.
+"""Engine benchmark: plain vs fixed k vs the adaptive draft length, at several batch sizes, through one warmed-up
+`ds4jax.Engine` per model, with the host time per decode call and the device's busy time.
 
-Reports output tokens/s over the whole workload (wall clock, warm: `engine.warmup()` first and the compile count
-after it, which must be 0), per-request latency (time to first token, end to end; p50 / p90 / max) and, for
-speculation, acceptance. Correctness: the speculative run's tokens are compared with the plain run's (greedy;
-in bf16 the (k+1)-token verify and the 1-token decode round differently, so the shared prefix length is reported,
-not asserted) and every request must finish without an error. Results are written as soon as they exist.
+Models: the trained default model (fp32, exact matmuls; prompts are the first --prompt-len tokens of its
+held-out windows, cycled to the batch) and `flash_slice(4)` (random bf16 weights with the MTP block: a random
+draft, acceptance ~0, so the adaptive policy must fall back to plain). Every (batch, mode) runs once untimed
+(the adaptive policy learns its costs and acceptance there, as it would while serving), then --repeats timed
+runs; the best is reported. Greedy throughout.
 
-    python scripts/bench_engine.py --out docs/benchmarks [--requests 64] [--new 64] [--k 2] [--smoke]
+Per run: output tokens/s; decode calls (plain and speculative); per call the device time (each program call is
+timed to `block_until_ready`, so it is the device's busy time plus one dispatch) and the host time (the run's
+wall time minus every program call's time, per decode call); "fused loop" tok/s = generated tokens / (time in
+program calls), what the same programs give without any engine host work between them. Correctness: every
+speculative run's tokens are compared with the plain run's; in fp32 a difference fails the run (exit status 1),
+in bf16 (verify and decode shapes round differently) the agreement is reported. Results are written after every
+measurement (JSON + markdown), so a run cut short keeps what it finished.
+
+    python scripts/bench_engine.py --out docs/benchmarks                  # both models
+    python scripts/bench_engine.py --out /tmp/x --smoke                    # a tiny CPU check of the script
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -23,128 +31,217 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ds4jax
-from ds4jax import Engine, Request
-from ds4jax.generation import engine as engine_lib
-from ds4jax.model import params as P
-from ds4jax.model import layer_stack
-from ds4jax.model.handle import Model
-from ds4jax.runtime.pool_spec import total_bytes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ds4jax  # noqa: E402
+from ds4jax import Engine, Request  # noqa: E402
+from ds4jax.generation import draft_policy  # noqa: E402
+from ds4jax.generation.compiles import compile_count  # noqa: E402
 
 
-def pct(xs, q):
-    return float(np.percentile(np.asarray(xs, np.float64), q)) if xs else float("nan")
+class Timer:
+    """Wraps the engine's program calls: seconds in each kind of call, to `block_until_ready`."""
+
+    def __init__(self, engine: Engine):
+        self.seconds = {"prefill": 0.0, "decode": 0.0, "speculative": 0.0}
+        for kind, name in (("prefill", "_prefill_call"), ("decode", "_decode_call"), ("speculative", "_spec_call")):
+            real = getattr(engine, name)
+
+            def timed(*args, real=real, kind=kind):
+                t = time.perf_counter()
+                out = jax.block_until_ready(real(*args))
+                self.seconds[kind] += time.perf_counter() - t
+                return out
+
+            setattr(engine, name, timed)
+
+    def reset(self):
+        for k in self.seconds:
+            self.seconds[k] = 0.0
 
 
-def run(engine: Engine, prompts, new: int, speculative: int | None) -> tuple[dict, list]:
-    reqs = [Request(prompt=p, max_new_tokens=new, speculative=speculative) for p in prompts]
-    before = engine_lib.compile_count()
-    stats0 = dict(vars(engine.stats))
-    t = time.perf_counter()
-    results = engine.generate(reqs)
-    wall = time.perf_counter() - t
-    errors = [r.message for r in results if r.error is not None]
-    toks = sum(len(r.tokens) for r in results)
-    ttft = [r.timings.queue_s + r.timings.prefill_s for r in results]
-    e2e = [r.timings.queue_s + r.timings.prefill_s + r.timings.decode_s for r in results]
-    delta = {k: v - stats0[k] for k, v in vars(engine.stats).items() if isinstance(v, int)}
-    out = {"wall_s": wall, "output_tokens": toks, "output_tokens_per_s": toks / wall,
-           "prompt_tokens": sum(len(p) for p in prompts), "errors": errors[:3], "n_errors": len(errors),
-           "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "max": max(ttft)},
-           "latency_s": {"p50": pct(e2e, 50), "p90": pct(e2e, 90), "max": max(e2e)},
-           "compiles_during_run": engine_lib.compile_count() - before, "engine_counters": delta}
-    if speculative != 0:
+def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int) -> tuple[dict, list]:
+    """One (batch, mode): an untimed run, then the best of `repeats`."""
+    k_max = engine.k
+    if mode == "plain":
+        cap = 0
+    elif mode == "adaptive":
+        engine.policy, cap = engine.adaptive_policy, None
+        engine.policy.choices.clear()  # the calls of this (batch, mode): its untimed and timed runs
+    else:
+        engine.policy, cap = draft_policy.Fixed(k_max, engine.adaptive_policy.ks), int(mode)
+    reqs = [Request(prompt=p, max_new_tokens=new, speculative=cap) for p in prompts]
+    best = None
+    for i in range(repeats + 1):
+        s0, c0 = dict(vars(engine.stats)), compile_count()
+        timer.reset()
+        t = time.perf_counter()
+        results = engine.generate(reqs)
+        wall = time.perf_counter() - t
+        d = {k: v - s0[k] for k, v in vars(engine.stats).items() if isinstance(v, int)}
+        calls = d["decode_calls"] + d["spec_calls"]
+        program_s = sum(timer.seconds.values())
+        toks = sum(len(r.tokens) for r in results)
         acc = [a for r in results for a in (r.accepted_per_round or [])]
-        out["mean_accepted"] = float(np.mean(acc)) if acc else 0.0
-        out["rounds"] = len(acc)
-    return out, [r.tokens for r in results]
+        row = {"wall_s": wall, "tokens": toks, "tokens_per_s": toks / wall,
+               "errors": [r.message for r in results if r.error is not None][:3],
+               "decode_calls": d["decode_calls"], "spec_calls": d["spec_calls"], "decode_steps": d["decode_steps"],
+               "spec_rounds": d["spec_rounds"], "mean_accepted": float(np.mean(acc)) if acc else None,
+               "device_s": dict(timer.seconds),
+               "device_ms_per_decode_call": 1e3 * (timer.seconds["decode"] + timer.seconds["speculative"])
+               / max(calls, 1),
+               "host_ms_per_decode_call": 1e3 * (wall - program_s) / max(calls, 1),
+               "fused_loop_tokens_per_s": toks / program_s if program_s else None,
+               "compiles": compile_count() - c0}
+        if i and (best is None or row["wall_s"] < best["wall_s"]):
+            best = row
+    if mode == "adaptive":
+        best["choices"] = {str(k): v for k, v in sorted(engine.policy.choices.items())}
+    engine.policy = engine.adaptive_policy
+    return best, [r.tokens for r in results]
+
+
+def build(name: str, smoke: bool):
+    """(model, prompts source, dtype name) of a benchmark model."""
+    from ds4jax.model import layer_stack, params as P
+    from ds4jax.model.handle import Model
+
+    if smoke:  # one sliding-window layer and its MTP block: the cheapest compile
+        from ds4jax.model.config import AttentionType, MlpType
+
+        cfg = ds4jax.tiny(num_layers=1, attention_types=(AttentionType.SLIDING,), mlp_types=(MlpType.HASH,))
+        return Model(cfg, jax.jit(P.init, static_argnums=0)(cfg, jax.random.key(3))), None, "float32"
+    if name == "default":
+        ckpt = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "default")
+        wins = np.load(os.path.join(ckpt, "heldout_eval.npy")).astype(np.int64)
+        return ds4jax.default_model(jnp.float32), wins, "float32"
+    cfg = ds4jax.flash_slice(4)
+    params = jax.jit(lambda key: layer_stack.stacked_params(cfg, P.init(cfg, key, jnp.bfloat16)))(jax.random.key(0))
+    return Model(cfg, jax.block_until_ready(params)), None, "bfloat16"
+
+
+def bench_model(name: str, args, res: dict, save) -> bool:
+    """Every (batch, mode) on one model; returns False when a check failed."""
+    t0 = time.perf_counter()
+    model, wins, dtype = build(name, args.smoke)
+    batches = [int(x) for x in (args.flash_batches if name == "flash" and args.flash_batches else args.batches)
+               .split(",")]
+    ks = [int(x) for x in (args.flash_ks if name == "flash" and args.flash_ks else args.ks).split(",")]
+    new = args.flash_new if name == "flash" else args.new
+    rng = np.random.default_rng(0)
+    if wins is not None:
+        prompts = [[int(t) for t in wins[i % len(wins)][: args.prompt_len]] for i in range(max(batches))]
+    else:
+        prompts = [rng.integers(3, model.config.vocab_size, args.prompt_len).tolist() for _ in range(max(batches))]
+    out = res["models"][name] = {"dtype": dtype, "batches": batches, "ks": ks, "new_tokens": new,
+                                 "prompt_len": args.prompt_len, "init_s": time.perf_counter() - t0, "runs": []}
+    k = max(ks)
+    engine = Engine(model, max_slots=max(batches), max_context=args.prompt_len + new + k + 2, speculative=k,
+                    adaptive=draft_policy.Adaptive(ks=tuple(ks)), prefill_chunk=args.prompt_len,
+                    prefill_tokens=args.prompt_len * max(batches), row_buckets=tuple(batches),
+                    prefill_row_buckets=tuple(sorted({1, max(batches)})), steps_per_call=args.steps_per_call, snapshot_bytes=0)
+    engine.adaptive_policy = engine.policy
+    t = time.perf_counter()
+    warm = engine.warmup()
+    out.update(kernels=engine.kernels.value, warmup_s=time.perf_counter() - t, warmup_compiles=warm.compiles,
+               warmup_programs=len(warm.programs))
+    print(f"{name}: warmup {warm.compiles} compilations, {out['warmup_s']:.1f} s", flush=True)
+    save()
+    timer, ok = Timer(engine), True
+    for b in batches:
+        plain = None
+        for mode in ["plain"] + [str(x) for x in ks] + ["adaptive"]:
+            if time.perf_counter() - res["started"] > args.deadline_s:
+                print(f"deadline: skipping {name} b={b} {mode}", flush=True)
+                res.setdefault("skipped", []).append(f"{name} b={b} {mode}")
+                continue
+            row, tokens = measure(engine, timer, prompts[:b], new, mode, args.repeats)
+            row.update(batch=b, mode=mode)
+            if mode == "plain":
+                plain = tokens
+            else:
+                equal = [x == y for x, y in zip(tokens, plain)]
+                row["equal_to_plain"] = f"{sum(equal)}/{len(equal)}"
+                if dtype == "float32" and not all(equal):
+                    ok = False
+                    row["check"] = "FAILED: greedy tokens differ from plain (fp32)"
+            ok = ok and not row["errors"] and row["compiles"] == 0
+            base = next(r for r in out["runs"] if r["batch"] == b and r["mode"] == "plain") if mode != "plain" else row
+            row["vs_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
+            out["runs"].append(row)
+            print(f"{name} b={b} {mode:>8}: {row['tokens_per_s']:9.1f} tok/s ({row['vs_plain']:.2f}x) "
+                  f"host {row['host_ms_per_decode_call']:.2f} ms/call, device "
+                  f"{row['device_ms_per_decode_call']:.2f} ms/call, calls {row['decode_calls']}+{row['spec_calls']}"
+                  f" {row.get('equal_to_plain', '')}", flush=True)
+            save()
+    return ok
+
+
+def write_md(res: dict, path: str) -> None:
+    lines = [f"# Engine: plain vs fixed k vs adaptive ({res['device']}, jax {res['jax']})", "",
+             f"`{res['command']}`, {res['steps_per_call']} steps (rounds) per call, best of {res['repeats']} after "
+             "an untimed run. Host ms/call: wall time outside the programs per decode call; device ms/call: time in "
+             "the decode / speculative program per call (to block_until_ready); fused loop: tokens / time in "
+             "programs.", ""]
+    if res.get("skipped"):
+        lines += [f"Skipped at the deadline: {', '.join(res['skipped'])}.", ""]
+    for name, m in res["models"].items():
+        lines += [f"## {name} ({m['dtype']}, {m['prompt_len']}-token prompts, {m['new_tokens']} new tokens, kernels "
+                  f"{m.get('kernels')}; warm-up {m.get('warmup_compiles')} compilations in "
+                  f"{m.get('warmup_s', 0):.0f} s)", "",
+                  "| batch | mode | tok/s | vs plain | fused loop tok/s | engine / fused | host ms/call "
+                  "| device ms/call | plain + spec calls | mean accepted | equal to plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in m["runs"]:
+            acc = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "-"
+            fused = r["fused_loop_tokens_per_s"] or 0
+            ratio = r["tokens_per_s"] / fused if fused else 0
+            mode = r["mode"] if r["mode"] in ("plain", "adaptive") else f"k={r['mode']}"
+            if r["mode"] == "adaptive":
+                mode += " (" + ", ".join(f"k{k}: {n}" for k, n in r.get("choices", {}).items()) + ")"
+            lines.append(f"| {r['batch']} | {mode} | {r['tokens_per_s']:,.1f} | {r['vs_plain']:.2f}x | {fused:,.1f} | "
+                         f"{ratio:.2f} | {r['host_ms_per_decode_call']:.2f} | {r['device_ms_per_decode_call']:.2f} | "
+                         f"{r['decode_calls']} + {r['spec_calls']} | {acc} | {r.get('equal_to_plain', '-')} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--min-len", type=int, default=128)
-    ap.add_argument("--max-len", type=int, default=4096)
-    ap.add_argument("--prefill-chunk", type=int, default=512)
-    ap.add_argument("--prefill-rows", type=int, default=8)
-    ap.add_argument("--steps-per-call", type=int, default=8)
-    ap.add_argument("--smoke", action="store_true", help="tiny config, short prompts (CPU check of the script)")
+    ap.add_argument("--models", default="default,flash")
+    ap.add_argument("--batches", default="1,4,8,16,32")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--flash-batches", default="", help="batches for flash_slice(4) (default: --batches)")
+    ap.add_argument("--flash-ks", default="", help="draft lengths for flash_slice(4) (default: --ks)")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--flash-new", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps-per-call", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining runs after this")
+    ap.add_argument("--smoke", action="store_true", help="the tiny random model, short runs (CPU check)")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     if args.smoke:
-        cfg, dtype = ds4jax.tiny(), jnp.float32
-        args.min_len, args.max_len, args.prefill_chunk = 8, 64, 32
-    else:
-        cfg, dtype = ds4jax.flash_slice(4), jnp.bfloat16
-    t = time.perf_counter()
-    params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, dtype)))(jax.random.key(0))  # no copy
-    jax.block_until_ready(params)
-    model = Model(cfg, params)
-    rng = np.random.default_rng(0)
-    # log-uniform prompt lengths in [min, max]: most requests short, a few long
-    lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len), args.requests)).astype(int)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
-    results = {"device": str(jax.devices()[0]), "config": "tiny" if args.smoke else "flash_slice(4)",
-               "requests": args.requests, "new_tokens": args.new, "k": args.k, "prompt_lengths": lengths.tolist(),
-               "init_s": time.perf_counter() - t}
+        args.models, args.new, args.prompt_len = "default", min(args.new, 8), min(args.prompt_len, 8)
+    jax.config.update("jax_default_matmul_precision", "highest")  # fp32 greedy paths comparable across shapes
+    os.makedirs(args.out, exist_ok=True)
+    res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "command": " ".join(sys.argv),
+           "steps_per_call": args.steps_per_call, "repeats": args.repeats, "started": time.perf_counter(),
+           "models": {}}
     path = os.path.join(args.out, "engine.json")
 
     def save():
         with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({k: v for k, v in res.items() if k != "started"}, f, indent=1)
+        write_md(res, os.path.join(args.out, "engine.md"))
 
-    engine = Engine(model, max_slots=args.requests, max_context=args.max_len + args.new + args.k + 1,
-                    speculative=args.k, prefill_chunk=args.prefill_chunk,
-                    prefill_tokens=args.prefill_chunk * min(args.prefill_rows, args.requests),
-                    row_buckets=(args.requests,), prefill_row_buckets=(min(args.prefill_rows, args.requests),),
-                    steps_per_call=args.steps_per_call, snapshot_bytes=0)
-    results["kernels"] = engine.kernels.value
-    results["pool_bytes"] = {"target": total_bytes(engine.tspec), "draft": total_bytes(engine.dspec)}
-    t = time.perf_counter()
-    warm = engine.warmup()
-    results["warmup_compiles"] = warm.compiles
-    results["warmup_programs"] = [dataclasses.asdict(p) for p in warm.programs]
-    results["warmup_s"] = time.perf_counter() - t
+    ok = all([bench_model(name, args, res, save) for name in args.models.split(",")])
+    res["passed"] = ok
     save()
-    print("warmup", results["warmup_compiles"], f"{results['warmup_s']:.1f}s", flush=True)
-    results["plain"], plain = run(engine, prompts, args.new, 0)
-    save()
-    print("plain", json.dumps(results["plain"]), flush=True)
-    results["speculative"], spec = run(engine, prompts, args.new, None)
-    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in
-              zip(plain, spec)]
-    results["speculative"]["shared_prefix_with_plain"] = {"mean": float(np.mean(prefix)), "min": int(min(prefix)),
-                                                          "identical_requests": int(sum(x == y for x, y in
-                                                                                        zip(plain, spec)))}
-    save()
-    print("speculative", json.dumps(results["speculative"]), flush=True)
-    write_md(results, os.path.join(args.out, "engine.md"))
-    return 0 if not results["plain"]["n_errors"] and not results["speculative"]["n_errors"] else 1
-
-
-def write_md(r: dict, path: str) -> None:
-    lines = [f"# Engine: {r['requests']} requests, {r['config']}, {r['device']}", "",
-             f"Prompt lengths {min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} (log-uniform, "
-             f"{sum(r['prompt_lengths'])} prompt tokens), {r['new_tokens']} new tokens each, greedy, kernels "
-             f"{r['kernels']}; warmup {r['warmup_compiles']} compilations in {r['warmup_s']:.0f} s, then "
-             f"{r['plain']['compiles_during_run'] + r['speculative']['compiles_during_run']} during the runs.", "",
-             "| run | output tok/s | wall s | TTFT p50 / p90 s | latency p50 / p90 / max s | mean accepted |",
-             "|---|---|---|---|---|---|"]
-    for name in ("plain", "speculative"):
-        x = r[name]
-        acc = f"{x['mean_accepted']:.2f}" if "mean_accepted" in x else "-"
-        lines.append(f"| {name} | {x['output_tokens_per_s']:.1f} | {x['wall_s']:.2f} | {x['ttft_s']['p50']:.2f} / "
-                     f"{x['ttft_s']['p90']:.2f} | {x['latency_s']['p50']:.2f} / {x['latency_s']['p90']:.2f} / "
-                     f"{x['latency_s']['max']:.2f} | {acc} |")
-    s = r["speculative"]["shared_prefix_with_plain"]
-    lines += ["", f"Speculative vs plain greedy tokens: {s['identical_requests']} of {r['requests']} requests "
-                  f"identical, mean shared prefix {s['mean']:.1f} tokens (bf16: verify and decode shapes round "
-                  "differently, so greedy paths may part on near-ties; the fp32 CPU tests assert equality)."]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    print("PASS" if ok else "FAIL: see engine.md", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@ concurrent streaming clients, with the Engine's own numbers on the same workload
 overhead is visible: the goal is < 5 % of tokens/s at 32 clients), and every response checked.
 
 The server runs in this process (uvicorn on a free 127.0.0.1 port, the engine warmed up first) with the engine
-`ds4jax serve` builds by default (`--steps-per-call 4`, `--max-logprobs 20`); the clients are asyncio + httpx
-streams in the same process, so their own work counts against the server (a conservative measure). Each client
-sends one greedy streaming completion of `--new` tokens after a `--prompt-tokens` prompt (distinct windows of the
-default model's held-out corpus, else repeated text). Per level: a reference pass of the engine (untimed, with
-each token's top-2 log-probabilities), then `--repeats` timed runs of the Engine alone (`engine.generate` of the
-same requests: tokens/s; TTFT = queue + prefill; inter-token = decode time / tokens) and of the server (output
-tokens/s over the wall clock, TTFT from send to first text, gaps between SSE events of one stream, p50 / p99).
+`ds4jax serve` builds by default (`--steps-per-call 4`, `--max-logprobs 20`). The clients run in `--client-procs`
+separate processes (each one asyncio event loop with one keep-alive httpx client, its connections open before
+the timed runs, handling its share of the streams), so parsing the streams does not compete with the server for
+its GIL; on a machine with few cores they still compete for the CPU. Each client sends one greedy streaming
+completion of `--new` tokens after a `--prompt-tokens` prompt (distinct windows of the default model's held-out
+corpus, else repeated text). Per level: a reference pass of the engine (untimed, with each token's top-2
+log-probabilities), then `--repeats` timed runs of the Engine alone (`engine.generate` of the same requests, in
+this process: tokens/s; TTFT = queue + prefill; inter-token = decode time / tokens) and of the server (output
+tokens/s from the first request sent to the last stream's end, TTFT from send to first text, gaps between SSE
+events of one stream, p50 / p99, and tokens per SSE event: the server sends a choice's tokens that are ready
+together as one chunk).
 
 Checks (any failure: exit status 1, the JSON lists them): every engine and server result has the reference's
 greedy tokens; every stream's text is exactly the decoded text of its tokens, its usage counts them, it ends
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -94,10 +99,19 @@ def requests_for(prompts, new: int, stop_ids, logprobs=None):
     return [Request(prompt=p, max_new_tokens=new, stop_ids=stop_ids, logprobs=logprobs) for p in prompts]
 
 
+def thread_cpu(ident: int) -> float:
+    """CPU seconds thread `ident` of this process has used (Linux / POSIX thread CPU clocks)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
+def us_per_token(seconds: float, tokens: int) -> float | None:
+    return round(1e6 * seconds / tokens, 1) if tokens else None
+
+
 def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, label: str) -> dict:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     results = engine.generate(requests_for(prompts, new, stop_ids))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     for i, (r, ref) in enumerate(zip(results, refs)):
         checks.expect(r.ok, f"{label} engine request {i}: {r.error} {r.message}")
         checks.tokens(f"{label} engine request {i}", r.tokens, ref)
@@ -105,17 +119,21 @@ def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, labe
     ttft = [r.timings.queue_s + r.timings.prefill_s for r in results]
     itl = [r.timings.decode_s / max(len(r.tokens) - 1, 1) for r in results]
     return {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 4),
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_mean_p50_s": pct(itl, 50)}
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_mean_p50_s": pct(itl, 50),
+            "engine_thread_cpu_us_per_token": us_per_token(cpu, tokens)}
 
 
 async def one_stream(http, prompt, new: int) -> dict:
+    """One streamed completion. Times are `time.monotonic()` (CLOCK_MONOTONIC on Linux: one clock for every
+    process, so the parent can span the streams of all client processes)."""
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
+    sent = time.monotonic()
     arrivals, text, tokens, reasons, done, error = [], "", None, [], False, None
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}", "sent": sent,
+                    "end": time.monotonic()}
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
@@ -125,7 +143,7 @@ async def one_stream(http, prompt, new: int) -> dict:
                 if event["choices"]:
                     choice = event["choices"][0]
                     if choice["text"]:
-                        arrivals.append(time.perf_counter())
+                        arrivals.append(time.monotonic())
                         text += choice["text"]
                     if choice["finish_reason"]:
                         reasons.append(choice["finish_reason"])
@@ -134,50 +152,105 @@ async def one_stream(http, prompt, new: int) -> dict:
             elif line.startswith("data: [DONE]"):
                 done = True
                 break
-    return {"ttft": arrivals[0] - sent if arrivals else None, "gaps": list(np.diff(arrivals)), "events": len(arrivals),
-            "tokens": tokens, "text": text, "reasons": reasons, "done": done, "error": error}
+    return {"ttft": arrivals[0] - sent if arrivals else None, "gaps": np.diff(arrivals).tolist(),
+            "events": len(arrivals), "tokens": tokens, "text": text, "reasons": reasons, "done": done,
+            "error": error, "sent": sent, "end": time.monotonic()}
 
 
-async def server_runs(http, prompts, new: int) -> tuple[list[dict], float]:
-    start = time.perf_counter()
-    runs = await asyncio.gather(*(one_stream(http, p, new) for p in prompts))
-    return runs, time.perf_counter() - start
+async def open_connections(http, n: int) -> None:
+    """n keep-alive connections, opened by n concurrent streamed two-token requests (so the server's streaming
+    path has run, its lazy imports done, before the timed runs)."""
+    async def one():
+        body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            await r.aread()
+
+    await asyncio.gather(*(one() for _ in range(n)))
 
 
-class Clients:
-    """One keep-alive httpx client on one event loop for the whole benchmark, as a long-lived client would be:
-    the timed runs do not pay for TCP connects (`open` makes a level's connections first)."""
+async def streams(http, prompts, new: int) -> list[dict]:
+    return await asyncio.gather(*(one_stream(http, p, new) for p in prompts))
 
-    def __init__(self, base: str, most: int):
-        import httpx
 
-        self.runner = asyncio.Runner()
-        limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
-        self.http = self.runner.run(self._client(httpx, base, limits))
+COMMANDS = {"open": open_connections, "run": streams}
 
-    @staticmethod
-    async def _client(httpx, base, limits):
-        return httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
+
+async def _client(base: str, most: int):
+    import httpx
+
+    limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
+    return httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
+
+
+def client_process(base: str, most: int, conn) -> None:
+    """A client process: one keep-alive httpx client on one event loop for the whole benchmark, as a long-lived
+    client would be; it runs the parent's commands ((name, *args) of `COMMANDS`) until None, answering
+    ("ok", value) or ("error", what)."""
+    with asyncio.Runner() as runner:
+        http = runner.run(_client(base, most))
+        try:
+            while (msg := conn.recv()) is not None:
+                name, *args = msg
+                try:
+                    conn.send(("ok", runner.run(COMMANDS[name](http, *args))))
+                except Exception as exc:  # noqa: BLE001 - the parent reports it and fails the benchmark
+                    conn.send(("error", f"{name}: {exc!r}"))
+        finally:
+            runner.run(http.aclose())
+
+
+class ClientPool:
+    """`procs` client processes (spawned: the parent holds JAX's threads, which a fork would not carry). A level
+    of n streams gives process i the streams i, i + k, ... of its k = min(procs, n) processes."""
+
+    def __init__(self, base: str, procs: int, most: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(procs):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=client_process, args=(base, -(-most // procs), theirs), daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    def _each(self, shares: list) -> list:
+        """Send command shares[i] to process i (all first, then wait for all); their answers in order."""
+        for conn, share in zip(self.conns, shares):
+            conn.send(share)
+        out = []
+        for conn, _ in zip(self.conns, shares):
+            status, value = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"a client process failed: {value}")
+            out.append(value)
+        return out
 
     def open(self, n: int) -> None:
-        async def one():
-            r = await self.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
-            r.raise_for_status()
+        k = min(len(self.conns), n)
+        self._each([("open", len(range(i, n, k))) for i in range(k)])
 
-        async def all_():
-            await asyncio.gather(*(one() for _ in range(n)))
-
-        self.runner.run(all_())
-
-    def run(self, prompts, new: int):
-        return self.runner.run(server_runs(self.http, prompts, new))
+    def run(self, prompts, new: int) -> tuple[list[dict], float]:
+        """-> (one result per prompt, in order; seconds from the first request sent to the last stream's end)."""
+        k = min(len(self.conns), len(prompts))
+        parts = self._each([("run", prompts[i::k], new) for i in range(k)])
+        runs: list = [None] * len(prompts)
+        for i, part in enumerate(parts):
+            runs[i::k] = part
+        return runs, max(r["end"] for r in runs) - min(r["sent"] for r in runs)
 
     def close(self) -> None:
-        self.runner.run(self.http.aclose())
-        self.runner.close()
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
 
 
-def server_level(server, clients: Clients, tok, prompts, new: int, refs, checks: Checks, label: str) -> dict:
+def server_level(server, loop_thread: int, clients: ClientPool, tok, prompts, new: int, refs, checks: Checks,
+                 label: str) -> dict:
     captured = collections.defaultdict(list)  # prompt -> the engine results the server got for it
     finished = server.metrics.finished
 
@@ -186,10 +259,13 @@ def server_level(server, clients: Clients, tok, prompts, new: int, refs, checks:
         finished(job, result)
 
     server.metrics.finished = record
+    threads = {"engine_thread": server.driver.thread_ident, "event_loop": loop_thread}
+    cpu = {name: thread_cpu(ident) for name, ident in threads.items()}
     try:
         runs, wall = clients.run(prompts, new)
     finally:
         server.metrics.finished = finished
+    cpu = {name: thread_cpu(ident) - cpu[name] for name, ident in threads.items()}
     by_prompt = {tuple(p): ref for p, ref in zip(prompts, refs)}
     checks.expect(sorted(map(len, captured.values())) == [1] * len(prompts) and set(captured) == set(by_prompt),
                   f"{label} server: {sum(map(len, captured.values()))} results for {len(prompts)} requests")
@@ -207,9 +283,12 @@ def server_level(server, clients: Clients, tok, prompts, new: int, refs, checks:
     tokens = sum(r.get("tokens") or 0 for r in runs)
     ttft = [r["ttft"] for r in runs if r.get("ttft") is not None]
     gaps = [g for r in runs for g in r.get("gaps", ())]
+    events = sum(r.get("events", 0) for r in runs)
     return {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 4),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_p50_s": pct(gaps, 50),
-            "inter_token_p99_s": pct(gaps, 99), "sse_events": sum(r.get("events", 0) for r in runs)}
+            "inter_token_p99_s": pct(gaps, 99), "sse_events": events,
+            "tokens_per_event": round(tokens / events, 2) if events else None,
+            **{f"{name}_cpu_us_per_token": us_per_token(seconds, tokens) for name, seconds in cpu.items()}}
 
 
 def start_server(engine, tokenizer):
@@ -243,38 +322,48 @@ def render_md(doc: dict) -> str:
              f"request, greedy; engine max_slots {doc['max_slots']}, steps_per_call {doc['steps_per_call']}, "
              f"logprobs {doc['max_logprobs']} (what `ds4jax serve` builds); matmul precision {doc['precision']}; "
              f"warm-up {doc['warmup_s']} s, compiles after warm-up {doc['compiles_after_warmup']}; best of "
-             f"{doc['repeats']} runs per level and side; {doc['cpus']} CPUs.", "",
+             f"{doc['repeats']} runs per level and side; {doc['cpus']} CPUs, clients in {doc['client_procs']} "
+             "processes.", "",
              "| clients | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
-             "server inter-token p50 / p99 | engine decode s/token |", "|---|---|---|---|---|---|---|---|"]
+             "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token | engine thread CPU / token "
+             "(alone / serving) | event loop CPU / token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["levels"]:
         e, s = r["engine"], r["server"]
         lines.append(f"| {r['clients']} | {e['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
                      f"{r['overhead_pct']:+.1f} % | {ms(e['ttft_p50_s'])} | {ms(s['ttft_p50_s'])} / "
                      f"{ms(s['ttft_p99_s'])} | {ms(s['inter_token_p50_s'])} / {ms(s['inter_token_p99_s'])} | "
-                     f"{ms(e['inter_token_mean_p50_s'])} |")
+                     f"{s['tokens_per_event']} | {ms(e['inter_token_mean_p50_s'])} | "
+                     f"{e['engine_thread_cpu_us_per_token']} / {s['engine_thread_cpu_us_per_token']} us | "
+                     f"{s['event_loop_cpu_us_per_token']} us |")
     verdict = "PASS" if not c["failures"] else f"FAIL ({len(c['failures'])}: {c['failures'][:3]})"
     lines += ["", f"Checks: {c['checked']} results compared with the engine's reference greedy tokens "
               f"({c['ties']} parted at a near-tie), streamed text = its tokens' text, usage, finish, one result "
               f"per request, no compile after warm-up: **{verdict}**.", "",
-              "HTTP overhead = 1 - server tok/s / engine tok/s. The clients run in the server's process "
-              "(asyncio + httpx, one keep-alive client whose connections are open before the timed runs), so "
-              "they count against it. Inter-token gaps are between SSE events of one "
-              "stream: a decode call of M steps delivers M tokens together, so p50 is near 0 and p99 near "
-              "the call's time."]
+              "HTTP overhead = 1 - server tok/s / engine tok/s. The clients run in separate processes "
+              "(each asyncio + one keep-alive httpx client whose connections are open before the timed runs), "
+              "so they do not take the server's GIL (they do share its CPU cores). The server sends the tokens "
+              "of a choice that are ready together (a decode call of M steps delivers M) as one SSE event, so "
+              "inter-event gaps are about one engine call and an event carries up to M tokens. CPU / token: "
+              "CPU time of the thread that drives the engine (the caller of `engine.generate` alone; the "
+              "server's engine thread when serving) and of the server's event loop (HTTP, SSE, detokenization), "
+              "per generated token, in the reported (best) run: a measure of the server's own work that a busy "
+              "machine distorts less than tokens/s."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for serve.json / serve.md")
-    ap.add_argument("--clients", default="1,8,32,64")
-    ap.add_argument("--new", type=int, default=128, help="new tokens per request")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--clients", help="concurrency levels (default 1,8,32,64; --tiny: 1,2,4)")
+    ap.add_argument("--new", type=int, help="new tokens per request (default 128; --tiny: 8)")
+    ap.add_argument("--prompt-tokens", type=int, help="default 64; --tiny: 16")
+    ap.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                    help="client processes (default a quarter of the CPUs, 1 to 4)")
     ap.add_argument("--steps-per-call", type=int, default=4, help="as `ds4jax serve`")
     ap.add_argument("--max-logprobs", type=int, default=20, help="as `ds4jax serve`")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per level and side; the best is reported")
     ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision (batch-invariant greedy)")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke: the random tiny model, clients 1,2,4, 8 tokens")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke: the random tiny model, smaller defaults")
     ap.add_argument("--name", default="serve", help="output file stem")
     args = ap.parse_args(argv)
     import jax
@@ -283,9 +372,14 @@ def main(argv=None) -> int:
     from ds4jax import Engine
     from ds4jax.io import default_model as dm
 
+    defaults = ("1,2,4", 8, 16) if args.tiny else ("1,8,32,64", 128, 64)
+    for name, value in zip(("clients", "new", "prompt_tokens"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.client_procs < 1:
+        ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
     if args.tiny:
         model, tok = dm.random_model(), dm.random_tokenizer()
-        args.clients, args.new, args.prompt_tokens = "1,2,4", 8, 16
     else:
         model, tok = dm.default_model(), dm.default_tokenizer()
     levels = [int(c) for c in args.clients.split(",")]
@@ -300,27 +394,30 @@ def main(argv=None) -> int:
     engine.warmup()
     warm = round(time.perf_counter() - t, 2)
     server, uv, thread, base = start_server(engine, tok)
-    clients = Clients(base, max(levels))
+    clients = ClientPool(base, min(args.client_procs, max(levels)), max(levels))
     checks = Checks()
     doc = {"device": str(jax.devices()[0].device_kind), "command": " ".join(["python", *sys.argv]),
            "model": "random tiny" if args.tiny else "default", "prompt_tokens": args.prompt_tokens,
            "new_tokens": args.new, "max_slots": slots, "steps_per_call": args.steps_per_call,
            "max_logprobs": args.max_logprobs, "precision": args.precision, "warmup_s": warm,
-           "repeats": args.repeats, "cpus": os.cpu_count(), "levels": []}
+           "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs), "levels": []}
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     try:
         for c in levels:
             prompts = prompts_for(tok, c, args.prompt_tokens)
-            # the engine alone, between server levels: the driver thread is idle then (it owns the engine while
-            # requests run; nothing is in flight here). The reference pass also settles the engine.
+            # the engine alone, between server levels, once the driver thread is idle (it owns the engine while it
+            # streams, and still resets slots after the last result went out). The reference pass also settles it.
+            if not server.driver.wait_idle(60):
+                raise RuntimeError("the server's engine thread did not go idle within 60 s")
             refs = engine.generate(requests_for(prompts, args.new, stop_ids, logprobs=2))
             for i, r in enumerate(refs):
                 checks.expect(r.ok, f"{c} clients reference {i}: {r.error} {r.message}")
             e = max((engine_level(engine, prompts, args.new, stop_ids, refs, checks, f"{c} clients run {k}")
                      for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
             clients.open(c)
-            s = max((server_level(server, clients, tok, prompts, args.new, refs, checks, f"{c} clients run {k}")
+            s = max((server_level(server, thread.ident, clients, tok, prompts, args.new, refs, checks,
+                                  f"{c} clients run {k}")
                      for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
             doc["levels"].append({"clients": c, "engine": e, "server": s,
                                   "overhead_pct": round(100 * (1 - s["tokens_per_s"] / e["tokens_per_s"]), 2)})

@@ -1,4 +1,4 @@
-"""Acceptance rules of speculative decoding (`ds4jax.acceptance`) on crafted inputs.
+"""Acceptance rules of speculative decoding (`ds4jax.generation.acceptance`) on crafted inputs.
 
 Statistical tests use fixed seeds, so they are deterministic; the stated false-failure rate is the probability,
 over the choice of seed, that a correct implementation fails.

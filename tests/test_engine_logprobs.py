@@ -82,3 +82,27 @@ def test_an_engine_without_logprobs_refuses_them():
     engine = Engine(one_layer_model(), max_slots=1, max_context=16)
     res = engine.generate([Request(prompt=[1, 2], max_new_tokens=2, logprobs=0)])[0]
     assert res.error is ErrorCode.INVALID_REQUEST and "Engine(logprobs=N)" in res.message
+
+
+@pytest.mark.parametrize("n", [-1, "vocab+1"])
+def test_engine_logprobs_out_of_range_is_refused(n):
+    from small_engine import one_layer_model
+
+    from ds4jax.runtime.pools import PoolError
+
+    model = one_layer_model()
+    n = model.config.vocab_size + 1 if n == "vocab+1" else n
+    with pytest.raises(PoolError, match="logprobs must be in"):
+        Engine(model, max_slots=1, max_context=16, logprobs=n)
+
+
+def test_logprobs_on_a_layer_split_are_refused():
+    """A layer split's stage programs return no logprobs: asking is a PoolError before any stage is built."""
+    import types
+
+    from ds4jax.generation import engine as engine_mod
+    from ds4jax.runtime.pools import PoolError
+
+    split = types.SimpleNamespace(num_stages=2)  # only the stage count is read before the check
+    with pytest.raises(PoolError, match="layer split"):
+        engine_mod._programs(split, None, {}, 3)

@@ -15,6 +15,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 for a checkpoint, float32 for the embedded model)")
     p.add_argument("--speculative", type=non_negative_int, default=0, metavar="K",
                    help="MTP drafts per round (0 = off)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="with --speculative K: each call picks 0..K drafts from the batch and the acceptance so far")
     p.add_argument("--max-slots", type=positive_int, default=8, metavar="B", help="requests decoded together")
     p.add_argument("--max-context", type=positive_int, default=4096, metavar="T",
                    help="prompt + new tokens per request")
@@ -69,11 +71,11 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
         engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
                         prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
                         steps_per_call=args.steps_per_call, tokenizer=tokenizer,
-                        logprobs=getattr(args, "max_logprobs", 0))
+                        adaptive=getattr(args, "adaptive", False), logprobs=getattr(args, "max_logprobs", 0))
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
         flags = {"max_slots": "--max-slots", "max_context": "--max-context", "prefill_chunk": "--prefill-chunk",
                  "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",
-                 "speculative": "--speculative"}
+                 "speculative": "--speculative", "adaptive": "--adaptive"}
         attr = next((a for a in flags if a in str(e)), None)
         where = {} if attr is None else dict(name=flags[attr], value=getattr(args, attr, None))
         raise UsageError(f"the engine cannot be built: {e}", **where) from None

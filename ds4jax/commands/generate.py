@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="compute dtype (default: bfloat16 for a checkpoint, float32 for the default model)")
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="speculative decoding: the checkpoint's MTP block drafts K tokens per round (greedy output "
-                        "is identical to plain decoding); acceptance stats on stderr")
+                        "is identical to plain decoding in float32; in bfloat16 it can part on near-ties); "
+                        "acceptance stats on stderr")
     p.add_argument("--steps-per-call", type=positive_int, default=STREAM_STEPS, metavar="M",
                    help="decode steps (speculative rounds) per host round trip: tokens print as each call returns, "
                         "so 1 prints every token as it is sampled; larger M trades smoothness for throughput")

@@ -1,4 +1,5 @@
-"""What `Engine.warmup` compiled: one `Program` record per engine program, with its shape and its compile time.
+"""The engine's programs: the `Programs` interface both placements implement, and what `Engine.warmup` compiled
+(one `Program` record per engine program, with its shape and its compile time).
 
 A record covers one warm-up call: the program itself plus the small helpers its first call needed (page-table
 syncs, placements), so `compiles` may exceed 1; 0 means the program was already compiled in this process.
@@ -13,9 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
+
+import jax
+import numpy as np
 
 from ds4jax.generation import compiles
+from ds4jax.runtime import precompile
+from ds4jax.runtime.pools import PoolError
 
 # what the second number of a program's shape counts, per kind
 _WIDTH_UNIT = {"prefill": "tokens", "decode": "steps", "speculative": "rounds"}
@@ -111,3 +117,103 @@ class Recorder:
 
     def report(self) -> WarmupReport:
         return WarmupReport(tuple(self._programs), time.perf_counter() - self._start, self.compile_threads)
+
+
+class Programs(Protocol):
+    """What the engine runs, whichever way the model is placed: `fused_programs.FusedPrograms` (one compiled
+    program per call: one device, one-stage meshes) or `stage_programs.StagePrograms` (a layer split, stage by
+    stage). A target pool is whatever `zeros` returns (a `KVPool`, or a split's `StagePools`; both have
+    `lengths`); the engine only hands it back. Every call donates the pools it takes and returns the new ones.
+    prefill / restore also return their first tokens' `sampling.TokenLogprobs`, decode / speculate theirs in
+    `DecodeOut.logprobs` / `SpecOut.logprobs` (None when the engine's logprobs are off; always on a split)."""
+
+    precompiles: bool  # whether warm-up may lower the calls first and compile them side by side
+
+    def zeros(self, spec): ...
+    def draft_zeros(self, dspec): ...
+    def sync(self, book, pool, spec): ...  # the book's page table and lengths on the pool
+    def placed(self, pool, spec): ...  # the canonical placement (the steps compile for it)
+    def draft_placed(self, dpool, dspec): ...
+    def reset(self, pool, slots, spec): ...
+    def draft_reset(self, dpool, slots, dspec): ...
+    def lengths(self, pool): ...
+    def lost(self, pool) -> bool: ...  # a failed call took the donated pool with it
+    def slot_state(self, state): ...  # the per-slot state on its placement
+    def drop_draft_params(self) -> None: ...
+    def extract(self, pool, slot, spec) -> dict: ...  # snapshot rows of a slot, one-device layout
+    def inject(self, pool, slot, arrays, n_pages, length, spec): ...
+    def extract_draft(self, dpool, slot) -> dict: ...
+    def inject_draft(self, dpool, slot, arrays, length, dspec): ...
+    def slot_rows(self, state, slot): ...  # (last logits, last stream) of a slot
+    def set_slot_rows(self, state, slot, logits, stream): ...
+    def prefill(self, params, tpool, dpool, slot_state, rows, token_ids, n_tokens, next_ids, finishing, *, spec,
+                dspec, kernels): ...
+    def decode(self, params, tpool, rows, *, spec, kernels, max_steps): ...
+    def speculate(self, params, tpool, dpool, slot_state, rows, *, spec, dspec, k, kernels, max_rounds): ...
+    def restore(self, params, dpool, slot_state, rows, sampled, next_ids, *, dspec, kernels): ...
+
+
+class EngineWarmup:
+    """`Engine.warmup` (mixed into `Engine`): every program of the engine compiled and run once."""
+
+    def warmup(self) -> WarmupReport:
+        """Compile every program the engine can run, once each (on padding rows, which write nothing): a prefill
+        program per prefill row bucket, a decode (and speculative) program per row bucket, and with snapshots on
+        the restore and snapshot programs; then the slot reset. Fused programs are lowered first and compiled side
+        by side on a thread pool (`runtime/precompile.py`, ``DS4JAX_COMPILE_THREADS``), then each runs once.
+        Returns the programs with their compile seconds (`print(engine.warmup())` shows the table; `.compiles`
+        counts XLA compilations)."""
+        with self._exclusive("warmup()"):
+            if self._parking.parked:
+                raise PoolError("warmup() needs an idle engine with nothing parked")
+            return self._warmup()
+
+    def _warmup(self) -> WarmupReport:
+        rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
+        pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        calls = []  # (kind, rows, width, run once on padding rows)
+        for rows, width in self.buckets.prefill:
+            calls.append(("prefill", rows, width, lambda rows=rows, width=width: self._prefill_call(
+                pad(rows), z(rows, width), z(rows), z(rows, width), np.zeros(rows, bool))))
+        for rows in self.row_buckets:
+            calls.append(("decode", rows, self.steps_per_call, lambda rows=rows: self._decode_call(pad(rows))))
+            for k in self.policy.ks:  # padding rows capped at k: the program of k drafts
+                capped = lambda rows=rows, k=k: pad(rows)._replace(k_cap=np.full(rows, k, np.int32))  # noqa: E731
+                calls.append(("speculative", rows, self.steps_per_call,
+                              lambda capped=capped: self._spec_call(capped())))
+        snapshots_on = self.snapshots.budget_bytes > 0
+        if snapshots_on:
+            rows = self.buckets.restore_rows
+            calls.append(("restore", rows, 0, lambda rows=rows: self._restore_call(
+                pad(rows), np.zeros(rows, bool), np.zeros(rows, np.int32))))
+        compiled = [None] * len(calls)
+        if self.programs.precompiles:  # lowered here, compiled side by side, then run below
+            with precompile.capturing() as jobs:
+                captured = [precompile.run_captured(run) for *_, run in calls]
+            done = iter(precompile.compile_all(jobs))
+            compiled = [next(done) if c else None for c in captured]
+            rec.compile_threads = precompile.threads(sum(c is not None for c in compiled))
+        for (kind, rows, width, run), pre in zip(calls, compiled):
+            if kind != "restore":  # restore after the fingerprint
+                with rec.program(kind, rows, width, precompiled=pre):
+                    run()
+        if snapshots_on:  # restore and snapshot programs (snapshot_bytes=0: none)
+            with rec.program("fingerprint"):  # digests of the weights, which every snapshot carries
+                self.fingerprint()
+            kind, rows, width, run = calls[-1]
+            with rec.program(kind, rows, precompiled=compiled[-1]):
+                run()
+            # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
+            # pages: every paged write is dropped; slot 0 is reset below)
+            with rec.program("snapshot-save", 1):
+                arrays = self._slot_snaps.arrays(self.tpool, self.dpool, self.slot_state, 0, 0)
+            with rec.program("snapshot-load", 1):
+                self._write_snapshot(0, arrays, pages=0, length=1)
+        with rec.program("slot-reset"):
+            self._to_reset.add(0)
+            self._apply_resets()
+        self._warm = True
+        report = rec.report()
+        self.stats.compiles += report.compiles
+        return report

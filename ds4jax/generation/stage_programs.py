@@ -9,8 +9,10 @@ dtype) moves to the next stage's devices with `jax.device_put`. A decode call is
 tokens each step samples go back from the last stage to every stage for the next one, and the loop returns early
 after the step in which a row finishes (one host read per step), as `decode_loop` does on device.
 
-Pools are one `KVPool` per stage (`MeshSteps.stage_specs`); the per-slot state lives on the last stage, beside the
-logits. Prefix snapshots run `snapshots.extract` / `snapshots.inject` on every stage's pool and hold the stage
+Pools are one `KVPool` per stage (`MeshSteps.stage_specs`), held as one `StagePools`; the per-slot state lives on
+the last stage, beside the logits. `StagePrograms` implements the engine's `programs.Programs` interface, as
+`fused_programs.FusedPrograms` does for one program per step. Prefix snapshots run `snapshots.extract` /
+`snapshots.inject` on every stage's pool and hold the stage
 rows with their layer axes concatenated: the one-device snapshot layout, so a snapshot does not depend on the
 split.
 
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax.generation import loops, snapshots, spec_rounds
+from ds4jax.generation import fused_programs, loops, snapshots, spec_rounds
 from ds4jax.generation.loops import DecodeOut, Rows, SlotState
 from ds4jax.generation.spec_rounds import Chain, RoundCarry
 from ds4jax.model import params as params_lib
@@ -43,6 +45,23 @@ from ds4jax.runtime.mesh_steps import stage_config, stage_step
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.roles import Role
 from ds4jax.model import layer_stack
+
+
+@jax.tree_util.register_pytree_node_class
+class StagePools(tuple):
+    """A layer split's target pools, one `KVPool` per stage (in stage order). Like a `KVPool` it has `lengths`:
+    every stage advances the same ones."""
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self[0].lengths
+
+    def tree_flatten(self):
+        return tuple(self), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children)
 
 
 class _Carry(NamedTuple):
@@ -132,6 +151,8 @@ def _last_decode(params, pool, rows: Rows, batch, x, carry: _Carry, *, cfg, spec
 class StagePrograms:
     """What `Engine` runs on a layer split: pools per stage, and prefill / decode calls stage by stage."""
 
+    precompiles = False  # each stage's programs compile on their first warm-up call
+
     def __init__(self, layout, cfg):
         self.layout, self.cfg = layout, cfg
         self.mesh_steps = layout.steps(cfg)
@@ -142,24 +163,24 @@ class StagePrograms:
         self._embed = None  # (the first stage's embedding, its copy on the last stage) for the draft
 
     # ---- pools -----------------------------------------------------------------------------------------------
-    def zeros(self, spec: PoolSpec) -> tuple:
-        return self.mesh_steps.zeros(spec)
+    def zeros(self, spec: PoolSpec) -> StagePools:
+        return StagePools(self.mesh_steps.zeros(spec))
 
-    def sync(self, book, pools: tuple, spec: PoolSpec) -> tuple:
-        return self.mesh_steps.sync(book, pools, spec)
+    def sync(self, book, pools: StagePools, spec: PoolSpec) -> StagePools:
+        return StagePools(self.mesh_steps.sync(book, pools, spec))
 
-    def placed(self, pools: tuple, spec: PoolSpec) -> tuple:
-        return tuple(jax.device_put(p, sh) for p, sh in zip(pools, self.mesh_steps.pool_shardings(spec)))
+    def placed(self, pools: StagePools, spec: PoolSpec) -> StagePools:
+        return StagePools(jax.device_put(p, sh) for p, sh in zip(pools, self.mesh_steps.pool_shardings(spec)))
 
-    def reset(self, pools: tuple, slots, spec: PoolSpec) -> tuple:
+    def reset(self, pools: StagePools, slots, spec: PoolSpec) -> StagePools:
         return self.placed(tuple(pools_lib.reset_slots(p, slots) for p in pools), spec)
 
     @staticmethod
-    def lengths(pools: tuple) -> jax.Array:
-        return pools[0].lengths  # every stage advances the same lengths
+    def lengths(pools: StagePools) -> jax.Array:
+        return pools.lengths
 
     @staticmethod
-    def lost(pools: tuple) -> bool:
+    def lost(pools: StagePools) -> bool:
         """Whether a failed call took donated pools with it (any stage's)."""
         return any(p.lengths.is_deleted() for p in pools)
 
@@ -169,6 +190,17 @@ class StagePrograms:
 
     def draft_placed(self, dpool, dspec: PoolSpec):
         return jax.device_put(dpool, self.layout.pool_shardings(dspec, self.last))
+
+    def draft_reset(self, dpool, slots, dspec: PoolSpec):
+        return self.draft_placed(pools_lib.reset_slots(dpool, slots), dspec)
+
+    @staticmethod
+    def extract_draft(dpool, slot: int) -> dict:
+        return snapshots.extract(dpool, np.int32(slot), ratios=())
+
+    def inject_draft(self, dpool, slot: int, arrays: dict, length: int, dspec: PoolSpec):
+        return self.draft_placed(snapshots.inject(dpool, np.int32(slot), arrays, np.int32(0), np.int32(length),
+                                                  ratios=()), dspec)
 
     def _draft_out(self, dpool, dspec: PoolSpec | None):
         """A program's draft pool on its canonical placement (as `_through` does for the target's pools)."""
@@ -195,6 +227,14 @@ class StagePrograms:
     def slot_state(self, state: SlotState) -> SlotState:
         return self.put(state, self.last)
 
+    @staticmethod
+    def slot_rows(state: SlotState, slot: int):
+        return fused_programs.slot_rows(state, np.int32(slot))
+
+    def set_slot_rows(self, state: SlotState, slot: int, logits, stream) -> SlotState:
+        # canonical placement, as the stage programs return it
+        return self.slot_state(fused_programs.set_slot_rows(state, np.int32(slot), logits, stream))
+
     def _params(self, params, s: int) -> dict:
         lo, hi = self.ranges[s]
         keys = (("embed",) if s == 0 else ()) + (("hc_head", "norm", "head") if s == self.last else ())
@@ -204,7 +244,7 @@ class StagePrograms:
     def _ratios(self, spec: PoolSpec) -> list:
         return [snapshots.entries_per_page(self.cfg, sp) for sp in self.mesh_steps.stage_specs(spec)]
 
-    def extract(self, pools: tuple, slot: int, spec: PoolSpec) -> dict[str, np.ndarray]:
+    def extract(self, pools: StagePools, slot: int, spec: PoolSpec) -> dict[str, np.ndarray]:
         """`snapshots.extract` of every stage, on the host, in the one-device layout."""
         parts = fetch([snapshots.extract(p, np.int32(slot), ratios=r)
                                 for p, r in zip(pools, self._ratios(spec))])
@@ -213,7 +253,8 @@ class StagePrograms:
         return {n: np.concatenate([p[n] for p in parts if n in p and p[n].shape[0]]
                                   or [next(p[n] for p in parts if n in p)], axis=0) for n in names}
 
-    def inject(self, pools: tuple, slot: int, arrays: dict, n_pages: int, length: int, spec: PoolSpec) -> tuple:
+    def inject(self, pools: StagePools, slot: int, arrays: dict, n_pages: int, length: int,
+               spec: PoolSpec) -> StagePools:
         """`snapshots.inject` of every stage: each takes its layers' share of `arrays` (`extract`'s layout)."""
         offset, new = dict.fromkeys(arrays, 0), []
         for pool, ratios in zip(pools, self._ratios(spec)):
@@ -227,19 +268,19 @@ class StagePrograms:
                                         ratios=ratios))
         return self.placed(tuple(new), spec)
 
-    def restore(self, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, params, dspec, kernels):
+    def restore(self, params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, dspec, kernels):
         """`loops.restore_call` on the last stage: first tokens from the saved logits, and the draft's pending row
-        when `dspec` is not None. Returns (first tokens, dpool, slot_state)."""
+        when `dspec` is not None. Returns (first tokens, dpool, slot_state, None: no logprobs on a split)."""
         dparams = self.draft_params(params) if dspec is not None else {}
         with self.layout.active(self.last):
             first, dpool, state, _ = loops.restore_call(dparams, dpool, slot_state, self.put(rows, self.last),
-                                                     self.put(np.asarray(sampled), self.last),
-                                                     self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
-                                                     dspec=dspec, kernels=kernels)
-        return first, self._draft_out(dpool, dspec), self.slot_state(state)
+                                                        self.put(np.asarray(sampled), self.last),
+                                                        self.put(np.asarray(next_ids), self.last), cfg=self.cfg,
+                                                        dspec=dspec, kernels=kernels)
+        return first, self._draft_out(dpool, dspec), self.slot_state(state), None
 
     # ---- one step through every stage -----------------------------------------------------------------------
-    def _through(self, params, pools: tuple, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
+    def _through(self, params, pools: StagePools, slots, token_ids, n_tokens, spec: PoolSpec, kernels, last_call):
         """Every stage but the last (`stage_step`, no logits), then `last_call(params, pool, batch, x)` on the
         last stage's devices. Returns (its result, the pools)."""
         specs, shardings = self.mesh_steps.stage_specs(spec), self.mesh_steps.pool_shardings(spec)
@@ -259,12 +300,12 @@ class StagePrograms:
             # canonical placement: a stage without a layer kind gets its zero-size arrays back replicated, and the
             # next call would compile again for that input (a no-op for every other array)
             new.append(jax.device_put(pool, shardings[s]))
-        return result, tuple(new)
+        return result, StagePools(new)
 
-    def prefill(self, params, pools: tuple, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens,
+    def prefill(self, params, pools: StagePools, dpool, slot_state: SlotState, rows: Rows, token_ids, n_tokens,
                 next_ids, finishing, *, spec: PoolSpec, dspec: PoolSpec | None, kernels):
         """One prefill chunk (`loops.prefill_call`; the draft extend when `dspec` is not None).
-        Returns (first tokens, pools, dpool, slot_state)."""
+        Returns (first tokens, pools, dpool, slot_state, None: no logprobs on a split)."""
         self._check(rows, spec)
         rows_last = self.put(rows, self.last)
         dparams = self.draft_params(params) if dspec is not None else None
@@ -278,9 +319,9 @@ class StagePrograms:
 
         (first, dpool, slot_state), pools = self._through(params, pools, rows.slots, token_ids, n_tokens, spec,
                                                           kernels, last_call)
-        return first, pools, self._draft_out(dpool, dspec), slot_state
+        return first, pools, self._draft_out(dpool, dspec), slot_state, None
 
-    def decode(self, params, pools: tuple, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
+    def decode(self, params, pools: StagePools, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
         """Up to `max_steps` decode steps, one host round trip each (`loops.decode_loop`'s contract: it returns
         after the step in which a row finishes). The first step always runs (on rows that are all done it writes
         nothing), so warmup compiles every stage's program. Returns (DecodeOut, pools)."""
@@ -307,7 +348,7 @@ class StagePrograms:
                 break
         return DecodeOut(carry.buf, carry.n_out, carry.done, np.int32(ran), carry.bad), pools
 
-    def speculate(self, params, pools: tuple, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
+    def speculate(self, params, pools: StagePools, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
                   dspec: PoolSpec, k: int, kernels, max_rounds: int):
         """Up to `max_rounds` speculative rounds, one host round trip each (`spec_rounds.speculative_loop`'s
         contract: it returns after the round in which a row finishes). The first round always runs (on rows
@@ -336,7 +377,7 @@ class StagePrograms:
                                                       last_call)
             c = canonical(c)
             # the earlier stages verified k+1 rows too: settle them on the accepted lengths (a no-op on the last)
-            pools = tuple(p.replace(lengths=jax.device_put(lengths, at)) for p, at in zip(pools, lengths_at))
+            pools = StagePools(p.replace(lengths=jax.device_put(lengths, at)) for p, at in zip(pools, lengths_at))
             if bool(fetch(stop)):
                 break
         with self.layout.active(self.last):

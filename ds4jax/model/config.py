@@ -77,10 +77,6 @@ class Config:
         validate(self)
 
     # ---- derived quantities -------------------------------------------------------------------
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
     def compress_ratio(self, layer: int) -> int:
         """0 for sliding-only layers, else the layer's compression ratio."""
         return self.compress_ratio_of(self.attention_types[layer])
@@ -306,8 +302,6 @@ PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 
 
 # ---- HF config.json conversion -------------------------------------------------------------------
-
-_LEGACY_RATIO = {0: AttentionType.SLIDING}
 
 
 class _Fields(dict):

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 network as pure functions over a params pytree (spec §2).
 
 `forward` is the cache-free, differentiable full-sequence forward (training, parity checks, `compare`).
-The pooled prefill / decode / draft-extend steps live in `ds4jax.steps` and reuse the same blocks.
+The pooled prefill / decode / draft-extend steps live in `ds4jax.runtime.steps` and reuse the same blocks.
 """
 
 from typing import Any, Callable, NamedTuple

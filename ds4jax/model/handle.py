@@ -11,7 +11,7 @@ from ds4jax.model.config import Config
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """`params` follows the layout of `ds4jax.params` (linears ``[in, out]``, experts stacked).
+    """`params` follows the layout of `ds4jax.model.params` (linears ``[in, out]``, experts stacked).
 
     The ``"mtp"`` subtree is present only when the checkpoint shipped MTP weights (HF checkpoints do not),
     so `has_mtp` can be False even when ``config.num_mtp_layers == 1``. `layout` is set by

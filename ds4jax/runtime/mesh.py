@@ -265,15 +265,6 @@ def make_mesh(*, expert: int = 1, tensor: int = 1, data: int = 1, layer_split=No
     return MeshLayout(Mesh(grid, (STAGE_AXIS,) + MESH_AXES), layer_split, tuple(rules or default_rules()))
 
 
-def shard_bytes(shape: Sequence[int], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
-    """Bytes of one device's shard of an array placed with `spec`."""
-    n = math.prod(shape) * jnp.dtype(dtype).itemsize
-    for entry in spec:
-        for a in ((entry,) if isinstance(entry, str) else (entry or ())):
-            n //= sizes[a]
-    return n
-
-
 def place_model(model, layout: MeshLayout):
     """A copy of `model` with its params placed on `layout` (the public calls then run on the mesh)."""
     from ds4jax.model.handle import Model

@@ -10,7 +10,7 @@ start[b] = pool.lengths[slot]. Per layer:
    written to the paged pool, so windows straddling chunk boundaries give the same entries as a full forward.
    The state ring is then rewritten like the SWA ring.
 3. Compressed keys: HCA attends to all visible entries; CSA runs the indexer over the request's indexer keys and
-   attends to the selected entries. Attention and indexer go through `ds4jax.kernels` (Pallas or reference).
+   attends to the selected entries. Attention and indexer go through `ds4jax.runtime.kernels` (Pallas or reference).
 
 All reads are masked by position: a row is used only if it holds a committed position the query may see.
 Padding rows (n = 0) and padding tokens write nothing. A page id outside the pool (-1 = none) maps to no row:

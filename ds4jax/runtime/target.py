@@ -27,15 +27,11 @@ class Target:
     arch: str | None = None
 
     @property
-    def is_rocm(self) -> bool:
-        return self.platform == "rocm"
-
-    @property
     def fp8_dtype(self) -> Any:
         """The FP8 E4M3 variant this device computes with: MI300 (gfx940-942) has only the FNUZ formats
         (exponent bias 8, no negative zero); MI355 (gfx950), NVIDIA and the CPU use OCP float8_e4m3fn.
         Quantized weights are stored in it on the device (`ds4jax.io.quantized_load`)."""
-        fnuz = self.is_rocm and (self.arch or "") in FNUZ_ARCHS
+        fnuz = self.platform == "rocm" and (self.arch or "") in FNUZ_ARCHS
         return jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn
 
     @property

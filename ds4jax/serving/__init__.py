@@ -5,6 +5,7 @@
     chat.py       DeepSeek-V4's chat format (thinking on / off) and the reasoning / content split
     text.py       incremental detokenization with stop strings (what is streamed is what is returned)
     driver.py     the one thread that owns the engine: a bounded submission queue, cancellation, shutdown
+    handoff.py    the engine thread's items to the event loop, one wake-up per burst
     responses.py  OpenAI JSON for completions and chat (whole responses and stream chunks)
     metrics.py    Prometheus metrics
     errors.py     OpenAI's error shape with ds4jax's codes

@@ -5,8 +5,9 @@ GET /health (200 once warm, 503 while warming or draining), GET /metrics (Promet
 route but /health needs ``Authorization: Bearer <key>``. Errors are OpenAI's JSON shape (`errors.py`).
 
 Each HTTP request becomes n x prompts `Job`s for the `Driver`; their tokens come back on the event loop through a
-per-request asyncio queue. A client that goes away (a closed stream, or a dropped connection while waiting for a
-whole response) cancels its jobs, which frees their slots.
+per-request asyncio queue (`handoff.Handoff`: one loop wake-up per engine iteration, not per job). A client that
+goes away (a closed stream, or a dropped connection while waiting for a whole response) cancels its jobs, which
+frees their slots.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull
 from ds4jax.serving.errors import APIError, ServerCode
+from ds4jax.serving.handoff import Handoff
 from ds4jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ds4jax.serving.responses import Choice, Shape
 
@@ -48,7 +50,8 @@ class Server:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.metrics = ServerMetrics()
         self.metrics.slots.set(engine.tspec.max_slots)
-        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics)
+        self.handoff = Handoff()  # the driver's items to the event loop
+        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch)
         self.limits = params_mod.Limits(
             model=config.model_name, max_context=engine.tspec.max_context,
             spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,
@@ -159,14 +162,14 @@ class Server:
                            f"{len(self.close_ids)} tokens; the engine can force at most {MAX_FORCED}",
                            param="thinking_budget")
         shape = Shape(is_chat, self.config.model_name, self.token_text if p.logprobs is not None else None)
-        loop = asyncio.get_running_loop()
+        self.handoff.bind(asyncio.get_running_loop())
         inbox: asyncio.Queue = asyncio.Queue()
         choices, jobs = [], []
         for i, ids in enumerate(p.prompts):
             for j in range(p.n):
                 index = len(choices)
                 choices.append(Choice(index, self.tokenizer, p.stop, self.close_ids, p.thinking))
-                job = Job(request=None, sink=self._sink(loop, inbox, index), label=shape.id)
+                job = Job(request=None, sink=self._sink(self.handoff, inbox, index), label=shape.id)
                 job.request = self._engine_request(p, ids, j, job)
                 jobs.append(job)
         try:
@@ -194,9 +197,9 @@ class Server:
                        on_token=self.driver.on_token(job), budget=budget, logprobs=p.logprobs)
 
     @staticmethod
-    def _sink(loop, inbox: asyncio.Queue, index: int):
+    def _sink(handoff: Handoff, inbox: asyncio.Queue, index: int):
         def sink(kind: str, value) -> None:  # driver thread -> this request's event loop
-            loop.call_soon_threadsafe(inbox.put_nowait, (index, kind, value))
+            handoff.put(inbox, (index, kind, value))
         return sink
 
     async def _whole(self, request, shape: Shape, choices, jobs, inbox, prompt_tokens: int) -> Response:
@@ -211,8 +214,7 @@ class Server:
                         return Response(status_code=499)
                     continue
                 if kind == "tokens":
-                    for event in value:
-                        choices[index].add(event)
+                    choices[index].extend(value)
                 else:
                     choices[index].finish(value)
                     pending -= 1
@@ -225,34 +227,35 @@ class Server:
                     self.driver.cancel(job)
 
     async def _events(self, shape: Shape, choices, jobs, inbox, p, prompt_tokens: int):
-        """SSE events: one per token, but what has arrived together goes out in one write (`_frames`)."""
+        """SSE events. Whatever has arrived when the loop looks (a decode call's tokens of each choice, or more
+        while it was busy) goes out in one write (`_frames`), as at most one chunk per choice: its released text
+        joined, the logprobs of the tokens that released it, and ``finish_reason`` when the choice ended. A
+        choice's first token comes alone (the driver hands it over at once), so it is not held back."""
         pending = len(jobs)
         try:
             if p.chat:
-                yield _frames([json.dumps(shape.chunk(c.index, role=True)) for c in choices])
+                yield _frames([shape.chunk_json(c.index, role=True) for c in choices])
             while pending:
                 items = [await inbox.get()]
                 while not inbox.empty():
                     items.append(inbox.get_nowait())
-                out = []
+                touched: dict[int, None] = {}  # the choices with news, in order of arrival
+                failed = None
                 for index, kind, value in items:
-                    c = choices[index]
+                    touched[index] = None
                     if kind == "tokens":
-                        for event in value:
-                            r, t = c.add(event)
-                            if r or t:
-                                out.append(json.dumps(shape.chunk(index, r, t, logprobs=shape.logprobs(c.unsent()))))
+                        choices[index].extend(value)
                         continue
                     pending -= 1
-                    r, t = c.finish(value)
-                    if r or t:
-                        out.append(json.dumps(shape.chunk(index, r, t, logprobs=shape.logprobs(c.unsent()))))
-                    if not value.ok:  # a failure mid-stream is an error event, never a normal end
-                        out.append(json.dumps(_result_error(value).body()))
-                        yield _frames(out)
-                        return
-                    out.append(json.dumps(shape.chunk(index, finish_reason=c.finish_reason,
-                                                      logprobs=shape.logprobs(c.unsent()))))
+                    choices[index].finish(value)
+                    if not value.ok:
+                        failed = value
+                        break
+                out = [chunk for chunk in (_chunk(shape, choices[i]) for i in touched) if chunk is not None]
+                if failed is not None:  # a failure mid-stream is an error event, never a normal end
+                    out.append(json.dumps(_result_error(failed).body()))
+                    yield _frames(out)
+                    return
                 if out:
                     yield _frames(out)
             if p.include_usage:
@@ -282,6 +285,16 @@ class Server:
         log.exception("internal error on %s", request.url.path)
         err = APIError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log")
         return await self._api_error(request, err)
+
+
+def _chunk(shape: Shape, choice) -> str | None:
+    """The JSON of `choice`'s next chunk: what it released since its last one, with ``finish_reason`` once it
+    ended well (a failed choice ends with an error event instead); None when there is nothing to say."""
+    reasoning, content, entries = choice.take()
+    finish = choice.finish_reason if choice.result is not None and choice.result.ok else None
+    if not (reasoning or content or finish):
+        return None
+    return shape.chunk_json(choice.index, reasoning, content, finish_reason=finish, logprobs=shape.logprobs(entries))
 
 
 def _frames(events: list[str]) -> bytes:

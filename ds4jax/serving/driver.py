@@ -3,7 +3,9 @@ the driver feeds them into one running `Engine.stream` as slots free up, and eac
 back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop). A
 job's tokens of one engine iteration go in one ``("tokens", [TokenEvent, ...])`` call after it: one thread hop per
 job and engine call instead of one per token (a decode call delivers up to steps-per-call tokens at once anyway);
-a job's first token goes at once (time to first token).
+a job's first token goes at once (time to first token). The engine thread is the server's critical path, so it
+does no per-token work beyond buffering: metrics are counted per delivery (`ServerMetrics.delivered`) and engine
+stats sampled once per engine iteration.
 
 * Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
   `max_queue`; the handler answers 429 with Retry-After.
@@ -11,6 +13,9 @@ a job's first token goes at once (time to first token).
   reaches it, and the queue depth is the server's own (metrics).
 * `cancel(job)`: a waiting job is dropped at once; a running one is cancelled at its next token (`on_token`
   returns False), which frees its slot (the engine resets it).
+* `wait_idle(timeout)`: until the engine thread is between streams with nothing waiting; only then may another
+  caller use the engine (a benchmark's engine-only passes): the thread still resets finished slots after it has
+  handed their results over.
 * `drain(grace_s)`: no new jobs; running and waiting ones may finish within the grace period, the rest are
   cancelled; returns which finished and which were cancelled (SIGTERM).
 """
@@ -18,6 +23,7 @@ a job's first token goes at once (time to first token).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -46,18 +52,21 @@ class Job:
     label: str = ""  # the HTTP request's id, for logs
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token: float = 0.0
-    last_token: float = 0.0
+    first_token: float = 0.0  # when its first tokens were handed over
+    last_token: float = 0.0  # when its latest tokens were handed over
     result: GenerateResult | None = None
 
 
 class Driver:
-    def __init__(self, engine, *, max_queue: int, metrics=None):
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+    def __init__(self, engine, *, max_queue: int, metrics=None, batch=contextlib.nullcontext):
+        """batch(): a context the driver hands an engine iteration's tokens of all jobs over in (the app's
+        `Handoff.batch`: one event-loop wake-up for them all)."""
+        self.engine, self.max_queue, self.metrics, self._batch_context = engine, max_queue, metrics, batch
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
         self._accepting, self._stopping = True, False
+        self._streaming = False  # the engine thread is inside `Engine.stream`
         self._inflight: list[Job] | None = None  # what ran or waited when the server stopped accepting
         self.state = "starting"  # -> warming -> ready -> draining -> stopped (or failed)
         self.error: str | None = None
@@ -71,6 +80,11 @@ class Driver:
         self._thread.start()
 
     @property
+    def thread_ident(self) -> int | None:
+        """The engine thread's id (for CPU-time accounting: scripts/bench_serve.py)."""
+        return self._thread.ident
+
+    @property
     def ready(self) -> bool:
         return self.state == "ready"
 
@@ -82,7 +96,7 @@ class Driver:
                 raise QueueFull(len(self._waiting))
             self._waiting.extend(jobs)
             self._gauges()
-            self._cv.notify()
+            self._cv.notify_all()  # the engine thread, not only a `wait_idle` caller
 
     def cancel(self, job: Job) -> None:
         with self._cv:
@@ -92,6 +106,12 @@ class Driver:
                 self._gauges()
                 self._done(job, GenerateResult(finish_reason=FinishReason.CANCELLED.value, error=ErrorCode.CANCELLED,
                                                message="cancelled before it started"))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the engine thread is between streams with no job waiting: True, or False after `timeout`
+        seconds. The engine stays free until the next `submit`."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._streaming and not self._waiting, timeout)
 
     def depth(self) -> tuple[int, int]:
         """(waiting, running) jobs."""
@@ -165,13 +185,22 @@ class Driver:
                     self._cv.wait()
                 if self._stopping and not self._waiting:
                     return
+                self._streaming = True
             run: list[Job] = []  # index in this stream -> job
-            for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
-                                        feed=lambda: self._feed(run)):
-                self._flush()
-                self._sample_stats()
+            try:
+                for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
+                                            feed=lambda: self._feed(run)):
+                    if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
+                        self._flush()
+            finally:
+                with self._cv:
+                    self._streaming = False
+                    self._cv.notify_all()
 
     def _feed(self, run: list[Job]) -> list[Request]:
+        """Before every engine iteration: sample the engine's stats, hand it as many waiting jobs as slots are
+        free."""
+        self._sample_stats()
         with self._cv:
             free = self.engine.tspec.max_slots - len(self._running)
             taken = []
@@ -192,13 +221,21 @@ class Driver:
 
     def _flush(self, jobs=None) -> None:
         """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
-        for job in list(self._batch) if jobs is None else jobs:
-            events = self._batch.pop(job, None)
-            if not events:
-                continue
-            try:
-                job.sink("tokens", events)
-            except Exception:  # noqa: BLE001 - the handler's loop is closed: nobody reads this job any more
+        now, handed = time.perf_counter(), []
+        try:
+            with self._batch_context():
+                for job in list(self._batch) if jobs is None else jobs:
+                    events = self._batch.pop(job, None)
+                    if not events:
+                        continue
+                    if self.metrics is not None:
+                        self.metrics.delivered(job, len(events), now)
+                    job.first_token = job.first_token or now
+                    job.last_token = now
+                    handed.append(job)
+                    job.sink("tokens", events)
+        except Exception:  # noqa: BLE001 - the handlers' loop is closed: nobody reads these jobs any more
+            for job in handed:
                 job.cancelled = True  # its next token cancels it
 
     def _done(self, job: Job, result: GenerateResult) -> None:
@@ -217,12 +254,6 @@ class Driver:
         def deliver(event: TokenEvent) -> bool:
             if job.cancelled:
                 return False
-            now = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.token(job, now)
-            if not job.first_token:
-                job.first_token = now
-            job.last_token = now
             self._batch.setdefault(job, []).append(event)
             if event.index == 0:  # the first token goes at once: the rest of its iteration (a decode call) would
                 self._flush([job])  # delay it by a whole call

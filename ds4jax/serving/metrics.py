@@ -22,8 +22,8 @@ class ServerMetrics:
         self.slots = Gauge("ds4jax_slots", "Engine slots", registry=r)
         self.ttft = Histogram("ds4jax_time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY,
                               registry=r)
-        self.itl = Histogram("ds4jax_inter_token_seconds", "Gap between consecutive tokens of a generation",
-                             buckets=_LATENCY, registry=r)
+        self.itl = Histogram("ds4jax_inter_token_seconds", "Gap between consecutive deliveries of a generation's "
+                             "tokens (one per engine call)", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("ds4jax_request_seconds", "Submission to result", buckets=_LATENCY, registry=r)
         self.rejected = Counter("ds4jax_rejected", "Requests refused before generation, by code", ["code"],
                                 registry=r)
@@ -36,8 +36,11 @@ class ServerMetrics:
         self._accepted = 0
 
     # called on the driver thread (prometheus_client is thread-safe)
-    def token(self, job, now: float) -> None:
-        self.tokens.inc()
+    def delivered(self, job, tokens: int, now: float) -> None:
+        """`tokens` tokens of `job` handed to its handler at `now` (before `job`'s times are updated): one
+        observation per delivery, not per token (a delivery holds up to steps-per-call tokens, which the engine
+        produced together)."""
+        self.tokens.inc(tokens)
         if job.first_token:
             self.itl.observe(now - job.last_token)
         else:

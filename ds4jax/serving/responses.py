@@ -1,9 +1,14 @@
 """OpenAI JSON for completions and chat completions, whole and streamed, from the same per-choice state: the
 streamed deltas of a choice concatenate to exactly its non-streamed text, and their logprobs to its logprobs
-(a token whose text is held back sends its logprobs with the next chunk that has text, or the last one)."""
+(a token whose text is held back sends its logprobs with the next chunk that has text, or the last one).
+
+A streamed chunk holds everything a choice released since its last chunk (`Choice.take`): the tokens of one
+engine call arrive together, and one chunk of their joined text costs one JSON encoding and one SSE event
+instead of one per token."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -24,33 +29,57 @@ class Choice:
         self.reasoning_tokens = 0
         self.result = None
         self.entries: list[tuple] = []  # (token id, TokenLogprob, text offset) of tokens that carry logprobs
-        self._sent = 0  # entries already streamed
+        self._released = 0  # entries of the tokens up to the last one that released text
+        self._sent = self._sent_reasoning = self._sent_content = 0  # entries and text already streamed
 
-    def add(self, event) -> tuple[str, str]:
-        """A `TokenEvent` -> (reasoning delta, content delta) its token releases."""
-        token = event.token
-        if event.logprob is not None:
-            self.entries.append((token, event.logprob, len(self.content_text)))
-        r, c = self.split.add(token)
-        self.reasoning_tokens += len(r)
-        return self._keep(self.reasoning.add(r), self.content.add(c))
+    def extend(self, events) -> None:
+        """The `TokenEvent`s that arrived together (a decode call's), in order. Without logprobs their text is
+        decoded once for all of them: decoding per token cost ~26 us a token with the default tokenizer on the 2-core
+        CPU (the event loop's largest per-token cost), once per 4 tokens ~3 us a token. With logprobs they go
+        one by one, so each token's text offset (the text released before it) is exact. The text is the same."""
+        if all(e.logprob is None for e in events):
+            self._release(*self._route([e.token for e in events]))
+            return
+        for e in events:
+            if e.logprob is not None:
+                self.entries.append((e.token, e.logprob, len(self.content_text)))
+            self._release(*self._route([e.token]))
 
-    def finish(self, result) -> tuple[str, str]:
+    def _route(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """-> (reasoning tokens, content tokens) that `tokens` release from the reasoning split."""
+        reasoning, content = [], []
+        for token in tokens:
+            r, c = self.split.add(token)
+            reasoning += r
+            content += c
+        self.reasoning_tokens += len(reasoning)
+        return reasoning, content
+
+    def _release(self, reasoning: list[int], content: list[int]) -> None:
+        r, c = self.reasoning.add(reasoning), self.content.add(content)
+        if r or c:
+            self._keep(r, c)
+
+    def finish(self, result) -> None:
         self.result = result
         rest = self.split.flush()
         self.reasoning_tokens += len(rest)
         self.reasoning.add(rest)
-        return self._keep(self.reasoning.finish(), self.content.finish() if self.content.ids else "")
+        self._keep(self.reasoning.finish(), self.content.finish() if self.content.ids else "")
 
-    def _keep(self, r: str, c: str) -> tuple[str, str]:
+    def _keep(self, r: str, c: str) -> None:
         self.reasoning_text += r
         self.content_text += c
-        return r, c
+        self._released = len(self.entries)
 
-    def unsent(self) -> list[tuple]:
-        """The entries not streamed yet (marked sent)."""
-        out, self._sent = self.entries[self._sent:], len(self.entries)
-        return out
+    def take(self) -> tuple[str, str, list[tuple]]:
+        """What was released since the last take: (reasoning, content, the logprob entries of the tokens that
+        released it, in order); marks it streamed. A token whose text is still held back keeps its entry."""
+        r, c = self.reasoning_text[self._sent_reasoning:], self.content_text[self._sent_content:]
+        entries = self.entries[self._sent: self._released]
+        self._sent_reasoning, self._sent_content = len(self.reasoning_text), len(self.content_text)
+        self._sent = self._released
+        return r, c, entries
 
     @property
     def finish_reason(self) -> str:
@@ -77,6 +106,9 @@ class Shape:
         self.chat, self.model, self.texts = chat, model, texts
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        # every chunk's envelope is the same: encoded once, the choice spliced in (json.dumps' own separators)
+        envelope = json.dumps(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
+        self._chunk_head = envelope[: -len("[]}")] + "["
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
@@ -104,18 +136,19 @@ class Shape:
             m["reasoning_content"] = c.reasoning_text
         return m
 
-    def chunk(self, index: int, reasoning: str = "", content: str = "", finish_reason: str | None = None,
-              role: bool = False, logprobs: dict | None = None) -> dict:
+    def chunk_json(self, index: int, reasoning: str = "", content: str = "", finish_reason: str | None = None,
+                   role: bool = False, logprobs: dict | None = None) -> str:
+        """One stream chunk, JSON-encoded."""
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if content or role:
                 delta["content"] = content
-            return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                              "finish_reason": finish_reason}])
-        return self._envelope("text_completion", [{"index": index, "text": content, "logprobs": logprobs,
-                                                    "finish_reason": finish_reason}])
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._chunk_head + json.dumps(choice) + "]}"
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],

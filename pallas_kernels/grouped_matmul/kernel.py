@@ -19,12 +19,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels.grouped_matmul.blocks import BlockSizes, choose_k_splits
+from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
 from pallas_kernels.grouped_matmul.validate import validate_grouped_matmul_static
 
 
 def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, precision):
     w_refs, o_refs = refs[:n_w], refs[n_w:]
-    tile_m, block_n = o_refs[0].shape
+    block_n = o_refs[0].shape[1]
     g = group_ref[0]
     n0 = pl.program_id(1) * block_n
     k_base = pl.program_id(2) * k_per_split
@@ -37,17 +38,7 @@ def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, p
                           preferred_element_type=jnp.float32)
             for acc, w in zip(accs, w_refs))
 
-    @pl.when(g >= 0)
-    def _():  # a static trip count: Triton software-pipelines the weight loads
-        zeros = tuple(jnp.zeros((tile_m, block_n), jnp.float32) for _ in range(n_w))
-        accs = lax.fori_loop(0, k_per_split // block_k, body, zeros)
-        for o, acc in zip(o_refs, accs):
-            o[...] = acc
-
-    @pl.when(g < 0)
-    def _():  # an empty tile reads no weight
-        for o in o_refs:
-            o[...] = jnp.zeros((tile_m, block_n), jnp.float32)
+    write_tile(g, o_refs, k_per_split // block_k, body)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -74,17 +65,18 @@ def grouped_matmul(x, ws, tile_group, *, block_sizes=None, interpret=False):
     n_blocks, k_blocks = n // block_n, k // block_k
     k_splits = choose_k_splits(bs.k_splits, tiles=tiles, n_blocks=n_blocks, k_blocks=k_blocks)
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j, s: (0,) * a.ndim)
+    out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
     out = pl.pallas_call(
         functools.partial(_kernel, n_w=len(ws), block_k=block_k, k_per_split=k // k_splits,
                           precision=_backend.dot_precision(x.dtype)),
         grid=(tiles, n_blocks, k_splits),
         in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), pl.BlockSpec((tile_m, k), lambda t, j, s: (t, 0))]
         + [whole(w) for w in ws],
-        out_specs=[pl.BlockSpec((None, tile_m, block_n), lambda t, j, s: (s, t, j)) for _ in ws],
-        out_shape=[jax.ShapeDtypeStruct((k_splits, rows, n), jnp.float32) for _ in ws],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
                                                  interpret=interpret),
         interpret=interpret,
         name="grouped_matmul",
     )(tile_group, x, *ws)
-    return tuple(o[0] if k_splits == 1 else jnp.sum(o, axis=0) for o in out)
+    return sum_splits(out)

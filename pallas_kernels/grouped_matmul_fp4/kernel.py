@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend
 from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, unpack_fp4
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
+from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
 
@@ -30,7 +31,7 @@ ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale: the depth of each
 
 def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, precision):
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
-    tile_m, block_n = o_refs[0].shape
+    block_n = o_refs[0].shape[1]
     g = group_ref[0]
     n0 = pl.program_id(1) * block_n
     j_base = pl.program_id(2) * j_per_split
@@ -52,17 +53,7 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
                            + lax.dot(xo, hi, precision=precision, preferred_element_type=jnp.float32))
         return tuple(accs)
 
-    @pl.when(g >= 0)
-    def _():
-        zeros = tuple(jnp.zeros((tile_m, block_n), jnp.float32) for _ in range(n_w))
-        accs = lax.fori_loop(0, j_per_split // block_j, body, zeros)
-        for o, acc in zip(o_refs, accs):
-            o[...] = acc
-
-    @pl.when(g < 0)
-    def _():  # an empty tile reads no weight
-        for o in o_refs:
-            o[...] = jnp.zeros((tile_m, block_n), jnp.float32)
+    write_tile(g, o_refs, j_per_split // block_j, body)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -93,16 +84,17 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j, s: (0,) * a.ndim)
     x_spec = pl.BlockSpec((tile_m, kk), lambda t, j, s: (t, 0))
     flat_ws = [a for pair in ws for a in pair]
+    out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
     out = pl.pallas_call(
         functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits,
                           precision=_backend.dot_precision(x.dtype)),
         grid=(tiles, n_blocks, k_splits),
         in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
-        out_specs=[pl.BlockSpec((None, tile_m, block_n), lambda t, j, s: (s, t, j)) for _ in ws],
-        out_shape=[jax.ShapeDtypeStruct((k_splits, rows, n), jnp.float32) for _ in ws],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
                                                  interpret=interpret),
         interpret=interpret,
         name="grouped_matmul_fp4",
     )(tile_group, x_even, x_odd, *flat_ws)
-    return tuple(o[0] if k_splits == 1 else jnp.sum(o, axis=0) for o in out)
+    return sum_splits(out)

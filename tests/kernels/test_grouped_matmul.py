@@ -7,8 +7,6 @@ the same cases on a GPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,24 +14,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul import BlockSizes, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    groups: int
-    k: int
-    n: int
-    tile_m: int
-    tile_group: tuple[int, ...]  # -1 = empty tile
-    live_rows: tuple[int, ...]  # live rows per tile (the rest is padding)
-    n_w: int = 2
-    dtype: str = "float32"
-    block_sizes: BlockSizes | None = None
-
-    def __str__(self):
-        return self.name
-
+from grouped_tiles import Case, check_outputs, padded_x
 
 CASES = [
     Case("decode_b1", groups=8, k=64, n=32, tile_m=16, tile_group=(5, 1), live_rows=(1, 1),
@@ -49,10 +30,7 @@ CASES = [
 
 def make_inputs(case: Case):
     rng = np.random.default_rng(0)
-    tiles = len(case.tile_group)
-    x = rng.standard_normal((tiles * case.tile_m, case.k)).astype(np.float32)
-    for t, live in enumerate(case.live_rows):
-        x[t * case.tile_m + live : (t + 1) * case.tile_m] = np.nan  # padding rows
+    x = padded_x(case, rng)
     used = {g for g in case.tile_group if g >= 0}
     ws = []
     for _ in range(case.n_w):
@@ -62,14 +40,6 @@ def make_inputs(case: Case):
     return jnp.asarray(x, case.dtype), tuple(ws), jnp.asarray(case.tile_group, jnp.int32)
 
 
-def live_mask(case: Case) -> np.ndarray:
-    m = np.zeros(len(case.tile_group) * case.tile_m, bool)
-    for t, (g, live) in enumerate(zip(case.tile_group, case.live_rows)):
-        if g >= 0:
-            m[t * case.tile_m : t * case.tile_m + live] = True
-    return m
-
-
 class GroupedMatmulTestBase:
     INTERPRET = True
 
@@ -77,16 +47,7 @@ class GroupedMatmulTestBase:
         x, ws, tg = make_inputs(case)
         got = grouped_matmul(x, ws, tg, block_sizes=case.block_sizes, interpret=self.INTERPRET)
         ref = grouped_matmul_reference(x, ws, tg)
-        live = live_mask(case)
-        tol = 1e-5 if case.dtype == "float32" else 2e-2
-        for y, r in zip(got, ref):
-            y, r = np.asarray(y), np.asarray(r)
-            assert y.dtype == np.float32 and y.shape == (x.shape[0], case.n)
-            assert np.isfinite(y[live]).all(), "a live row read a poisoned weight or padding row"
-            np.testing.assert_allclose(y[live], r[live], rtol=tol, atol=tol)
-            empty = np.repeat(np.asarray(case.tile_group) < 0, case.tile_m)
-            assert (y[empty] == 0).all(), "an empty tile wrote something"
-
+        check_outputs(got, ref, case, atol_relative_to_max=False)
 
 class TestGroupedMatmulInterpret(GroupedMatmulTestBase):
     @pytest.mark.parametrize("case", CASES, ids=str)

@@ -8,32 +8,13 @@ dequantization (`ds4jax.io.quant_formats`, validated against ml_dtypes).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ds4jax.io import quant_formats as qf
+from grouped_tiles import Case, check_outputs, padded_x
 from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_matmul_fp4, grouped_matmul_fp4_reference
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    groups: int
-    k: int
-    n: int
-    tile_m: int
-    tile_group: tuple[int, ...]  # -1 = empty tile
-    live_rows: tuple[int, ...]
-    n_w: int = 2
-    dtype: str = "float32"
-    block_sizes: BlockSizes | None = None
-
-    def __str__(self):
-        return self.name
-
 
 CASES = [
     Case("decode_k_splits", groups=8, k=128, n=32, tile_m=16, tile_group=(5, 1), live_rows=(1, 1),
@@ -49,10 +30,7 @@ CASES = [
 
 def make_inputs(case: Case):
     rng = np.random.default_rng(0)
-    tiles = len(case.tile_group)
-    x = rng.standard_normal((tiles * case.tile_m, case.k)).astype(np.float32)
-    for t, live in enumerate(case.live_rows):
-        x[t * case.tile_m + live:(t + 1) * case.tile_m] = np.nan  # padding rows
+    x = padded_x(case, rng)
     unused = [g for g in range(case.groups) if g not in case.tile_group]
     ws = []
     for _ in range(case.n_w):
@@ -69,14 +47,6 @@ def make_inputs(case: Case):
     return jnp.asarray(x, case.dtype), tuple(ws), jnp.asarray(case.tile_group, jnp.int32)
 
 
-def live_mask(case: Case) -> np.ndarray:
-    m = np.zeros(len(case.tile_group) * case.tile_m, bool)
-    for t, (g, live) in enumerate(zip(case.tile_group, case.live_rows)):
-        if g >= 0:
-            m[t * case.tile_m:t * case.tile_m + live] = True
-    return m
-
-
 class Base:
     INTERPRET = True
 
@@ -84,16 +54,7 @@ class Base:
         x, ws, tg = make_inputs(case)
         got = grouped_matmul_fp4(x, ws, tg, block_sizes=case.block_sizes, interpret=self.INTERPRET)
         ref = grouped_matmul_fp4_reference(x, ws, tg)
-        live = live_mask(case)
-        tol = 1e-5 if case.dtype == "float32" else 2e-2
-        empty = np.repeat(np.asarray(case.tile_group) < 0, case.tile_m)
-        for y, r in zip(got, ref):
-            y, r = np.asarray(y), np.asarray(r)
-            assert y.dtype == np.float32 and y.shape == (x.shape[0], case.n)
-            assert np.isfinite(y[live]).all(), "a live row read a poisoned scale or padding row"
-            scale = np.abs(r[live]).max()
-            np.testing.assert_allclose(y[live], r[live], rtol=tol, atol=tol * scale)
-            assert (y[empty] == 0).all(), "an empty tile wrote something"
+        check_outputs(got, ref, case, atol_relative_to_max=True)
 
 
 class TestInterpret(Base):
