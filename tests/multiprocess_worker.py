@@ -173,7 +173,7 @@ def shared_model(ckpt: str, me: int):
 def batch_command(root: str) -> int:
     """``ds4jax batch ROOT/in.jsonl ROOT/out.jsonl --checkpoint ROOT/ckpt --mesh expert=4,tensor=2`` with the
     speculating engine's flags, run in every process of this job by `cli.main` (what the ``ds4jax`` command runs):
-    its programs are the speculating engine's, already compiled. The test wrote the input and a resumed output
+    the speculating engine's mesh and flags, so the same programs, found compiled in this job. The test wrote the input and a resumed output
     before the job started; returns the command's exit status."""
     from ds4jax import cli
 
