@@ -13,7 +13,9 @@ Input: one JSON object per line with ``id`` and ``prompt`` (text, or a list of t
 * a line that is not UTF-8, not JSON, has no id, repeats an id or has a bad field becomes an error result naming
   its line number while the other lines run; a request the engine rejects becomes an error result with its
   `ErrorCode`. Bad flags and paths (a directory, ``/dev/zero``, no permission, a binary file) fail before any row;
-* a tqdm progress bar counts finished requests and shows generated tokens/s; a summary line ends the run.
+* a tqdm progress bar counts finished requests and shows generated tokens/s; a summary line ends the run;
+* in a job of several processes (``ds4jax launch ... -- ds4jax batch ... --mesh ...``) every process runs the
+  engine and process 0 alone rewrites and appends to the output (and decides, for all, which ids a rerun skips).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def run(args, model=None, tokenizer=None) -> int:
     from ds4jax import batch_files as files
     from ds4jax.commands.engine_options import build_engine, check_engine_values
     from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
+    from ds4jax.runtime import distributed
 
     # every check that needs no model comes first: a bad flag or path fails in a second, before any row
     check_engine_values(args)
@@ -149,19 +152,26 @@ def run(args, model=None, tokenizer=None) -> int:
         digests.setdefault(key, line.digest)
         rows.append((key, rid, line.number, line.digest, parsed))
     retry_failed = getattr(args, "retry_failed", False)
+    # a multi-process job (`ds4jax launch`): every process runs the same engine on the same requests (SPMD) and
+    # process 0 alone rewrites and appends to the output; the others take its list of ids already done
+    writer = distributed.process_index() == 0
     existing = files.remove_retried(args.output, previous,
-                                    lambda row: _retry(row, retry_failed=retry_failed, digests=digests))
-    todo = [r for r in rows if r[0] not in existing.done]
-    out = files.Appender(args.output)
+                                    lambda row: _retry(row, retry_failed=retry_failed, digests=digests)) \
+        if writer else None
+    done = set(distributed.broadcast("batch ids done", sorted(existing.done) if writer else None))
+    todo = [r for r in rows if r[0] not in done]
+    out = files.Appender(args.output) if writer else None
     written: dict[str, int] = {}
 
     def write(key, rid, lineno, digest, result: GenerateResult) -> None:
+        if out is None:
+            return
         out.write({"key": key, "id": rid, "line": lineno, "input_sha256": digest, **result.to_json()})
         code = result.error.value if result.error else "ok"
         written[code] = written.get(code, 0) + 1
 
-    before = f"{len(existing.done)} done before" if existing.done else None
-    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress, file=sys.stderr, desc=before)
+    before = f"{len(done)} done before" if done else None
+    bar = tqdm(total=len(todo), unit="req", disable=args.no_progress or not writer, file=sys.stderr, desc=before)
     tokens, start = [0], time.perf_counter()
     try:
         valid = []
@@ -176,7 +186,7 @@ def run(args, model=None, tokenizer=None) -> int:
                 write(key, rid, lineno, digest,
                       GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"line {lineno}: {e}"))
                 bar.update(1)
-        if valid and out.failed is None:
+        if valid and (out is None or out.failed is None):
             def finished(i: int, result: GenerateResult) -> None:
                 key, rid, lineno, digest, _ = valid[i]
                 if result.error is not None and result.message:
@@ -187,11 +197,14 @@ def run(args, model=None, tokenizer=None) -> int:
                 bar.set_postfix(tok_s=f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.1f}")
 
             for _ in engine.stream([q for *_, q in valid], on_result=finished):
-                if out.failed is not None:
+                if out is not None and out.failed is not None:
                     break  # the output cannot take more (a full disk): leaving the stream cancels the rest
     finally:
         bar.close()
-        out.close()
+        if out is not None:
+            out.close()
+    if out is None:
+        return 0
     if out.failed is not None:
         raise out.failed
     if not getattr(args, "quiet", False):

@@ -31,6 +31,7 @@ SUBCOMMANDS = (
     "ds4jax.batch",
     "ds4jax.commands.warmup",
     "ds4jax.commands.serve",
+    "ds4jax.commands.launch",
 )
 
 
@@ -94,12 +95,16 @@ def enable_compilation_cache() -> None:
     """Persist compiled programs across runs (the first ``generate`` compiles for about a minute on CPU): JAX's
     cache, as for every entry point (`ds4jax.compilation_cache`: ``DS4JAX_COMPILATION_CACHE`` overrides
     the directory, ``off`` disables, a JAX setting of the user's wins), plus, for the CLI only, our executable
-    cache under it, which also skips tracing and lowering (``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's only)."""
+    cache under it, which also skips tracing and lowering (``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's only; so does a
+    multi-process job)."""
     from ds4jax import compilation_cache
     from ds4jax.runtime import executable_cache
 
+    from ds4jax.runtime.distributed import launched
+
     where = compilation_cache.ensure_compilation_cache()
-    if where is not None and os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off":
+    # a multi-process job keeps to JAX's cache: its executables span processes, which ours does not serialize
+    if where is not None and os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off" and not launched():
         executable_cache.enable(os.path.join(where, "executables"))
 
 

@@ -98,7 +98,7 @@ _LONG = {
     "fixture:mesh_cases": 420,  # tests/test_mesh.py's two worker processes (every layout and engine case)
     "tests/rocm/test_kernel_compile.py::test_every_kernel": 200,  # every Triton kernel for 3 GPU targets
     "tests/test_notebooks.py::test_notebook_runs": 150,  # five notebooks, a kernel process each
-    "tests/test_multiprocess.py": 120,  # meshes over several processes
+    "tests/test_multiprocess.py": 140,  # a 2-process job (mp_job) and launches
     "tests/test_bench_mesh.py": 60,
     "tests/test_compilation_cache.py": 60,  # six fresh processes
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ds4jax.commands.mesh_options import add_mesh_option
 from ds4jax.commands.options import non_negative_int, positive_int
 
 
@@ -26,6 +27,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "and 16 x B)")
     p.add_argument("--steps-per-call", type=positive_int, default=8, metavar="M",
                    help="tokens (or speculative rounds) per host round trip")
+    add_mesh_option(p)
     add_kv_dtype_option(p)
 
 

@@ -14,6 +14,7 @@ import time
 import unicodedata
 
 from ds4jax.commands.engine_options import add_kv_dtype_option
+from ds4jax.commands.mesh_options import add_mesh_option
 from ds4jax.commands.options import HelpFormatter, Progress, integer, non_negative_float, positive_int, probability
 
 NAME = "generate"
@@ -49,6 +50,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "so 1 prints every token as it is sampled; larger M trades smoothness for throughput")
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="skip the NaN/Inf checks of the checkpoint's weights (at load) and of the logits (each step)")
+    add_mesh_option(p)
     return p
 
 
@@ -103,16 +105,28 @@ def require_checkpoint(path: str) -> str:
 
 
 def load_model(args):
-    """The model `args` names (the checkpoint's weights checked for NaN/Inf unless --no-check-finite)."""
+    """The model `args` names (the checkpoint's weights checked for NaN/Inf unless --no-check-finite), placed on
+    --mesh when given (a multi-process job is joined, and its processes checked to agree, before any weight is
+    read)."""
     import jax.numpy as jnp
 
+    from ds4jax.commands.mesh_options import check_agreement, mesh_layout
     from ds4jax.io import checkpoint
     from ds4jax.io.default_model import default_model
+    from ds4jax.model.config import load_config
 
+    cfg = None if args.checkpoint is None else load_config(require_checkpoint(args.checkpoint))
+    layout = mesh_layout(args, cfg)  # joins a multi-process job first; None: one device
+    check_agreement(args, args.checkpoint)
     if args.checkpoint is None:
-        return default_model(jnp.dtype(args.dtype or "float32"))
+        model = default_model(jnp.dtype(args.dtype or "float32"))
+        if layout is None:
+            return model
+        from ds4jax.runtime.mesh import place_model
+
+        return place_model(model, layout)
     return checkpoint.load(require_checkpoint(args.checkpoint), dtype=jnp.dtype(args.dtype or "bfloat16"),
-                           check_finite=getattr(args, "check_finite", True))
+                           check_finite=getattr(args, "check_finite", True), mesh=layout)
 
 
 def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:
@@ -222,7 +236,10 @@ def run(args) -> int:
                               seed=args.seed, stop_ids=stop)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a non-UTF-8 terminal gets '?' rather than an exception
-    printer = StreamPrinter(tok, stop)
+    from ds4jax.runtime.distributed import process_index
+
+    # every process of a multi-process job generates the same tokens (SPMD); process 0 prints them
+    printer = StreamPrinter(tok, stop, out=None if process_index() == 0 else open(os.devnull, "w"))
     progress(f"generating up to {args.max_new_tokens} tokens after {len(ids)} prompt tokens "
              "(the first run compiles; later runs load the compiled programs)")
     start = time.perf_counter()

@@ -1,9 +1,14 @@
-"""``ds4jax info``: a config summary and parameter counts, from the config alone (no weights are read)."""
+"""``ds4jax info``: a config summary and parameter counts, from the config alone (no weights are read); with
+``--mesh``, the per-device memory plan of that mesh (params, pools, what is left), also before any weight is read."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+
+from ds4jax.commands.mesh_options import add_mesh_option
+from ds4jax.commands.options import positive_float, positive_int
 
 NAME = "info"
 
@@ -15,6 +20,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (its config.json)")
     which.add_argument("--preset", choices=("default", "tiny", "flash", "pro"), help="a built-in configuration")
+    add_mesh_option(p)
+    plan = p.add_argument_group("memory plan (with --mesh)")
+    plan.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="params and pools dtype")
+    plan.add_argument("--max-slots", type=positive_int, default=8, metavar="B", help="requests decoded together")
+    plan.add_argument("--max-context", type=positive_int, default=4096, metavar="T",
+                      help="prompt + new tokens per request")
+    plan.add_argument("--device-memory", type=positive_float, default=None, metavar="GIB",
+                      help="memory per device in GiB (default: what the device reports; CPU devices report none)")
+    plan.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                      help="plan for N stand-in devices (forced host CPU devices) instead of the ones present")
     return p
 
 
@@ -28,7 +43,46 @@ def run(args) -> int:
     else:
         cfg, name = (default_config() if args.preset == "default" else _config.PRESETS[args.preset]()), args.preset
     print(describe(cfg, name))
+    if args.mesh is not None:
+        print(memory_plan(cfg, args))
     return 0
+
+
+def memory_plan(cfg, args) -> str:
+    """Per-device bytes on the busiest device of --mesh: params, the target pools of --max-slots x --max-context
+    (the engine's pool spec), their sum and what the device has left."""
+    if args.devices is not None:  # stand-ins: forced host devices, set before jax starts a backend
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}")
+    import jax
+
+    from ds4jax.commands.mesh_options import mesh_layout
+    from ds4jax.generation.engine import default_page_size
+    from ds4jax.runtime.mesh_plan import format_bytes
+    from ds4jax.runtime.pool_spec import PoolSpec
+    from ds4jax.runtime.roles import Role
+
+    layout = mesh_layout(args, cfg)
+    spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=args.max_slots, max_context=args.max_context,
+                             page_size=default_page_size(cfg), dtype=args.dtype)
+    report = layout.memory_report(cfg, spec, args.dtype)
+    if args.device_memory is not None:
+        memory, source = int(args.device_memory * 2**30), "--device-memory"
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        memory, source = stats.get("bytes_limit"), jax.devices()[0].device_kind
+    free = ("unknown (the devices report no memory size: pass --device-memory GIB)" if memory is None else
+            f"{format_bytes(memory - report['total'])} of {format_bytes(memory)} ({source})"
+            + ("  DOES NOT FIT" if report["total"] > memory else ""))
+    return "\n".join([
+        f"memory plan   {layout.describe()}, per device (the busiest), {args.dtype}",
+        f"  params      {format_bytes(report['params'])}",
+        f"  pools       {format_bytes(report['pools'])} (target, {args.max_slots} slots x {args.max_context} tokens; "
+        f"the engine's activations and a draft's pools come on top)",
+        f"  total       {format_bytes(report['total'])}",
+        f"  free        {free}",
+    ])
 
 
 def describe(cfg, name: str) -> str:

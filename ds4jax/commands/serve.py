@@ -79,6 +79,12 @@ def run(args) -> int:
     # our own lines at INFO; other libraries (orbax's loader is chatty) only at WARNING
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ds4jax").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    from ds4jax.runtime.distributed import launched
+
+    if launched():  # each process would run its own server; requests are not shared between processes
+        raise UsageError("runs in one process (its HTTP requests are not shared with other processes): serve a mesh "
+                         "of this process's devices with --mesh, without ds4jax launch / a multi-process job",
+                         name="serve")
     enable_compilation_cache()  # the warm-up loads what an earlier run (or `ds4jax warmup`) compiled
     server, host, port = build(args)
     if host not in ("127.0.0.1", "localhost", "::1") and server.config.api_key is None:

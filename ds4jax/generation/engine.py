@@ -30,7 +30,6 @@ import threading
 import time
 from typing import Iterator, Sequence
 
-import jax
 import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
@@ -51,6 +50,7 @@ from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
 from ds4jax.generation.snapshots import SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import kv_quant
+from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolError
@@ -452,7 +452,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
-            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in live])
+            first, lp = np.asarray(fetch(first)), logprob_rows.fetch(lp, [lv.request for lv in live])
         now = time.perf_counter()
         for lv, c in zip(live, n):
             lv.pos += c
@@ -476,14 +476,13 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                 self.dbook.lengths[behind] = self.tbook.lengths[behind]
                 self.dpool = self.dbook.sync(self.dpool)
             out = self._spec_call(rows)
-            tokens, ran, accepted, bad, lengths = jax.device_get(
+            tokens, ran, accepted, bad, lengths = fetch(
                 (out.tokens, out.rounds, out.accepted, out.bad, self.programs.lengths(self.tpool)))
             self.stats.spec_calls += 1
             self.stats.spec_rounds += int(ran)
         else:
             out = self._decode_call(rows)
-            tokens, ran, bad, lengths = jax.device_get((out.tokens, out.steps, out.bad,
-                                                        self.programs.lengths(self.tpool)))
+            tokens, ran, bad, lengths = fetch((out.tokens, out.steps, out.bad, self.programs.lengths(self.tpool)))
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(ran)
         self.policy.observe_cost(len(plan), k, time.perf_counter() - start, int(ran))

@@ -3,18 +3,17 @@ become one `TokenLogprob` per delivered token, with only as many alternatives as
 
 from __future__ import annotations
 
-import jax
-
 from ds4jax.generation.requests import TokenLogprob
 from ds4jax.generation.sampling import TokenLogprobs
+from ds4jax.runtime.distributed import fetch as fetch_arrays  # device_get across processes
 
 
 def fetch(lp: TokenLogprobs | None, requests) -> TokenLogprobs | None:
     """The buffers as numpy arrays, if any of the call's `requests` asked for logprobs (else None, as when
-    logprobs are off: nothing is copied to the host)."""
+    logprobs are off: nothing is copied to the host). Every process asks the same (its requests are the same)."""
     if lp is None or all(r.logprobs is None for r in requests):
         return None
-    return TokenLogprobs(*jax.device_get(tuple(lp)))
+    return TokenLogprobs(*fetch_arrays(tuple(lp)))
 
 
 def row(lp: TokenLogprobs | None, r: int, count: int, n: int | None) -> list[TokenLogprob] | None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 
 from ds4jax.generation import logprob_rows, snapshots
 from ds4jax.generation.delivery import Live
 from ds4jax.generation.requests import ErrorCode, FinishReason, TokenEvent
 from ds4jax.generation.snapshots import Snapshot
+from ds4jax.runtime.distributed import fetch  # device_get across processes
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolError
 
@@ -31,7 +31,7 @@ class SlotSnapshots:
         t = self.programs.extract(tpool, slot, self.tspec)
         d = self.programs.extract_draft(dpool, slot) if dpool is not None else {}
         logits, stream = self.programs.slot_rows(slot_state, slot)
-        t, d, logits, stream = jax.device_get((t, d, logits, stream))
+        t, d, logits, stream = fetch((t, d, logits, stream))
         arrays = {f"target/{k}": v for k, v in t.items()}
         for name, per_page in self.ratios:
             arrays[f"target/{name}"] = arrays[f"target/{name}"][:, : pages * per_page]
@@ -136,7 +136,7 @@ class EngineSnapshots:
                 sampled[r] = lv.restored == len(lv.ids)
                 nxt[r] = 0 if sampled[r] else lv.ids[lv.restored]
             first, lp = self._restore_call(rows, sampled, nxt)
-            first, lp = np.asarray(first), logprob_rows.fetch(lp, [lv.request for lv in part])
+            first, lp = np.asarray(fetch(first)), logprob_rows.fetch(lp, [lv.request for lv in part])
             if self._live_dspec is not None:
                 for lv in part:
                     self.dbook.lengths[lv.slot] = lv.restored

@@ -40,6 +40,7 @@ from ds4jax.generation.spec_rounds import Chain, RoundCarry
 from ds4jax.model import params as params_lib
 from ds4jax.runtime import pools as pools_lib, steps
 from ds4jax.runtime.data_parallel import check_rows, rows_over_data
+from ds4jax.runtime.distributed import fetch, put  # host reads / writes of any stage's arrays, in every process
 from ds4jax.runtime.mesh_steps import stage_config, stage_step
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.roles import Role
@@ -221,7 +222,7 @@ class StagePrograms:
 
     def put(self, tree, stage: int):
         """`tree`'s arrays on a stage: rows over ``data``, the rest replicated."""
-        return jax.tree.map(lambda a: jax.device_put(a, self.layout.batch_sharding(np.shape(a), stage)), tree)
+        return jax.tree.map(lambda a: put(a, self.layout.batch_sharding(np.shape(a), stage)), tree)
 
     def slot_state(self, state: SlotState) -> SlotState:
         return self.put(state, self.last)
@@ -245,7 +246,7 @@ class StagePrograms:
 
     def extract(self, pools: StagePools, slot: int, spec: PoolSpec) -> dict[str, np.ndarray]:
         """`snapshots.extract` of every stage, on the host, in the one-device layout."""
-        parts = jax.device_get([snapshots.extract(p, np.int32(slot), ratios=r)
+        parts = fetch([snapshots.extract(p, np.int32(slot), ratios=r)
                                 for p, r in zip(pools, self._ratios(spec))])
         names = dict.fromkeys(n for part in parts for n in part)
         # a stage without a layer kind holds zero layers of its arrays (and zero-size rows: left out)
@@ -343,7 +344,7 @@ class StagePrograms:
             carry, pools = self._through(params, pools, rows.slots, carry.ids, carry.n_next, spec,
                                          kernels, last_call)
             ran += 1
-            if bool(carry.stop):
+            if bool(fetch(carry.stop)):  # held by the last stage's processes
                 break
         return DecodeOut(carry.buf, carry.n_out, carry.done, np.int32(ran), carry.bad), pools
 
@@ -377,7 +378,7 @@ class StagePrograms:
             c = canonical(c)
             # the earlier stages verified k+1 rows too: settle them on the accepted lengths (a no-op on the last)
             pools = StagePools(p.replace(lengths=jax.device_put(lengths, at)) for p, at in zip(pools, lengths_at))
-            if bool(stop):
+            if bool(fetch(stop)):
                 break
         with self.layout.active(self.last):
             out, slot_state = _finish_rounds(c, slot_state, rows_last)

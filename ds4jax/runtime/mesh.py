@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ds4jax.errors import InputError
+from ds4jax.runtime.distributed import init_distributed  # noqa: F401  (ds4jax.init_distributed)
 from ds4jax.model import layer_stack, params as params_lib
 from ds4jax.model.config import Config
 from ds4jax.model.sharding import MESH_AXES, STAGE_AXIS, Rules, default_rules, mesh_spec
@@ -102,7 +103,13 @@ class MeshLayout:
 
     def place(self, params: Any, cfg: Config) -> Any:
         """Put params (host or single-device arrays) onto the mesh. Each device receives only its shard."""
-        return jax.device_put(params, self.param_shardings(cfg, params))
+        shardings = self.param_shardings(cfg, params)
+        if jax.process_count() == 1:
+            return jax.device_put(params, shardings)
+        # several processes: each builds its own devices' blocks from its copy (device_put would first check with
+        # an all-gather per leaf that every process passed the same values)
+        return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, np.asarray(x).__getitem__, dtype=x.dtype),
+                            params, shardings)
 
     def pool_shardings(self, spec, stage: int = 0):
         """A `KVPool` of the NamedSharding of each pool array of `spec` (by its logical axes) on a stage."""
@@ -270,33 +277,3 @@ def place_model(model, layout: MeshLayout):
 def _with_stacked_axis(first: NamedSharding, *_same) -> NamedSharding:
     """The sharding of a stacked leaf: the per-layer sharding behind a replicated leading axis."""
     return NamedSharding(first.mesh, P(None, *first.spec))
-
-
-def init_distributed(**kwargs) -> bool:
-    """Join a multi-host job with ``jax.distributed.initialize`` when one is launched; returns True if joined.
-
-    Detected: ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, or keyword arguments),
-    or a SLURM / Open MPI job of more than one task (jax's own cluster detection). Must run before anything
-    touches a device; `make_mesh` calls it, so scripts only need to call `make_mesh` first. Every process then
-    sees every device in ``jax.devices()``, holds the shards of its own devices, and loads only those."""
-    import os
-
-    from jax._src import distributed as _dist
-
-    if _dist.global_state.client is not None:
-        return True
-    env = os.environ
-    launched = bool(kwargs) or "JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1 or \
-        int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-    if not launched:
-        return False
-    if kwargs.get("num_processes") is None and "JAX_NUM_PROCESSES" in env:
-        kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
-    if kwargs.get("process_id") is None and "JAX_PROCESS_ID" in env:
-        kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
-    try:
-        jax.distributed.initialize(**kwargs)
-    except RuntimeError as e:
-        raise MeshError(f"jax.distributed.initialize failed ({e}); call ds4jax.make_mesh (or init_distributed) "
-                        f"before anything creates a jax array") from None
-    return True

@@ -29,6 +29,7 @@ import numpy as np
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.runtime import pool_layout, steps as steps_lib
 from ds4jax.runtime.data_parallel import check_rows, local_spec
+from ds4jax.runtime.distributed import put  # host values onto any process's devices
 from ds4jax.runtime.kernels import resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolBook, PoolError
@@ -137,8 +138,8 @@ class MeshSteps:
         out = []
         for pool, sp, sh in zip(pools, self.stage_specs(spec), self.pool_shardings(spec)):
             table = book.page_table[:, : sp.pages_per_slot]
-            out.append(pool.replace(page_table=jax.device_put(table, sh.page_table),
-                                    lengths=jax.device_put(book.lengths.astype(np.int32), sh.lengths)))
+            out.append(pool.replace(page_table=put(table, sh.page_table),
+                                    lengths=put(book.lengths.astype(np.int32), sh.lengths)))
         return tuple(out)
 
     # ---- steps ------------------------------------------------------------------------------------

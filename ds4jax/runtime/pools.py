@@ -224,6 +224,8 @@ class PoolBook:
         placement: each device receives its part)."""
         table, lengths = self.page_table, self.lengths.astype(np.int32)
         if len(pool.lengths.sharding.device_set) > 1:
-            return pool.replace(page_table=jax.device_put(table, pool.page_table.sharding),
-                                lengths=jax.device_put(lengths, pool.lengths.sharding))
+            from ds4jax.runtime.distributed import put  # host values onto any process's devices
+
+            return pool.replace(page_table=put(table, pool.page_table.sharding),
+                                lengths=put(lengths, pool.lengths.sharding))
         return _set_rows(pool, jnp.asarray(table), jnp.asarray(lengths))
