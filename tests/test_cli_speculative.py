@@ -8,9 +8,9 @@ from ds4jax import cli
 def test_speculative_option_is_wired(monkeypatch, capsys):
     calls = {}
 
-    def fake(model, ids, sampling, *, k, prefill_chunk, check_finite, on_token, steps_per_call):
+    def fake(model, ids, sampling, *, k, prefill_chunk, check_finite, on_token, steps_per_call, kv_dtype):
         calls.update(k=k, ids=ids, max_new=sampling.max_new_tokens, chunk=prefill_chunk, check_finite=check_finite,
-                     steps=steps_per_call)
+                     steps=steps_per_call, kv_dtype=kv_dtype)
         on_token(0, default_tokenizer().encode("word")[-1])  # a whole token of ASCII text
         calls["printed_while_running"] = capsys.readouterr().out  # streamed, not printed at the end
         return speculative.SpecResult(tokens=[[104, 105]], accepted_per_round=[[1]], rounds=[1], mean_accepted=[1.0],
@@ -25,6 +25,7 @@ def test_speculative_option_is_wired(monkeypatch, capsys):
     assert calls["k"] == 3 and calls["max_new"] == 2 and calls["chunk"] == 4 and len(calls["ids"]) >= 2
     assert calls["check_finite"] is True  # the numerics guard is on by default in the CLI
     assert calls["steps"] == 1  # one round per host call: tokens print as they are accepted
+    assert calls["kv_dtype"] == "auto"  # --kv-dtype reaches the speculative path too
     assert "speculative k=3" in out.err and "mean accepted 1.00" in out.err
     assert calls["printed_while_running"] != "" and (calls["printed_while_running"] + out.out).strip() != ""
 
