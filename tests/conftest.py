@@ -11,6 +11,9 @@ import os
 
 import pytest
 
+import cheap_compile
+import run_cache
+
 
 def _gpu_platform() -> str | None:
     """'cuda' / 'rocm' when this host has such a GPU and a JAX plugin for it (checked without starting JAX)."""
@@ -25,12 +28,15 @@ def _gpu_platform() -> str | None:
 
 _GPU = _gpu_platform() if "JAX_PLATFORMS" not in os.environ else None
 os.environ.setdefault("JAX_PLATFORMS", f"cpu,{_GPU}" if _GPU else "cpu")
-# Tiny test models run in microseconds; XLA's LLVM optimisation only costs compile time here.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+# Tiny test models run in microseconds; XLA's optimisations only cost compile time here (cheap_compile.py).
+os.environ.setdefault("XLA_FLAGS", cheap_compile.xla_flags(devices=4))
 # `ds4jax generate` / `compare` / `batch` turn on JAX's on-disk compilation cache for the rest of their process;
 # a test calling them in process would leave it on for every later test of its worker (writing into ~/.cache).
 # Tests of the cache name their own directory.
 os.environ["DS4JAX_COMPILATION_CACHE"] = "off"
+# Instead, one JAX compilation cache for the whole run (run_cache.py): a program compiled by one pytest worker, or
+# by a subprocess a test starts, is loaded by every other process that needs it.
+run_cache.configure()
 
 import jax  # noqa: E402
 

@@ -10,7 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds4jax
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+from cheap_compile import xla_flags  # noqa: E402  (tests/, this script's folder)
+
+os.environ["XLA_FLAGS"] = xla_flags(devices=8)
 
 import json  # noqa: E402
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import cheap_compile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,7 +36,7 @@ def test_batch_killed_and_resumed(tmp_path):
     rows.append(json.dumps({"id": "first", "prompt": "duplicate"}))
     src.write_text("\n".join(rows) + "\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu", DS4JAX_COMPILATION_CACHE=str(tmp_path / "cache"),
-               XLA_FLAGS="--xla_backend_optimization_level=0", PYTHONPATH=ROOT)
+               XLA_FLAGS=cheap_compile.xla_flags(), PYTHONPATH=ROOT)
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "batch_generate.py"), str(src), str(out), "--max-slots", "1",
            "--max-context", "256", "--steps-per-call", "1", "--prefill-chunk", "16", "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

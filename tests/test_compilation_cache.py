@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import run_cache
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "compilation_cache_worker.py")
 pytestmark = pytest.mark.slow  # fresh processes that compile the tiny model: about 100 s of CPU in all
@@ -26,9 +28,8 @@ def model_programs(report: dict) -> list[str]:
 
 def run(cache: str, *args: str, home: str | None = None) -> dict:
     """The worker's report, with DS4JAX_COMPILATION_CACHE=`cache` (a directory or "off")."""
-    env = {**os.environ, "DS4JAX_COMPILATION_CACHE": cache,
+    env = {**run_cache.without(os.environ), "DS4JAX_COMPILATION_CACHE": cache,  # ds4jax's policy, not the run's
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if home is not None:  # where the default directory would be
         env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
     out = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True, env=env, timeout=900)

@@ -12,6 +12,7 @@ import sys
 import jax
 import pytest
 
+import run_cache
 from ds4jax import compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,8 +22,10 @@ SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """A process that has not decided yet; JAX's settings restored afterwards."""
+    """A process that has not decided yet (the test run's own cache, tests/run_cache.py, set aside); JAX's settings
+    restored afterwards."""
     before = {name: getattr(jax.config, name) for name in SETTINGS}
+    jax.config.update("jax_compilation_cache_dir", None)
     monkeypatch.setattr(compilation_cache, "_ours", None)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     yield monkeypatch
@@ -76,10 +79,9 @@ def test_an_unwritable_directory_runs_uncached(fresh, tmp_path):
 def test_importing_ds4jax_changes_no_jax_setting(tmp_path):
     probe = ("import ds4jax, jax; ds4jax.generate; ds4jax.Engine; ds4jax.forward_logits; "
              "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HOME": str(tmp_path),
-           "XDG_CACHE_HOME": str(tmp_path / ".cache")}
+    env = {**run_cache.without(os.environ), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / ".cache")}
     env.pop("DS4JAX_COMPILATION_CACHE", None)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["None", "1.0"]

@@ -40,6 +40,16 @@ def _rows(seed=0):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_values_that_round_to_zero_are_never_nan(fmt):
+    """FNUZ has no -0 (0x80 is NaN): negative values that round to zero, and -0 itself, must store as +0 whatever
+    XLA:CPU emitter compiles the cast (the suite runs the loop emitters, which wrote 0x80 before `cast_e4m3`)."""
+    x = np.array([-0.0, -2.0**-11, -2.0**-12, 2.0**-11, -2.0**-10, -3e-4, -1e-30, 1.5, -240.0], np.float32)
+    got = np.asarray(jax.jit(kv_quant.cast_e4m3, static_argnums=1)(jnp.asarray(x), jnp.dtype(fmt)))
+    np.testing.assert_array_equal(got.view(np.uint8), x.astype(getattr(ml_dtypes, fmt)).view(np.uint8))
+    assert not np.isnan(got.astype(np.float32)).any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_matches_ml_dtypes(fmt):
     """Values are ml_dtypes' round-to-nearest of x / scale (scale = max|x| / 448 OCP, / 240 FNUZ), the row's largest
     value lands exactly on the format's max (no NaN from rounding past it), and the round trip is within half an

@@ -20,6 +20,7 @@ from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
 from ds4jax.io.safetensors_layout import EXPERTS, T, plan
 from ds4jax.model.handle import Model
 from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight
+from ds4jax.runtime import kv_quant
 
 # e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
 # (round half to even on the mantissa bit), so the comparison is > where the lower code is even, >= where odd
@@ -50,7 +51,7 @@ def quantize_fp8(w: jax.Array, block: tuple[int, int], fp8_dtype=jnp.float8_e4m3
     q = jnp.ldexp(w.astype(jnp.float32), -full).astype(jnp.float8_e4m3fn)
     scale = jnp.ldexp(jnp.float32(1), e)
     if jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fnuz):  # the same value in FNUZ is half the bytes' value
-        q, scale = (q.astype(jnp.float32) / 2).astype(jnp.float8_e4m3fnuz), scale * 2
+        q, scale = kv_quant.cast_e4m3(q.astype(jnp.float32) / 2, jnp.float8_e4m3fnuz), scale * 2  # -0 -> +0
     return QuantizedWeight(q, scale, Format.FP8, block)
 
 

@@ -52,6 +52,20 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).name in FP8_MAX
 
 
+# FNUZ has no negative zero: its 0x80 is NaN. A negative value that rounds to zero (|x| <= half the smallest
+# subnormal, 2**-10, ties to even) must become +0. ml_dtypes and XLA's default CPU emitters do that, but XLA:CPU's
+# loop emitters (`--xla_cpu_use_fusion_emitters=false`) write 0x80, and a converter we do not control may too.
+_FNUZ_ROUNDS_TO_ZERO = 2.0 ** -11
+
+
+def cast_e4m3(x, dtype):
+    """float32 x (within the format's range) -> the E4M3 `dtype`, round to nearest; in FNUZ what rounds to zero is
+    +0 on every backend (never NaN)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
+        x = jnp.where(jnp.abs(x) <= _FNUZ_ROUNDS_TO_ZERO, jnp.zeros_like(x), x)
+    return x.astype(dtype)
+
+
 def quantize(x, dtype):
     """x [..., w] -> (values [..., w] in the E4M3 `dtype`, scales [...] float32): one scale per row of x."""
     fmax = FP8_MAX[jnp.dtype(dtype).name]
@@ -59,7 +73,7 @@ def quantize(x, dtype):
     amax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(amax > 0, amax / fmax, 1.0)
     # clip: x / (amax / fmax) may round a hair past fmax, which the cast would turn into NaN
-    values = jnp.clip(x / scale[..., None], -fmax, fmax).astype(dtype)
+    values = cast_e4m3(jnp.clip(x / scale[..., None], -fmax, fmax), dtype)
     return values, scale
 
 
