@@ -52,6 +52,9 @@ def configure(environ=os.environ) -> str | None:
     environ.setdefault("JAX_COMPILATION_CACHE_DIR", where)
     for name, value in JAX_ENV.items():
         environ.setdefault(name, value)
+    # the pip triton that compiles the kernels for GPU targets (tests/rocm) caches in ~/.triton unless told: keep
+    # its entries in the run's directory too, so a run never finds a warm cache an earlier run left behind
+    environ.setdefault("TRITON_CACHE_DIR", os.path.join(where, "triton"))
     return environ["JAX_COMPILATION_CACHE_DIR"]
 
 
