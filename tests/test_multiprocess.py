@@ -245,3 +245,25 @@ def test_timeouts_come_from_the_environment():
     assert distributed.timeouts({"DS4JAX_HEARTBEAT_TIMEOUT": "5"})["heartbeat_timeout_seconds"] == 5
     with pytest.raises(distributed.DistributedError, match="DS4JAX_SHUTDOWN_TIMEOUT=0 must be at least 1"):
         distributed.timeouts({"DS4JAX_SHUTDOWN_TIMEOUT": "0"})
+
+
+def test_engine_refuses_a_layer_split_across_processes():
+    """The Engine's stage loop does not run across processes yet (docs/mesh.md): such a split is refused by name
+    before any program or pool is built, while a split inside one process passes the same check."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ds4jax.generation import engine
+    from ds4jax.generation.stage_programs import check_one_process
+    from ds4jax.runtime.mesh import MeshError
+
+    def layout(*owners):  # one stage per entry: two devices of that process
+        stages = tuple(SimpleNamespace(devices=np.array([SimpleNamespace(process_index=p)] * 2, dtype=object))
+                       for p in owners)
+        return SimpleNamespace(num_stages=len(owners), stages=stages)
+
+    with pytest.raises(MeshError, match=r"layer split across processes yet: this split's 2 stages are on processes "
+                                        r"\[0, 1\]"):
+        engine._programs(layout(0, 1), None, None, 0)  # the Engine's own dispatch, not only the helper
+    check_one_process(layout(0, 0))

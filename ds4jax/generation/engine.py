@@ -59,8 +59,9 @@ from ds4jax.runtime.roles import Role
 
 def _programs(layout, cfg, params, logprobs: int) -> Programs:
     if layout is not None and layout.num_stages > 1:
-        from ds4jax.generation.stage_programs import StagePrograms
+        from ds4jax.generation.stage_programs import StagePrograms, check_one_process
 
+        check_one_process(layout)
         if logprobs:
             raise PoolError(f"logprobs must be 0 on a layer split (its stage programs return none), got {logprobs}")
         return StagePrograms(layout, cfg)

@@ -148,6 +148,19 @@ def _last_decode(params, pool, rows: Rows, batch, x, carry: _Carry, *, cfg, spec
         return _Carry(tok, tok[:, None], n_out, done, buf, i, finished | jnp.all(done), bad, n_next), pool
 
 
+def check_one_process(layout) -> None:
+    """Refuse, before anything is built, a layer split whose devices belong to several processes: the stage loop's
+    host reads and writes of the last stage's arrays do not run across processes yet (docs/mesh.md), and a job
+    that failed mid-step there would leave its peers waiting. `forward_logits` does run on such a split."""
+    owners = sorted({d.process_index for stage in layout.stages for d in stage.devices.flat})
+    if len(owners) > 1:
+        from ds4jax.runtime.mesh import MeshError
+
+        raise MeshError(f"the Engine (and generate, batch, serve) does not run on a layer split across processes yet: "
+                        f"this split's {layout.num_stages} stages are on processes {owners}; split the layers "
+                        "within each process, or spread the expert / tensor / data axes across processes")
+
+
 class StagePrograms:
     """What `Engine` runs on a layer split: pools per stage, and prefill / decode calls stage by stage."""
 
