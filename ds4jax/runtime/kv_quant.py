@@ -52,8 +52,8 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).name in FP8_MAX
 
 
-# FNUZ has no negative zero: its 0x80 is NaN. A negative value that rounds to zero (|x| <= half the smallest
-# subnormal, 2**-10, ties to even) must become +0. ml_dtypes and XLA's default CPU emitters do that, but XLA:CPU's
+# FNUZ has no negative zero: its 0x80 is NaN. A negative value that rounds to zero (|x| <= 2**-11, half of FNUZ's
+# smallest subnormal 2**-10; the tie rounds to even, which is zero) must become +0. ml_dtypes and XLA's default CPU emitters do that, but XLA:CPU's
 # loop emitters (`--xla_cpu_use_fusion_emitters=false`) write 0x80, and a converter we do not control may too.
 _FNUZ_ROUNDS_TO_ZERO = 2.0 ** -11
 
