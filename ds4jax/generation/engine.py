@@ -61,9 +61,9 @@ def _programs(layout, cfg, params, logprobs: int) -> Programs:
     if layout is not None and layout.num_stages > 1:
         from ds4jax.generation.stage_programs import StagePrograms, check_one_process
 
-        check_one_process(layout)
         if logprobs:
             raise PoolError(f"logprobs must be 0 on a layer split (its stage programs return none), got {logprobs}")
+        check_one_process(layout)
         return StagePrograms(layout, cfg)
     return FusedPrograms(layout, cfg, params, logprobs)
 
