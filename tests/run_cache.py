@@ -4,8 +4,8 @@ The suite is compile-bound (tiny models, programs that run for microseconds), an
 the same programs: both xdist workers build the default and tiny models' steps, the notebook kernels and the
 CLI / batch / mesh subprocesses build them again, and a worker that drops its executables (conftest's mapping
 guard) rebuilds what it dropped. With one directory, each program is compiled once per run and loaded by the
-others (measured on the 2-core machine, `.ci/run` in a fresh clone: the suite 855 s before, 606 and 649 s in
-two runs with this cache and the cheaper flags of cheap_compile.py).
+others (measured on the 2-core machine, `.ci/run` in a fresh clone: the suite 855 s before, 606 to 682 s in
+four runs with this cache and the cheaper flags of cheap_compile.py).
 
 It is set at JAX's level, through the environment JAX reads at import (`JAX_COMPILATION_CACHE_DIR` and both
 thresholds at 0), so every process inherits it and caches every program from its first. ds4jax's own policy
