@@ -31,6 +31,29 @@ def render(path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_speed(engine, model) -> dict:
+    """Tokens/s of 1 and 8 requests (64-token prompts, 64 greedy new tokens), best of 2 after one untimed call;
+    also whether any compile happened after warm-up (it would make the figure meaningless)."""
+    import numpy as np
+
+    from ds4jax.generation.requests import Request
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in (1, 8):
+        reqs = [Request(prompt=rng.integers(2, model.config.vocab_size, 64).tolist(), max_new_tokens=64) for _ in range(b)]
+        best = None
+        for _ in range(3):
+            t = time.perf_counter()
+            res = engine.generate(reqs)
+            dt = time.perf_counter() - t
+            assert all(r.ok for r in res), [r.message for r in res if not r.ok]
+            best = dt if best is None else min(best, dt)
+        out[f"b{b}"] = round(sum(len(r.tokens) for r in res) / best, 1)
+    out["compiles_after_warmup"] = engine.stats.compiles_after_warmup
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--render", default=None, help="write RESULTS.md from this results file and exit")
@@ -39,6 +62,9 @@ def main() -> None:
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--speculative", type=int, default=0)
+    ap.add_argument("--row-buckets", default=None, help="comma-separated decode row buckets (default: the engine's)")
+    ap.add_argument("--speed", action="store_true",
+                    help="after warm-up, time 8 requests x 64 greedy tokens (best of 2) so a flag's runtime cost shows")
     args = ap.parse_args()
     if args.render:
         md = os.path.splitext(args.render)[0] + ".md"
@@ -56,7 +82,9 @@ def main() -> None:
     t = time.perf_counter()
     model = ds4jax.default_model()
     load_s = time.perf_counter() - t
-    engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative)
+    rb = tuple(int(x) for x in args.row_buckets.split(",")) if args.row_buckets else None
+    engine = Engine(model, max_slots=args.max_slots, max_context=args.max_context, speculative=args.speculative,
+                    row_buckets=rb, prefill_row_buckets=rb)
     t = time.perf_counter()
     report = engine.warmup()
     warm_s = time.perf_counter() - t
@@ -68,6 +96,8 @@ def main() -> None:
            "programs": [{"kind": p.kind, "shape": p.shape, "compiles": p.compiles, "compile_s": p.compile_seconds,
                          "wall_s": p.seconds} for p in report.programs],
            "process_s": time.perf_counter() - START}
+    if args.speed:
+        rec["decode_tok_s"] = decode_speed(engine, model)
     with open(args.out, "a") as f:
         f.write(json.dumps(rec) + "\n")
     print(json.dumps({k: v for k, v in rec.items() if k != "programs"}), flush=True)
