@@ -20,14 +20,20 @@ def render(path: str) -> str:
     """Markdown of a results file: one row per run (elapsed warm-up, summed XLA compile seconds, threads)."""
     runs = [json.loads(line) for line in open(path) if line.strip()]
     lines = [f"# Engine warm-up breakdown (`scripts/warmup_probe.py`, default model, max_slots=8, max_context=512)",
-             "", f"From `{os.path.basename(path)}`: one fresh process per row, compilation cache off. `XLA compile s` "
-             "sums the programs' compile times (on a pool they overlap, so it can exceed the elapsed warm-up).", "",
-             "| run | device | XLA_FLAGS | kernels | programs | compile threads | warmup() elapsed | XLA compile s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", f"From `{os.path.basename(path)}`: one fresh process per row, compilation cache off unless the row "
+             "says `cached` (a second process on the cache the row before filled). `XLA compile s` sums the programs' "
+             "compile times (on a pool they overlap, so it can exceed the elapsed warm-up). Decode tokens/s: 1 and 8 "
+             "requests of 64 greedy tokens after warm-up, best of 2 (`--speed`).", "",
+             "| run | device | XLA_FLAGS | env | row buckets | programs | compile threads | warmup() elapsed | "
+             "XLA compile s | decode tok/s b=1 / b=8 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         threads = r.get("compile_threads", 1)
-        lines.append(f"| {r['label']} | {r['device']} | `{r['xla_flags'] or '-'}` | {r['kernels']} | "
-                     f"{len(r['programs'])} | {threads} | {r['warmup_s']:.1f} s | {r['compile_s']:.1f} s |")
+        speed = r.get("decode_tok_s")
+        speed = f"{speed['b1']:,.0f} / {speed['b8']:,.0f}" if speed else "-"
+        env = " ".join(f"{k}={v}" for k, v in r.get("env", {}).items()) or r.get("kernels", "-")
+        lines.append(f"| {r['label']} | {r['device']} | `{r['xla_flags'] or '-'}` | {env} | "
+                     f"{r.get('row_buckets') or 'default'} | {len(r['programs'])} | {threads} | "
+                     f"{r['warmup_s']:.1f} s | {r['compile_s']:.1f} s | {speed} |")
     return "\n".join(lines) + "\n"
 
 
@@ -91,6 +97,8 @@ def main() -> None:
     print(report.table(), flush=True)
     rec = {"label": args.label, "compile_threads": report.compile_threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "kernels": os.environ.get("DS4JAX_KERNELS", "default"), "device": str(jax.devices()[0]),
+           "env": {k: v for k, v in os.environ.items() if k in ("DS4JAX_SCAN_MIN_REPEATS", "DS4JAX_KERNELS")},
+           "row_buckets": list(engine.row_buckets),
            "load_s": load_s, "warmup_s": warm_s,
            "compile_s": report.compile_seconds, "compiles": report.compiles, "disk_hits": report.disk_hits,
            "programs": [{"kind": p.kind, "shape": p.shape, "compiles": p.compiles, "compile_s": p.compile_seconds,

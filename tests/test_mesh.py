@@ -144,7 +144,8 @@ def test_engine_rows_on_data_parallel_pools():
     cfg = ds4jax.tiny()
     model = Model(cfg, params_lib.init(cfg, jax.random.key(0)))
     placed = place_model(model, make_mesh(data=2, devices=jax.devices()[:2]))
-    engine = ds4jax.Engine(placed, max_slots=8, max_context=64)
+    assert ds4jax.Engine(placed, max_slots=8, max_context=64).row_buckets == (2, 8)  # powers of 8 in units of data
+    engine = ds4jax.Engine(placed, max_slots=8, max_context=64, row_buckets=(2, 4, 8))
     assert engine.row_buckets == (2, 4, 8) and "'data'" in str(engine.tpool.swa_kv.sharding.spec)
     live = [SimpleNamespace(slot=s) for s in (5, 0, 6, 7)]  # slots 0-3 on shard 0, 4-7 on shard 1
     assert [lv and lv.slot for lv in engine._row_plan(live, engine.row_buckets)] == [0, None, None, None,

@@ -3,14 +3,19 @@
 An engine program is compiled once per shape, so these buckets fix the whole program set (`Engine.warmup`
 compiles each once; nothing compiles afterwards):
 
-* decode and speculative calls: one program per row bucket (`row_buckets`; default the powers of two up to
-  `max_slots`, in units of the mesh's data size), each running `steps_per_call` steps or rounds;
+* decode and speculative calls: one program per row bucket (`row_buckets`; default the powers of eight up to
+  `max_slots`, in units of the mesh's data size: 1, 8, 64, ..., max_slots), each running `steps_per_call` steps
+  or rounds. Eight, not two: each bucket is a program of several seconds of XLA on a GPU, and a small decode
+  batch is bound by reading the weights, so padding a call of 3 rows to 8 costs little. Measured on the H200
+  (docs/benchmarks/warmup_probe.md, default model, max_slots=8): cold warm-up 51 -> 33 s with (1, 8) instead of
+  (1, 2, 4, 8), decode at 1 / 8 rows 999 / 6,671 tokens/s against 949 / 6,237. A model whose routed experts
+  dominate the bytes (padding rows route too) may prefer finer buckets: pass `row_buckets`;
 * prefill calls: one program per prefill row bucket, of one width from a token budget: a call of R rows takes
   min(prefill_chunk, prefill_tokens // R) prompt tokens per row. A prefill call computes at most `prefill_tokens`
   tokens whatever its rows, and there are as many prefill programs as prefill row buckets (not rows x widths).
   The default budget, max(prefill_chunk, 16 x max_slots), gives every row bucket a prefill program whose rows
   take at least 16 tokens each (the whole chunk when it is smaller): max_slots=8, prefill_chunk=256 prefill
-  [1, 256], [2, 128], [4, 64], [8, 32];
+  [1, 256], [8, 32];
 * the snapshot restore: one program, on the widest prefill row bucket.
 
 `one_shot` sizes the engine of a `ds4jax.generate` call from buckets of the call's arguments, so a new prompt
@@ -35,12 +40,15 @@ def bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def powers_up_to(top: int, low: int = 1) -> tuple[int, ...]:
-    """low, 2 low, 4 low, ... below `top`, then `top`."""
+ROW_BUCKET_FACTOR = 8  # ratio of consecutive default row buckets (see the module docstring)
+
+
+def powers_up_to(top: int, low: int = 1, factor: int = 2) -> tuple[int, ...]:
+    """low, factor x low, factor^2 x low, ... below `top`, then `top`."""
     out, b = [], min(low, top)
     while b < top:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (top,)
 
 
@@ -84,7 +92,8 @@ def engine_buckets(slots: int, data: int, *, prefill_chunk: int, prefill_tokens:
     it is smaller), at least the first; with the default budget, every row bucket."""
     chunk = _positive(prefill_chunk, "prefill_chunk")
     budget = max(chunk, MIN_WIDTH * slots) if prefill_tokens is None else _positive(prefill_tokens, "prefill_tokens")
-    rows = _checked_rows(row_buckets or tuple(b * data for b in powers_up_to(slots // data)), "row buckets", slots)
+    default = tuple(b * data for b in powers_up_to(slots // data, factor=ROW_BUCKET_FACTOR))
+    rows = _checked_rows(row_buckets or default, "row buckets", slots)
     if rows[-1] < slots:  # a decode call can always take every slot
         rows += (slots,)
     if prefill_row_buckets:
