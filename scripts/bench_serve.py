@@ -322,7 +322,8 @@ def render_md(doc: dict) -> str:
              f"request, greedy; engine max_slots {doc['max_slots']}, steps_per_call {doc['steps_per_call']}, "
              f"logprobs {doc['max_logprobs']} (what `ds4jax serve` builds); matmul precision {doc['precision']}; "
              f"warm-up {doc['warmup_s']} s, compiles after warm-up {doc['compiles_after_warmup']}; best of "
-             f"{doc['repeats']} runs per level and side; {doc['cpus']} CPUs, clients in {doc['client_procs']} "
+             f"{doc['repeats']} runs per level and side; uvicorn's HTTP protocol {doc.get('http', '?')}; "
+             f"{doc['cpus']} CPUs, clients in {doc['client_procs']} "
              "processes.", "",
              "| clients | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
              "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token | engine thread CPU / token "
@@ -400,7 +401,9 @@ def main(argv=None) -> int:
            "model": "random tiny" if args.tiny else "default", "prompt_tokens": args.prompt_tokens,
            "new_tokens": args.new, "max_slots": slots, "steps_per_call": args.steps_per_call,
            "max_logprobs": args.max_logprobs, "precision": args.precision, "warmup_s": warm,
-           "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs), "levels": []}
+           "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs),
+           "http": uv.config.http_protocol_class.__name__,
+           "loop": uv.config.loop, "levels": []}
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     try:
