@@ -178,3 +178,31 @@ def test_numerics_argument():
         tiny(numerics=Numerics.OFFICIAL, index_head_dim=48)
     with pytest.raises(ConfigError, match="Config.numerics"):
         tiny(numerics="official")
+
+
+# ---- chosen at load ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["generate", "batch", "warmup", "serve"])
+def test_cli_numerics_flag(command, capsys):
+    from ds4jax import cli
+
+    need = {"generate": ["--prompt", "x"], "batch": ["in.jsonl", "out.jsonl"]}.get(command, [])
+    assert cli.build_parser().parse_args([command, *need, "--numerics", "official"]).numerics == "official"
+    assert cli.build_parser().parse_args([command, *need]).numerics == "reference"
+    assert cli.main([command, *need, "--numerics", "fp8"]) == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_load_options_reach_the_config(tmp_path):
+    """`ds4jax.load(..., numerics=...)` checks the value before reading anything; the CLI's loader passes the flag."""
+    import argparse
+
+    import ds4jax
+    from ds4jax.commands.generate import load_model
+
+    with pytest.raises(ArgumentError, match="numerics"):
+        ds4jax.load(str(tmp_path / "missing"), numerics="fp4")  # the argument first, not the missing directory
+    args = argparse.Namespace(checkpoint=None, dtype=None, numerics="official", mesh=None)
+    model = load_model(args)
+    assert model.config.numerics is Numerics.OFFICIAL
+    assert model.with_numerics("reference").config == ds4jax.default_model().config

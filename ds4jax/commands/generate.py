@@ -119,16 +119,17 @@ def load_model(args):
     cfg = None if args.checkpoint is None else load_config(require_checkpoint(args.checkpoint))
     layout = mesh_layout(args, cfg)  # joins a multi-process job first; None: one device
     check_agreement(args, args.checkpoint)
-    numerics = getattr(args, "numerics", "reference")  # a Namespace built by hand may not carry it
+    # only a non-default choice is passed on (a Namespace built by hand may not carry it; stand-in loaders need not)
+    numerics = {} if getattr(args, "numerics", "reference") == "reference" else {"numerics": args.numerics}
     if args.checkpoint is None:
-        model = default_model(jnp.dtype(args.dtype or "float32"), numerics=numerics)
+        model = default_model(jnp.dtype(args.dtype or "float32"), **numerics)
         if layout is None:
             return model
         from ds4jax.runtime.mesh import place_model
 
         return place_model(model, layout)
     return checkpoint.load(require_checkpoint(args.checkpoint), dtype=jnp.dtype(args.dtype or "bfloat16"),
-                           check_finite=getattr(args, "check_finite", True), mesh=layout, numerics=numerics)
+                           check_finite=getattr(args, "check_finite", True), mesh=layout, **numerics)
 
 
 def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:
