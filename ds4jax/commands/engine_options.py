@@ -29,12 +29,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="tokens (or speculative rounds) per host round trip")
     add_mesh_option(p)
     add_kv_dtype_option(p)
+    add_numerics_option(p)
 
 
 def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                    help="KV cache storage: auto = the model's dtype; fp8 = E4M3 with a scale per row (about twice "
                         "the tokens in the same memory; OCP, or FNUZ on MI300)")
+
+
+def add_numerics_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numerics", choices=("reference", "official"), default="reference",
+                   help="rounding: reference = HF transformers' numbers; official = the official inference code's "
+                        "FP8 / FP4 fake quantisation of KV, indexer and GEMM inputs (docs/official_numerics.md)")
 
 
 def check_engine_values(args: argparse.Namespace) -> None:

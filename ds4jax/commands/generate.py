@@ -13,7 +13,7 @@ import sys
 import time
 import unicodedata
 
-from ds4jax.commands.engine_options import add_kv_dtype_option
+from ds4jax.commands.engine_options import add_kv_dtype_option, add_numerics_option
 from ds4jax.commands.mesh_options import add_mesh_option
 from ds4jax.commands.options import HelpFormatter, Progress, integer, non_negative_float, positive_int, probability
 
@@ -45,6 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "is identical to plain decoding in float32; in bfloat16 it can part on near-ties); "
                         "acceptance stats on stderr")
     add_kv_dtype_option(p)
+    add_numerics_option(p)
     p.add_argument("--steps-per-call", type=positive_int, default=STREAM_STEPS, metavar="M",
                    help="decode steps (speculative rounds) per host round trip: tokens print as each call returns, "
                         "so 1 prints every token as it is sampled; larger M trades smoothness for throughput")
@@ -118,15 +119,17 @@ def load_model(args):
     cfg = None if args.checkpoint is None else load_config(require_checkpoint(args.checkpoint))
     layout = mesh_layout(args, cfg)  # joins a multi-process job first; None: one device
     check_agreement(args, args.checkpoint)
+    # only a non-default choice is passed on (a Namespace built by hand may not carry it; stand-in loaders need not)
+    numerics = {} if getattr(args, "numerics", "reference") == "reference" else {"numerics": args.numerics}
     if args.checkpoint is None:
-        model = default_model(jnp.dtype(args.dtype or "float32"))
+        model = default_model(jnp.dtype(args.dtype or "float32"), **numerics)
         if layout is None:
             return model
         from ds4jax.runtime.mesh import place_model
 
         return place_model(model, layout)
     return checkpoint.load(require_checkpoint(args.checkpoint), dtype=jnp.dtype(args.dtype or "bfloat16"),
-                           check_finite=getattr(args, "check_finite", True), mesh=layout)
+                           check_finite=getattr(args, "check_finite", True), mesh=layout, **numerics)
 
 
 def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:

@@ -42,7 +42,7 @@ from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # n
 from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc,
                                           check_finite_values, check_tid2eid, open_shards, path_of, plan, read_config,
                                           read_scale, read_tensor, resolve, validate)
-from ds4jax.model.config import Config
+from ds4jax.model.config import Config, Numerics
 from ds4jax.model import footprint, layer_stack
 from ds4jax.model.handle import Model
 from ds4jax.model.params import abstract
@@ -126,7 +126,7 @@ def weights_mode(weights: str | None, mesh=None) -> str:
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False, mesh=None,
-         rules=None, weights: str | None = None) -> Model:
+         rules=None, weights: str | None = None, numerics: Numerics | str = Numerics.REFERENCE) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
     format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
 
@@ -140,7 +140,16 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bo
     (`ds4jax.model.quantized.QuantizedWeight`, `ds4jax.io.quantized_load`), ``"bf16"`` dequantizes them into
     `dtype`; default: "checkpoint" on a GPU, "bf16" on a CPU and on a mesh (no quantized sharding yet).
     Unquantized checkpoints load the same either way.
+    `numerics`: ``"reference"`` (HF transformers' numbers) or ``"official"`` (the official inference code's FP8 /
+    FP4 fake quantisation of KV, indexer and GEMM inputs; `ds4jax.model.official_numerics`), checked before any
+    file is read.
     """
+    numerics = Numerics.parse(numerics)
+    model = _load(path, dtype, check_finite=check_finite, mesh=mesh, rules=rules, weights=weights)
+    return model if numerics is model.config.numerics else model.with_numerics(numerics)
+
+
+def _load(path, dtype, *, check_finite: bool, mesh, rules, weights) -> Model:
     ensure_compilation_cache()  # casting and placing the weights compiles too (ds4jax.compilation_cache)
     dtype = check_dtype(dtype)
     keep = weights_mode(weights, mesh) == "checkpoint"

@@ -52,10 +52,11 @@ def _load(path: str, dtype: Any) -> Model:
     return load(path, dtype=dtype)
 
 
-def default_model(dtype: Any = jnp.float32) -> Model:
+def default_model(dtype: Any = jnp.float32, numerics: str = "reference") -> Model:
     """The trained default model. Weights are stored in bfloat16; the default compute dtype is float32 (faster on
-    CPU, where bfloat16 matmuls are emulated)."""
-    return _load(default_checkpoint(), jnp.dtype(dtype))
+    CPU, where bfloat16 matmuls are emulated). `numerics`: as `ds4jax.load`'s."""
+    model = _load(default_checkpoint(), jnp.dtype(dtype))
+    return model if numerics == "reference" else model.with_numerics(numerics)
 
 
 def default_tokenizer() -> Tokenizer:

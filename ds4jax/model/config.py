@@ -1,7 +1,9 @@
 """Frozen, hashable DeepSeek-V4 architecture config, presets and the HF ``config.json`` converter.
 
-`Config` holds architecture only (spec §1). Capacities of KV pools live in `ds4jax.runtime.pool_spec.PoolSpec`;
-kernel choices live in the step spec. A `Config` is a static argument of every jitted function.
+`Config` holds architecture (spec §1) plus `numerics`, the rounding recipe chosen at load (``ds4jax.load(...,
+numerics=...)``; not part of ``config.json``). Capacities of KV pools live in `ds4jax.runtime.pool_spec.PoolSpec`;
+kernel choices live in the step spec. A `Config` is a static argument of every jitted function, so every program
+specialises on the numerics as on the architecture.
 """
 
 from __future__ import annotations
@@ -21,6 +23,26 @@ class AttentionType(enum.Enum):
     SLIDING = "sliding_attention"  # ratio 0: sliding window only
     CSA = "compressed_sparse_attention"  # ratio 4: overlapping compressor + lightning indexer top-k
     HCA = "heavily_compressed_attention"  # ratio 128: non-overlapping compressor, dense over entries
+
+
+class Numerics(enum.Enum):
+    """Which rounding the model applies (`ds4jax.model.official_numerics`, docs/official_numerics.md)."""
+
+    REFERENCE = "reference"  # HF transformers' numbers: no fake quantisation (the default)
+    OFFICIAL = "official"  # the official inference code's QAT simulations: FP8 KV / activations, FP4 indexer
+
+    @classmethod
+    def parse(cls, value: "Numerics | str") -> "Numerics":
+        """A `numerics` argument (a member or its name) -> the member; `ArgumentError` naming the choices."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            from ds4jax.errors import ArgumentError
+
+            raise ArgumentError(f"must be one of {', '.join(repr(m.value) for m in cls)}", name="numerics",
+                                value=value) from None
 
 
 class MlpType(enum.Enum):
@@ -72,6 +94,7 @@ class Config:
     num_mtp_layers: int = 1
     bos_token_id: int = 0
     eos_token_id: int = 1
+    numerics: Numerics = Numerics.REFERENCE  # a load-time choice, not architecture: never written to config.json
 
     def __post_init__(self):
         validate(self)
@@ -226,6 +249,11 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < cfg.vocab_size:
             _fail(name, f"must be a token id inside the vocabulary [0, {cfg.vocab_size}), got {value!r}")
+    if not isinstance(cfg.numerics, Numerics):
+        _fail("numerics", f"must be a Numerics member, got {cfg.numerics!r}")
+    if cfg.numerics is Numerics.OFFICIAL and cfg.index_head_dim & (cfg.index_head_dim - 1):
+        _fail("numerics", f"'official' rotates indexer vectors with a Sylvester Hadamard, which needs a power-of-two "
+                          f"index_head_dim, got {cfg.index_head_dim}")
     from ds4jax.model.footprint import check_parameters  # it reads the parameter declaration, which imports us
 
     check_parameters(cfg)

@@ -17,6 +17,7 @@ from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre
 from ds4jax.model.layers import moe_sharded
 from ds4jax.model.layers.moe import Routing, moe
 from ds4jax.model.layers.norms import rms_norm
+from ds4jax.model import official_numerics as numerics
 
 # attention sub-layer: normalised input [b, t, e] -> (output [b, t, e], extra)
 AttentionFn = Callable[[jax.Array], tuple[jax.Array, Any]]
@@ -90,6 +91,7 @@ def mtp_inputs(cfg: Config, params: dict, streams: jax.Array, next_ids: jax.Arra
     p = params["mtp"]
     e = rms_norm(params["embed"][next_ids], p["enorm"], cfg.rms_norm_eps)
     h = rms_norm(streams, p["hnorm"], cfg.rms_norm_eps)
+    h, e = numerics.round_act(h, cfg), numerics.round_act(e, cfg)  # both are FP8 linears' inputs
     return linear(h, p["h_proj"]) + linear(e, p["e_proj"])[..., None, :]
 
 

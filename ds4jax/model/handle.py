@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from ds4jax.model import layer_stack
-from ds4jax.model.config import Config
+from ds4jax.model.config import Config, Numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,11 @@ class Model:
     @property
     def has_mtp(self) -> bool:
         return "mtp" in self.params
+
+    def with_numerics(self, numerics: Numerics | str) -> "Model":
+        """The same weights under another rounding recipe (``"reference"`` or ``"official"``: `Numerics`,
+        docs/official_numerics.md); every program then compiles for it (the config is their static argument)."""
+        return dataclasses.replace(self, config=self.config.replace(numerics=Numerics.parse(numerics)))
 
     def unrolled(self) -> "Model":
         """The same model with per-layer params (unrolled programs)."""

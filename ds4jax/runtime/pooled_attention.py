@@ -33,7 +33,8 @@ from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.layers import compressor, indexer
 from ds4jax.runtime import kernels, kv_quant
 from ds4jax.runtime.kernels import Impl
-from ds4jax.model.layers.attention import layer_inv_freq, output_projection, project_qkv
+from ds4jax.model.layers.attention import (index_rounding, kv_rounding, layer_inv_freq, output_projection,
+                                           project_qkv)
 
 
 class ChunkGeometry(NamedTuple):
@@ -111,8 +112,8 @@ class CompressorState(NamedTuple):
 
 
 def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int, overlap: bool, width: int,
-                   inv_freq, eps: float):
-    """Entries closed by this chunk and the updated state ring.
+                   inv_freq, eps: float, rounding=None):
+    """Entries closed by this chunk and the updated state ring (`rounding`: `compressor.pool`'s).
 
     Returns (entries [B, E, width], entry ids [B, E], entry valid [B, E], new state). E = C // ratio + 1."""
     b, chunk, _ = x.shape
@@ -147,7 +148,7 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
     # zero what padding entries read so nothing non-finite flows anywhere
     slot_kv = jnp.where(ok[..., None, None], slot_kv, 0.0)
     slot_gate = jnp.where(ok[..., None, None], slot_gate, 0.0)
-    entries = compressor.pool(slot_kv.astype(x.dtype), slot_gate, p, ids * ratio, inv_freq, eps)
+    entries = compressor.pool(slot_kv.astype(x.dtype), slot_gate, p, ids * ratio, inv_freq, eps, rounding)
     new_state = CompressorState(rewrite_ring(state.kv, kv, g), rewrite_ring(state.gate, gate, g))
     return entries, ids, ok, new_state
 
@@ -242,7 +243,8 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
         with jax.named_scope("compressor"):
             ents, ids, ok, state = compress_chunk(
                 x, p["compressor"], CompressorState(pools.state_kv, pools.state_gate), g, ratio=ratio,
-                overlap=overlap, width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+                overlap=overlap, width=cfg.head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps,
+                rounding=kv_rounding(cfg))
             paged, paged_scale = store_entries(pools.entries, pools.entries_scale, ents, ids, ok, g, ratio, page_size)
         new = new._replace(entries=paged, entries_scale=paged_scale, state_kv=state.kv, state_gate=state.gate)
         table = paged.flat()
@@ -256,7 +258,8 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
                 ip = p["indexer"]
                 ients, iids, iok, istate = compress_chunk(
                     x, ip["compressor"], CompressorState(pools.index_state_kv, pools.index_state_gate), g,
-                    ratio=ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+                    ratio=ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps,
+                    rounding=index_rounding(cfg))
                 ipaged, ipaged_scale = store_entries(pools.index_entries, pools.index_entries_scale, ients, iids,
                                                      iok, g, ratio, page_size)
                 new = new._replace(index_entries=ipaged, index_entries_scale=ipaged_scale, index_state_kv=istate.kv,

@@ -14,6 +14,7 @@ import numpy as np
 
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.layers import compressor, indexer
+from ds4jax.model import official_numerics as numerics
 from ds4jax.model.layers.linear import linear
 from ds4jax.model.layers.norms import rms_norm, unweighted_rms_norm
 from ds4jax.model.layers.rope import apply_rope, inv_frequencies
@@ -24,12 +25,17 @@ def layer_inv_freq(cfg: Config, kind: AttentionType) -> np.ndarray:
 
 
 def project_qkv(x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq: np.ndarray):
-    """x [b, t, e] -> (q_latent [b, t, l], q [b, t, h, d], kv [b, t, d])."""
-    q_latent = rms_norm(linear(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps)
-    q = linear(q_latent, p["wq_b"]).reshape(x.shape[:-1] + (cfg.num_heads, cfg.head_dim))
+    """x [b, t, e] -> (q_latent [b, t, l], q [b, t, h, d], kv [b, t, d]).
+
+    Under ``numerics="official"`` the inputs of the FP8 linears and kv's non-rope dims are rounded
+    (`official_numerics`); q_latent is returned unrounded (the indexer's wq_b rounds its own input)."""
+    xq = numerics.round_act(x, cfg)
+    q_latent = rms_norm(linear(xq, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps)
+    q = linear(numerics.round_act(q_latent, cfg), p["wq_b"])
+    q = q.reshape(x.shape[:-1] + (cfg.num_heads, cfg.head_dim))
     q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), positions, inv_freq)
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps), positions, inv_freq)
-    return q_latent, q, kv
+    kv = apply_rope(rms_norm(linear(xq, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps), positions, inv_freq)
+    return q_latent, q, numerics.round_kv(kv, cfg)
 
 
 def attention_probs(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
@@ -64,7 +70,7 @@ def output_projection(o: jax.Array, positions: jax.Array, p: dict, cfg: Config, 
     # heads of group k are contiguous; group-major layout ("gni,gio") is a batched matmul every backend supports
     grouped = o.reshape(b * t, cfg.o_groups, -1).transpose(1, 0, 2)
     z = jnp.einsum("gni,gio->gno", grouped, p["wo_a"].astype(o.dtype), preferred_element_type=jnp.float32)
-    return linear(z.astype(o.dtype).transpose(1, 0, 2).reshape(b, t, -1), p["wo_b"])
+    return linear(numerics.round_act(z.astype(o.dtype).transpose(1, 0, 2).reshape(b, t, -1), cfg), p["wo_b"])
 
 
 def sliding_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -104,7 +110,7 @@ def sequence_keys(x: jax.Array, p: dict, cfg: Config, kind: AttentionType) -> Se
         ratio = cfg.compress_ratio_of(kind)
         entries = compressor.compress_sequence(
             x, p["compressor"], ratio=ratio, overlap=kind is AttentionType.CSA, width=cfg.head_dim,
-            inv_freq=inv_freq, eps=cfg.rms_norm_eps)
+            inv_freq=inv_freq, eps=cfg.rms_norm_eps, rounding=kv_rounding(cfg))
         n = entries.shape[1]
         causal = jnp.arange(n)[None, None, :] < ((positions + 1) // ratio)[..., None]  # [b, t, n]
         if kind is AttentionType.CSA:
@@ -118,11 +124,21 @@ def sequence_keys(x: jax.Array, p: dict, cfg: Config, kind: AttentionType) -> Se
     return SequenceKeys(positions, q, keys, valid, selection)
 
 
+def kv_rounding(cfg: Config):
+    """What a main compressor applies to its entries (`compressor.pool`'s `rounding`)."""
+    return lambda entries: numerics.round_kv(entries, cfg)
+
+
+def index_rounding(cfg: Config):
+    """What the indexer's compressor applies to its keys."""
+    return lambda keys: numerics.round_index(keys, cfg)
+
+
 def csa_select(x, q_latent, positions, p, cfg: Config, inv_freq, causal) -> jax.Array:
     """Indexer top-k for a whole sequence: [b, t, min(index_topk, n)] entry ids (-1 = none)."""
     keys = compressor.compress_sequence(
         x, p["compressor"], ratio=cfg.csa_ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq,
-        eps=cfg.rms_norm_eps)
+        eps=cfg.rms_norm_eps, rounding=index_rounding(cfg))
     if keys.shape[1] == 0:
         return jnp.zeros(positions.shape + (0,), jnp.int32)
     q, weights = indexer.queries(q_latent, x, positions, p, cfg, inv_freq)

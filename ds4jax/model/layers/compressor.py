@@ -20,13 +20,16 @@ def project(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
     return linear(x, p["wkv"]), linear(x, p["wgate"])
 
 
-def pool(kv: jax.Array, gate: jax.Array, p: dict, positions: jax.Array, inv_freq: np.ndarray, eps: float) -> jax.Array:
+def pool(kv: jax.Array, gate: jax.Array, p: dict, positions: jax.Array, inv_freq: np.ndarray, eps: float,
+         rounding=None) -> jax.Array:
     """kv, gate [..., slots, w] (gate already biased; -inf = empty slot) -> normalised, rotated entries [..., w].
 
-    positions: [...] the entry positions (w*ratio)."""
+    positions: [...] the entry positions (w*ratio). `rounding` (entries -> entries, None = none) is the last
+    step: ``numerics="official"``'s FP8 of main entries or Hadamard + FP4 of indexer keys (`official_numerics`)."""
     weights = jax.nn.softmax(gate.astype(jnp.float32), axis=-2)
     pooled = jnp.sum(kv.astype(jnp.float32) * weights, axis=-2).astype(kv.dtype)
-    return apply_rope(rms_norm(pooled, p["norm"], eps), positions, inv_freq)
+    entries = apply_rope(rms_norm(pooled, p["norm"], eps), positions, inv_freq)
+    return entries if rounding is None else rounding(entries)
 
 
 def overlap_slots(kv: jax.Array, gate: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
@@ -43,7 +46,8 @@ def overlap_slots(kv: jax.Array, gate: jax.Array, width: int) -> tuple[jax.Array
 
 
 def compress_sequence(
-    x: jax.Array, p: dict, *, ratio: int, overlap: bool, width: int, inv_freq: np.ndarray, eps: float
+    x: jax.Array, p: dict, *, ratio: int, overlap: bool, width: int, inv_freq: np.ndarray, eps: float,
+    rounding=None,
 ) -> jax.Array:
     """Full-sequence compression from position 0: x [B, T, e] -> entries [B, T // ratio, width]."""
     b, t, _ = x.shape
@@ -56,4 +60,4 @@ def compress_sequence(
     if overlap:
         kv, gate = overlap_slots(kv, gate, width)
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (b, n))
-    return pool(kv, gate, p, positions, inv_freq, eps)
+    return pool(kv, gate, p, positions, inv_freq, eps, rounding)

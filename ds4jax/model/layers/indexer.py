@@ -10,13 +10,16 @@ import jax.numpy as jnp
 from ds4jax.model.config import Config
 from ds4jax.model.layers.linear import linear, linear_f32
 from ds4jax.model.layers.rope import apply_rope
+from ds4jax.model import official_numerics as numerics
 
 
 def queries(q_latent: jax.Array, x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_freq):
-    """q_latent [..., t, l], x [..., t, e] -> (q [..., t, hi, di], head weights [..., t, hi] float32)."""
-    q = linear(q_latent, p["wq_b"])
+    """q_latent [..., t, l], x [..., t, e] -> (q [..., t, hi, di], head weights [..., t, hi] float32).
+
+    Under ``numerics="official"`` wq_b's input is rounded and q is Hadamard-rotated and FP4-rounded like the keys."""
+    q = linear(numerics.round_act(q_latent, cfg), p["wq_b"])
     q = q.reshape(q.shape[:-1] + (cfg.index_num_heads, cfg.index_head_dim))
-    q = apply_rope(q, positions, inv_freq)
+    q = numerics.round_index(apply_rope(q, positions, inv_freq), cfg)
     weights = linear_f32(x, p["weights_proj"]) * cfg.index_num_heads**-0.5
     return q, weights
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import Config, MlpType
 from ds4jax.model.layers.linear import linear, linear_f32
+from ds4jax.model import official_numerics as numerics
 from ds4jax.model.quantized import dense
 
 
@@ -40,7 +41,10 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 def shared_expert(x: jax.Array, p: dict, cfg: Config) -> jax.Array:
-    return linear(swiglu(linear(x, p["w1"]), linear(x, p["w3"]), cfg.swiglu_limit), p["w2"])
+    """An FP8 SwiGLU MLP: under ``numerics="official"`` both its GEMMs' inputs are rounded (`round_act`)."""
+    x = numerics.round_act(x, cfg)
+    h = swiglu(linear(x, p["w1"]), linear(x, p["w3"]), cfg.swiglu_limit)
+    return linear(numerics.round_act(h, cfg), p["w2"])
 
 
 def moe_strategy(rows: int, num_experts: int) -> str:
@@ -127,5 +131,8 @@ def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType,
     flat = x.reshape(-1, shape[-1])
     routing = route(flat, token_ids.reshape(-1), p, cfg, kind)
     routed = routed or routed_experts
-    out = routed(flat, routing, p["experts"], cfg) + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
+    # the routed experts' input rounded as the official FP4 GEMMs' (not their hidden, W2's input: see
+    # docs/official_numerics.md)
+    out = routed(numerics.round_act(flat, cfg), routing, p["experts"], cfg)
+    out = out + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
     return out.astype(x.dtype).reshape(shape), routing

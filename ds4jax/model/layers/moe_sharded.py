@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ds4jax.model.config import Config, MlpType
 from ds4jax.model.layers.moe import Routing, route, routed_experts, shared_expert
+from ds4jax.model import official_numerics as numerics
 from ds4jax.model.sharding import Active, spec_axes
 
 
@@ -82,6 +83,6 @@ def moe(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, kind: MlpType,
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     routing = route(flat, token_ids.reshape(-1), p, cfg, kind)
-    out = routed_experts_sharded(flat, routing, p["experts"], cfg, act)
+    out = routed_experts_sharded(numerics.round_act(flat, cfg), routing, p["experts"], cfg, act)
     out = out + shared_expert(flat, p["shared"], cfg).astype(jnp.float32)
     return out.astype(x.dtype).reshape(shape), routing
