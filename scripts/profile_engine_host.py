@@ -7,12 +7,15 @@ The engine's program calls (`_prefill_call`, `_decode_call`, `_spec_call`, `_res
 to `block_until_ready`, and so is every `ds4jax.runtime.distributed.fetch` the generation modules call (device ->
 host copies). Host time = the run's time minus the time in those wrappers: the engine's own Python (row planning,
 delivery, logprobs, books). Both the wall clock and the calling thread's CPU time (`time.thread_time`) are
-reported; on a shared machine the thread CPU is the steadier number. Cases:
+reported; on a shared machine the thread CPU is the steadier number. `call_cpu_ms_per_call` is the thread's CPU
+inside the wrappers (dispatch and fetch; on CPU the device work runs on XLA's own threads). Cases:
 
 * ``lp20_none``: an engine with logprobs=20 whose requests ask for none (what `ds4jax serve` builds, and most of
   its requests), through `stream` with an `on_token` callback (the server's driver shape);
 * ``lp0``: an engine without logprobs, through `generate`;
-* ``lp20_asked``: logprobs=20 and every request asks for 5 alternatives (`stream` + `on_token`).
+* ``lp20_asked``: logprobs=20 and every request asks for 5 alternatives (`stream` + `on_token`);
+* ``*_host_only``: `Engine._decode_once` alone, its program and fetch replaced by canned numpy outputs
+  (`host_only`): the engine's own Python per decode call, the steadiest number on a shared machine.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python scripts/profile_engine_host.py --out docs/benchmarks/engine_host_cpu.json \
         --label after [--profile 25]
@@ -28,6 +31,7 @@ import os
 import pstats
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -99,7 +103,51 @@ def run_once(engine: Engine, reqs, streaming: bool, clock: Clock, prof=None) -> 
     return dict(tokens=tokens, decode_calls=calls, wall_s=wall, program_wall_s=clock.wall,
                 host_wall_us_per_token=1e6 * host_wall / tokens, host_cpu_us_per_token=1e6 * host_cpu / tokens,
                 host_wall_ms_per_call=1e3 * host_wall / calls, host_cpu_ms_per_call=1e3 * host_cpu / calls,
+                # this thread's CPU inside the wrapped calls: dispatch (argument flattening, the executable cache's
+                # lookup, transfers) and fetches; the device's own work runs on other threads
+                call_cpu_ms_per_call=1e3 * clock.cpu / calls,
                 tokens_digest=hash(tuple(tuple(r.tokens) for r in results)) & 0xFFFFFFFF)
+
+
+def host_only(model, tokenizer, lp: int, on_token, streaming: bool, slots: int, new: int, repeats: int) -> dict:
+    """`Engine._decode_once` alone with the decode program and the fetch replaced by canned numpy outputs (every
+    row emits M tokens per call): the engine's own Python per call, free of XLA's threads sharing the cores."""
+    from ds4jax.generation import engine as engine_mod
+    from ds4jax.generation.delivery import Live
+    from ds4jax.generation.request_checks import check_for_engine
+
+    eng = Engine(model, max_slots=slots, max_context=512, steps_per_call=4, logprobs=lp, tokenizer=tokenizer)
+    m = eng.steps_per_call
+    out = types.SimpleNamespace(tokens=(np.arange(slots * m, dtype=np.int32).reshape(slots, m) % 200 + 3),
+                                steps=np.int32(m), bad=np.full(slots, -1, np.int32), logprobs=None)
+    real_fetch = engine_mod.fetch
+    engine_mod.fetch, eng._decode_call = (lambda tree: tree), (lambda rows: out)
+    eng.programs = types.SimpleNamespace(lengths=lambda pool: np.zeros(slots, np.int32))
+    best = None
+    try:
+        for _ in range(repeats):
+            eng._slots.clear()
+            part = []
+            for i in range(slots):
+                req = Request(prompt=[5] * 64, max_new_tokens=new + 1, on_token=on_token)
+                lv = Live.start(i, req, check_for_engine(req, eng.limits, tokenizer=None), 0.0)
+                lv.slot, lv.pos, lv.cur, lv.result.tokens = i, 64, 7, [7]  # prefilled, first token out
+                eng._slots[i] = lv
+                if hasattr(eng, "_table"):  # (trees before the SlotTable write it at admission)
+                    eng._table.admit(lv)
+                part.append(lv)
+            calls, c = 0, time.thread_time()
+            while not all(lv.done for lv in part):
+                eng._decode_once([lv for lv in part if not lv.done], 0, [] if streaming else None)
+                calls += 1
+            cpu = time.thread_time() - c
+            tokens = sum(len(lv.result.tokens) - 1 for lv in part)
+            got = dict(tokens=tokens, decode_calls=calls, host_cpu_us_per_token=1e6 * cpu / tokens,
+                       host_cpu_ms_per_call=1e3 * cpu / calls)
+            best = got if best is None or got["host_cpu_us_per_token"] < best["host_cpu_us_per_token"] else best
+    finally:
+        engine_mod.fetch = real_fetch
+    return best
 
 
 def main() -> None:
@@ -151,6 +199,15 @@ def main() -> None:
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.profile)
             print(s.getvalue())
         sink.clear()
+
+    for case in a.cases.split(","):  # the same cases with the programs replaced by canned outputs
+        lp, streaming = {"lp20_none": (20, True), "lp0": (0, False), "lp20_asked": (20, True)}[case]
+        if case == "lp20_asked":
+            continue  # canned outputs carry no logprobs
+        got = host_only(model, tokenizer, lp, on_token if streaming else None, streaming, a.max_slots, a.new,
+                        a.repeats * 3)
+        report[f"{case}_host_only"] = got
+        print(f"{case}_host_only", json.dumps(got), flush=True)
 
     data = json.load(open(a.out)) if os.path.exists(a.out) else {}
     data[a.label] = dict(config=dict(max_slots=a.max_slots, max_context=512, steps_per_call=4,
