@@ -39,10 +39,11 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
-from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan
+from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan, run_ahead
 from ds4jax.generation.admission import EngineAdmission
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
+from ds4jax.generation.decode_calls import EngineDecode
 from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
 from ds4jax.generation.fused_programs import FusedPrograms
@@ -74,7 +75,7 @@ def _programs(layout, cfg, params, logprobs: int) -> Programs:
     return FusedPrograms(layout, cfg, params, logprobs)
 
 
-class Engine(EngineAdmission, EngineParking, EngineSnapshots, EngineWarmup):
+class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, EngineWarmup):
     """Serve `Request`s on one model. See the module docstring; `generate`, `stream`, `warmup`, `stats`.
 
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
@@ -159,6 +160,8 @@ class Engine(EngineAdmission, EngineParking, EngineSnapshots, EngineWarmup):
         self._new_state(Role.DRAFT)
         self._slots: dict[int, Live] = {}  # slot -> live request
         self._to_reset: set[int] = set()
+        self._ahead: run_ahead.Ahead | None = None  # a plain decode call started before the last one was read
+        self._read_at = 0.0  # when the last decode call's outputs were read
 
     def _new_state(self, role: Role) -> None:
         """Fresh pools, books and (target) per-slot state of a role."""
@@ -261,6 +264,9 @@ class Engine(EngineAdmission, EngineParking, EngineSnapshots, EngineWarmup):
                 if not (queue or self._slots):
                     break
                 events: list[TokenEvent] | None = [] if streaming else None
+                waiting = bool(queue) and len(self._slots) < self.tspec.max_slots  # admission may rewrite pages
+                if self._ahead is not None and waiting:
+                    self._guarded(self._ahead.part, lambda: self._land(events))
                 restored = self._admit(queue)
                 if restored:
                     self._guarded(restored, lambda: self._restore_once(restored, events))
@@ -269,12 +275,15 @@ class Engine(EngineAdmission, EngineParking, EngineSnapshots, EngineWarmup):
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if not lv.prefilling and not lv.done]
-                for part, k in self._decode_parts(decoding):
-                    self._guarded(part, lambda: self._decode_once(part, k, events))
+                parts = list(self._decode_parts(decoding))
+                ahead_ok = len(parts) == 1 and not waiting and not prefilling
+                for part, k in parts:
+                    self._guarded(part, lambda: self._decode_once(part, k, events, ahead_ok))
                 self._release_finished()
                 if events:
                     yield events
         finally:
+            self._ahead = None  # rows that finished while it ran: its pool is the engine's, its tokens nobody's
             self._abandon()
             n = compile_count() - before
             self.stats.compiles += n
@@ -398,40 +407,3 @@ class Engine(EngineAdmission, EngineParking, EngineSnapshots, EngineWarmup):
             r = row_of[lv.slot]
             if finishing[r]:
                 self._first_token(lv, int(first[r]), logprob_rows.first(lp, r, lv.request.logprobs), now, events)
-
-    def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent] | None) -> None:
-        """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`; its outputs
-        come back in one fetch (logprobs only if a request of `part` asked), then go out row by row."""
-        plan = self._row_plan(part, self.row_buckets)
-        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        rows = self._padding_rows(plan, [min(lv.k, k) for lv in plan if lv is not None])
-        slots = np.array([lv.slot for lv in part], np.int32)
-        start = time.perf_counter()
-        if k:
-            behind = slots[self.dbook.lengths[slots] != self.tbook.lengths[slots]]
-            if behind.size:  # decoded plainly for a while: the draft's cache rejoins at the target's length
-                self.dbook.lengths[behind] = self.tbook.lengths[behind]
-                self.dpool = self.dbook.sync(self.dpool)
-            out = self._spec_call(rows)
-        else:
-            out = self._decode_call(rows)
-        tokens, ran, bad, lengths, accepted, lp = fetch(
-            (out.tokens, out.rounds if k else out.steps, out.bad, self.programs.lengths(self.tpool),
-             out.accepted if k else None, logprob_rows.wanted(out.logprobs, part)))
-        ran = int(ran)
-        if k:
-            self.stats.spec_calls += 1
-            self.stats.spec_rounds += ran
-        else:
-            self.stats.decode_calls += 1
-            self.stats.decode_steps += ran
-        self.policy.observe_cost(len(plan), k, time.perf_counter() - start, ran)
-        self.tbook.lengths[slots] = lengths[slots]
-        if k:  # the draft pool advances with the target in every round
-            self.dbook.lengths[slots] = lengths[slots]
-            accepted = accepted.tolist()
-            for lv in part:
-                got = [a for a in accepted[row_of[lv.slot]] if a >= 0]
-                lv.result.accepted_per_round.extend(got)
-                self.policy.observe_rounds(lv, got, min(lv.k, k))
-        self._out.deliver_call(part, row_of, tokens, bad, lp, events, self.check_finite)
