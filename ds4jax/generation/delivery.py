@@ -12,9 +12,10 @@ import time
 
 import numpy as np
 
+from ds4jax.generation import logprob_rows
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
-from ds4jax.generation.sampling import seed_key_data
+from ds4jax.generation.sampling import TokenLogprobs, seed_key_data
 
 
 @dataclasses.dataclass
@@ -97,6 +98,15 @@ def track_budget(lv: Live, token: int) -> None:
         lv.in_span, lv.span_count = True, 0
 
 
+def _event(request: int, token: int, index: int, logprob, _new=object.__new__, _set=object.__setattr__) -> TokenEvent:
+    """`TokenEvent(request, token, index, logprob)`, the same object (equal, hashing, printing and pickling alike),
+    built with one attribute write instead of the frozen dataclass's four guarded ones: about half the cost of
+    a streamed token's event (tests/test_delivery_bulk.py checks it equals the constructor's)."""
+    ev = _new(TokenEvent)
+    _set(ev, "__dict__", {"request": request, "token": token, "index": index, "logprob": logprob})
+    return ev
+
+
 class Delivery:
     """Delivers tokens and finishes requests for one engine; `on_result` is the running call's callback."""
 
@@ -104,38 +114,79 @@ class Delivery:
         self.stats, self.tokenizer = stats, tokenizer
         self.on_result = None
 
-    def deliver(self, lv: Live, tokens: list[int], events: list[TokenEvent], logprobs=None) -> None:
-        """logprobs: one `TokenLogprob` per token, or None (the request asked for none)."""
+    def deliver(self, lv: Live, tokens: list[int], events: list[TokenEvent] | None, logprobs=None) -> None:
+        """logprobs: one `TokenLogprob` per token, or None (the request asked for none). events: where the stream's
+        `TokenEvent`s go (None: nobody reads them, `Engine.generate`)."""
         del lv.forced[: len(tokens)]  # forced tokens are the first a call emits
+        if lv.done or not tokens:
+            return
+        q, res = lv.request, lv.result
+        if q.on_token is None and not q.stop_strings and (q.budget is None or lv.budget_done):
+            # nothing can end the request between these tokens, nor watches them one by one: all at once
+            n = len(res.tokens)
+            res.tokens.extend(tokens)
+            if logprobs is not None:
+                res.logprobs.extend(logprobs)
+            lv.cur = tokens[-1]
+            self.stats.tokens += len(tokens)
+            if events is not None:
+                i = lv.index
+                events.extend([_event(i, t, n + j, None if logprobs is None else logprobs[j])
+                               for j, t in enumerate(tokens)])
+            return
+        out, on_token, stop_strings, budget = res.tokens, q.on_token, q.stop_strings, q.budget is not None
         for j, t in enumerate(tokens):
             if lv.done:
                 return
-            track_budget(lv, t)
-            res = lv.result
+            if budget:
+                track_budget(lv, t)
             lp = logprobs[j] if logprobs is not None else None
-            ev = TokenEvent(lv.index, t, len(res.tokens), lp)
-            res.tokens.append(t)
+            ev = _event(lv.index, t, len(out), lp)
+            out.append(t)
             if lp is not None:
                 res.logprobs.append(lp)
             lv.cur = t
             self.stats.tokens += 1
-            events.append(ev)
-            if lv.request.on_token is not None:
+            if events is not None:
+                events.append(ev)
+            if on_token is not None:
                 try:
-                    keep = lv.request.on_token(ev)
+                    keep = on_token(ev)
                 except Exception as exc:  # noqa: BLE001 - the callback's failure cancels its own request only
                     self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"on_token raised {exc!r}")
                     return
                 if keep is False:
                     self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, "on_token returned False")
                     return
-            if lv.request.stop_strings:
-                text = self.tokenizer.decode(res.tokens)
-                hit = [text.index(s) for s in lv.request.stop_strings if s and s in text]
+            if stop_strings:
+                text = self.tokenizer.decode(out)
+                hit = [text.index(s) for s in stop_strings if s and s in text]
                 if hit:
                     self.finish(lv, FinishReason.STOP)
                     lv.result.text = text[: min(hit)]
                     return
+
+    def deliver_call(self, part: list[Live], row_of: dict[int, int], tokens: np.ndarray, bad: np.ndarray,
+                     lp: TokenLogprobs | None, events: list[TokenEvent] | None, check_finite: bool) -> None:
+        """A decode / speculative call's tokens [B, W] (-1 = none) of the requests `part` (`row_of`: slot -> row),
+        in `part`'s order: each row's tokens, those before its first non-finite one (`bad` [B], -1 = none) when
+        `check_finite`; then the request fails (non-finite) or finishes (stop id, max_new_tokens). One numpy pass
+        splits the tokens of every row (no per-token `int()`); lp: the call's fetched logprobs or None."""
+        valid = tokens >= 0
+        flat, ends, bad = tokens[valid].tolist(), np.cumsum(valid.sum(1)).tolist(), bad.tolist()
+        for lv in part:
+            r, res = row_of[lv.slot], lv.result
+            b = bad[r]
+            if b >= 0 and res.nonfinite_at is None:
+                res.nonfinite_at = b
+            emitted = flat[ends[r - 1] if r else 0: ends[r]]
+            if check_finite and b >= 0:  # only the tokens before the first bad one are real
+                emitted = emitted[: max(b - len(res.tokens), 0)]
+            self.deliver(lv, emitted, events, logprob_rows.row(lp, r, len(emitted), lv.request.logprobs))
+            if check_finite and b >= 0 and not lv.done:
+                self.fail_nonfinite(lv)
+            if not lv.done:
+                self.check_finished(lv)
 
     def check_finished(self, lv: Live) -> None:
         toks = lv.result.tokens

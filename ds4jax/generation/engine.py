@@ -18,8 +18,13 @@ counts; tests/test_snapshots.py with snapshots and after unpark). Decode never p
 are separate programs.
 
 The calls go through one `programs.Programs`: the fused programs of `fused_programs` on one device and on
-one-stage meshes, `stage_programs.StagePrograms` stage by stage on a layer split. Parking (`parking`) and
-snapshot bookkeeping (`slot_snapshots`) live in their own modules, row planning in `row_plan`.
+one-stage meshes, `stage_programs.StagePrograms` stage by stage on a layer split. Admission (`admission`), parking
+(`parking`) and snapshot bookkeeping (`slot_snapshots`) live in their own modules, row planning in `row_plan`.
+
+Host work per call is kept off the per-token path: a call's outputs come back in one fetch, a request's fixed
+row fields are written once at admission (`row_plan.SlotTable`), a row's tokens go out together unless a
+callback, stop string or thinking budget must see them one by one (`Delivery.deliver`), and `generate` builds
+no `TokenEvent` for a request without `on_token` (scripts/profile_engine_host.py measures it).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
-from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan
+from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan, run_ahead
+from ds4jax.generation.admission import EngineAdmission
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
+from ds4jax.generation.decode_calls import EngineDecode
 from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
 from ds4jax.generation.fused_programs import FusedPrograms
@@ -44,7 +51,7 @@ from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa
 from ds4jax.generation.loops import Rows
 from ds4jax.generation.parking import EngineParking, Parking
 from ds4jax.generation.programs import EngineWarmup, Programs
-from ds4jax.generation.request_checks import Limits, Rejected, check_for_engine
+from ds4jax.generation.request_checks import Limits
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
 from ds4jax.generation.snapshots import SnapshotStore
@@ -68,7 +75,7 @@ def _programs(layout, cfg, params, logprobs: int) -> Programs:
     return FusedPrograms(layout, cfg, params, logprobs)
 
 
-class Engine(EngineParking, EngineSnapshots, EngineWarmup):
+class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, EngineWarmup):
     """Serve `Request`s on one model. See the module docstring; `generate`, `stream`, `warmup`, `stats`.
 
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
@@ -132,6 +139,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         self.limits = Limits(cfg.vocab_size, k, self.tspec.max_context, self.tspec.num_pages, self.tspec.page_size,
                              self.tspec.pages_per_slot > 0, self.logprobs)
         self.stats = EngineStats()
+        self._table = row_plan.SlotTable(self.tspec.max_slots, cfg.vocab_size)  # admitted requests' fixed row fields
         self._out = Delivery(self.stats, tokenizer)
         self._parking = Parking()
         self._warm = False
@@ -152,6 +160,8 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         self._new_state(Role.DRAFT)
         self._slots: dict[int, Live] = {}  # slot -> live request
         self._to_reset: set[int] = set()
+        self._ahead: run_ahead.Ahead | None = None  # a plain decode call started before the last one was read
+        self._read_at = 0.0  # when the last decode call's outputs were read
 
     def _new_state(self, role: Role) -> None:
         """Fresh pools, books and (target) per-slot state of a role."""
@@ -195,7 +205,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         on_result(index, result) is called as each request finishes (batch jobs write results as they come).
         Thread-safe: calls from several threads run one after another, each with its own results and callbacks."""
         with self._exclusive("generate()"):
-            gen = self._run(list(requests), on_result)
+            gen = self._run(list(requests), on_result, streaming=False)
             while True:
                 try:
                     next(gen)
@@ -223,16 +233,9 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                 gen.close()
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _check(self, index: int, req, now: float) -> Live | GenerateResult:
-        try:
-            c = check_for_engine(req, self.limits, tokenizer=self.tokenizer, parked=self._parking.parked)
-        except Rejected as r:
-            return GenerateResult(error=r.code, message=f"request {index}: {r}")
-        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on the text: the request's problem
-            return GenerateResult(error=ErrorCode.INVALID_REQUEST, message=f"request {index}: {exc!r}")
-        return Live.start(index, req, c, now)
-
-    def _run(self, requests: list, on_result=None, feed=None) -> Iterator[list[TokenEvent]]:
+    def _run(self, requests: list, on_result=None, feed=None, streaming=True) -> Iterator[list[TokenEvent]]:
+        """Yields each iteration's `TokenEvent`s (none when not `streaming`: `generate` reads only the results,
+        so no event is built for a request without `on_token`); returns the results."""
         results: list[GenerateResult | None] = []
         queue: collections.deque[Live] = collections.deque()
         self._out.on_result = on_result
@@ -260,7 +263,10 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                     enqueue(req)
                 if not (queue or self._slots):
                     break
-                events: list[TokenEvent] = []
+                events: list[TokenEvent] | None = [] if streaming else None
+                waiting = bool(queue) and len(self._slots) < self.tspec.max_slots  # admission may rewrite pages
+                if self._ahead is not None and waiting:
+                    self._guarded(self._ahead.part, lambda: self._land(events))
                 restored = self._admit(queue)
                 if restored:
                     self._guarded(restored, lambda: self._restore_once(restored, events))
@@ -269,12 +275,15 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if not lv.prefilling and not lv.done]
-                for part, k in self._decode_parts(decoding):
-                    self._guarded(part, lambda: self._decode_once(part, k, events))
+                parts = list(self._decode_parts(decoding))
+                ahead_ok = len(parts) == 1 and not waiting and not prefilling
+                for part, k in parts:
+                    self._guarded(part, lambda: self._decode_once(part, k, events, ahead_ok))
                 self._release_finished()
                 if events:
                     yield events
         finally:
+            self._ahead = None  # rows that finished while it ran: its pool is the engine's, its tokens nobody's
             self._abandon()
             n = compile_count() - before
             self.stats.compiles += n
@@ -311,59 +320,6 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
                 self._slots.clear()
                 self._reset_state()
 
-    def _admit(self, queue) -> list[Live]:
-        """Admit queued requests into free slots; returns those restored from a prefix snapshot."""
-        if queue:  # freed slots are reset before they are reused (a one-shot engine never pays for it)
-            self._apply_resets()
-        admitted = []
-        window = self.k + 1 if self.k else 0
-        while queue and len(self._slots) < self.tspec.max_slots:
-            lv = queue[0]
-            need = len(lv.ids) + lv.request.max_new_tokens + window
-            if self.tbook.pages_needed(need) > len(self.tbook.free_pages):
-                break  # wait for pages (FIFO: the head waits, nothing overtakes it)
-            queue.popleft()
-            slot = self.tbook.admit()
-            self.tbook.reserve(slot, need)
-            if self.dbook is not None:
-                self.dbook.admit(slot)
-                self.dbook.reserve(slot, need)
-            lv.slot, lv.admitted = slot, time.perf_counter()
-            lv.result.timings.queue_s = lv.admitted - lv.submitted
-            self._slots[slot] = lv
-            admitted.append(lv)
-        if admitted:
-            self.tpool = self.programs.sync(self.tbook, self.tpool, self.tspec)
-            if self.dpool is not None:
-                self.dpool = self.dbook.sync(self.dpool)
-        restored = []
-        if len(self.snapshots):
-            for lv in admitted:
-                snap = self.snapshots.longest_prefix(lv.ids)
-                if snap is not None:
-                    self._guarded([lv], lambda: self._inject(lv, snap))
-                    if not lv.done:
-                        restored.append(lv)
-        return restored
-
-    def _apply_resets(self) -> None:
-        if not self._to_reset:
-            return
-        slots, p = sorted(self._to_reset), self.programs
-        self.tpool = p.sync(self.tbook, p.reset(self.tpool, slots, self.tspec), self.tspec)
-        if self.dpool is not None:
-            self.dpool = self.dbook.sync(p.draft_reset(self.dpool, slots, self.dspec))
-        self._to_reset.clear()
-
-    def _release_finished(self) -> None:
-        for slot, lv in list(self._slots.items()):
-            if lv.done:
-                del self._slots[slot]
-                self.tbook.release(slot)
-                if self.dbook is not None:
-                    self.dbook.release(slot)
-                self._to_reset.add(slot)
-
     # ---- rows of a call ----------------------------------------------------------------------------------------
     def _decode_parts(self, decoding: list[Live]) -> Iterator[tuple[list[Live], int]]:
         """The decode calls of an iteration, each (rows, draft length): the policy picks the draft length of the
@@ -382,7 +338,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         return row_plan.plan(live, buckets, self.tspec.max_slots, self.data)
 
     def _padding_rows(self, plan: list[Live | None], k_cap=None) -> Rows:
-        return row_plan.rows(plan, set(self._slots), self.tspec.max_slots, self.cfg.vocab_size, k_cap)
+        return row_plan.rows(plan, self._slots.keys(), self._table, k_cap)
 
     # ---- the calls (one place each, so a test can wrap one) ---------------------------------------------------
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):
@@ -414,7 +370,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         return first, lp
 
     # ---- prefill, decode, restore ----------------------------------------------------------------------------
-    def _first_token(self, lv: Live, token: int, logprobs, now: float, events: list[TokenEvent]) -> None:
+    def _first_token(self, lv: Live, token: int, logprobs, now: float, events: list[TokenEvent] | None) -> None:
         """A request's first token, sampled by its prefill's last chunk or from a restored snapshot's logits
         (logprobs: its `TokenLogprob` as a one-item list, or None)."""
         lv.first_token = now
@@ -428,23 +384,12 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         if not lv.done:
             self._out.check_finished(lv)
 
-    def _prefill_once(self, live: list[Live], events: list[TokenEvent]) -> None:
+    def _prefill_once(self, live: list[Live], events: list[TokenEvent] | None) -> None:
         plan = self._row_plan(live, self.prefill_row_buckets)
         row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        width = self.buckets.width(len(plan))  # the token budget's share per row of this row bucket
-        # tokens each row takes: a chunk ends exactly at each snapshot position
-        n = [min(next((p for p in lv.snap_points if p > lv.pos), len(lv.ids)) - lv.pos, width) for lv in live]
         rows = self._padding_rows(plan)
-        b = rows.slots.shape[0]
-        tok, nxt = np.zeros((b, width), np.int32), np.zeros((b, width), np.int32)
-        n_tokens, finishing = np.zeros(b, np.int32), np.zeros(b, bool)
-        for lv, c in zip(live, n):
-            r = row_of[lv.slot]
-            tok[r, :c] = lv.ids[lv.pos: lv.pos + c]
-            follow = lv.ids[lv.pos + 1: lv.pos + c + 1]
-            nxt[r, : len(follow)] = follow
-            n_tokens[r] = c
-            finishing[r] = lv.pos + c == len(lv.ids)
+        width = self.buckets.width(len(plan))  # the token budget's share per row of this row bucket
+        n, tok, nxt, n_tokens, finishing = row_plan.prefill_inputs(live, row_of, len(plan), width)
         self.tbook.check_extend(rows.slots, tok, n_tokens)  # padding rows (n_tokens 0) are not looked at
         first, lp = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
         self.stats.prefill_steps += 1
@@ -453,7 +398,7 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
         if self.dbook is not None:
             self.dbook.commit(rows.slots, n_tokens)
         if finishing.any():
-            first, lp = np.asarray(fetch(first)), logprob_rows.fetch(lp, [lv.request for lv in live])
+            first, lp = fetch((first, logprob_rows.wanted(lp, live)))
         now = time.perf_counter()
         for lv, c in zip(live, n):
             lv.pos += c
@@ -462,48 +407,3 @@ class Engine(EngineParking, EngineSnapshots, EngineWarmup):
             r = row_of[lv.slot]
             if finishing[r]:
                 self._first_token(lv, int(first[r]), logprob_rows.first(lp, r, lv.request.logprobs), now, events)
-
-    def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent]) -> None:
-        """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`."""
-        plan = self._row_plan(part, self.row_buckets)
-        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        speculative = k > 0
-        caps = [min(lv.k, k) for lv in plan if lv is not None]
-        rows = self._padding_rows(plan, caps)
-        start = time.perf_counter()
-        if speculative:
-            behind = [lv.slot for lv in part if self.dbook.lengths[lv.slot] != self.tbook.lengths[lv.slot]]
-            if behind:  # decoded plainly for a while: the draft's cache rejoins at the target's length
-                self.dbook.lengths[behind] = self.tbook.lengths[behind]
-                self.dpool = self.dbook.sync(self.dpool)
-            out = self._spec_call(rows)
-            tokens, ran, accepted, bad, lengths = fetch(
-                (out.tokens, out.rounds, out.accepted, out.bad, self.programs.lengths(self.tpool)))
-            self.stats.spec_calls += 1
-            self.stats.spec_rounds += int(ran)
-        else:
-            out = self._decode_call(rows)
-            tokens, ran, bad, lengths = fetch((out.tokens, out.steps, out.bad, self.programs.lengths(self.tpool)))
-            self.stats.decode_calls += 1
-            self.stats.decode_steps += int(ran)
-        self.policy.observe_cost(len(plan), k, time.perf_counter() - start, int(ran))
-        lp = logprob_rows.fetch(out.logprobs, [lv.request for lv in part])
-        check = self.check_finite
-        for lv in part:
-            r = row_of[lv.slot]
-            if bad[r] >= 0 and lv.result.nonfinite_at is None:
-                lv.result.nonfinite_at = int(bad[r])
-            self.tbook.lengths[lv.slot] = lengths[lv.slot]
-            if speculative:  # the draft pool advances with the target in every round
-                self.dbook.lengths[lv.slot] = lengths[lv.slot]
-                rounds = [int(a) for a in accepted[r] if a >= 0]
-                lv.result.accepted_per_round.extend(rounds)
-                self.policy.observe_rounds(lv, rounds, min(lv.k, k))
-            emitted = [int(t) for t in tokens[r] if t >= 0]
-            if check and bad[r] >= 0:  # only the tokens before the first bad one are real
-                emitted = emitted[: max(int(bad[r]) - len(lv.result.tokens), 0)]
-            self._out.deliver(lv, emitted, events, logprob_rows.row(lp, r, len(emitted), lv.request.logprobs))
-            if check and bad[r] >= 0 and not lv.done:
-                self._out.fail_nonfinite(lv)
-            if not lv.done:
-                self._out.check_finished(lv)

@@ -40,6 +40,12 @@ class FusedPrograms:
 
     precompiles = True  # warm-up lowers these programs first and compiles them side by side
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the engine may start a plain decode call from the previous one's outputs before reading it
+        (`run_ahead`): on one device, where those outputs are the next call's inputs as they are."""
+        return self.layout is None
+
     def __init__(self, layout, cfg, params, logprobs: int = 0):
         self.layout, self.cfg, self.logprobs = layout, cfg, logprobs
         self._params = params  # only read for the weights' device (see `committed`)
@@ -128,9 +134,11 @@ class FusedPrograms:
                                       logprobs=self.logprobs)
 
     def decode(self, params, tpool, rows: Rows, *, spec: PoolSpec, kernels, max_steps: int):
-        """Up to `max_steps` plain decode steps. Returns (DecodeOut, tpool)."""
+        """Up to `max_steps` plain decode steps. Returns (DecodeOut, tpool). The rows go to the device first, as
+        committed arrays: a call run ahead takes the previous call's outputs (committed), and a jitted program
+        compiles apart for host and committed inputs."""
         with self.active():
-            return loops.decode_loop(params, tpool, rows, cfg=self.cfg, spec=spec, kernels=kernels,
+            return loops.decode_loop(params, tpool, self.committed(rows), cfg=self.cfg, spec=spec, kernels=kernels,
                                      max_steps=max_steps, logprobs=self.logprobs)
 
     def speculate(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,

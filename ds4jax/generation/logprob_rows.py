@@ -16,6 +16,11 @@ def fetch(lp: TokenLogprobs | None, requests) -> TokenLogprobs | None:
     return TokenLogprobs(*fetch_arrays(tuple(lp)))
 
 
+def wanted(lp: TokenLogprobs | None, live) -> TokenLogprobs | None:
+    """`lp` if a request of `live` asked for logprobs, else None: what a call's fetch takes along (device arrays)."""
+    return None if lp is None or all(lv.request.logprobs is None for lv in live) else lp
+
+
 def row(lp: TokenLogprobs | None, r: int, count: int, n: int | None) -> list[TokenLogprob] | None:
     """Row `r`'s first `count` tokens of a [B, W] call (`n` alternatives each; None: the request wants none)."""
     if lp is None or n is None:

@@ -177,6 +177,11 @@ class DecodeOut(NamedTuple):
     steps: jax.Array  # [] steps run
     bad: jax.Array  # [B] index of the first token whose logits were not finite (-1 = none)
     logprobs: TokenLogprobs | None = None  # [B, M] of the tokens (with `logprobs` on)
+    # the next call's inputs and the pool's lengths after this call, as outputs, so the engine can start the next
+    # call before it reads this one (the pool itself is donated to that call); None on a layer split
+    cur: jax.Array | None = None  # [B] each row's last token
+    live: jax.Array | None = None  # [B] ~done: the rows the next call continues
+    lengths: jax.Array | None = None  # [S] the pool's lengths after the call
 
 
 @cached_jit
@@ -204,8 +209,8 @@ def decode_loop(params, pool, rows: Rows, *, cfg, spec, kernels, max_steps: int,
 
     init = (pool, rows.cur, rows.n_out, decode_done0(rows), buf, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
             jnp.full((b,), -1, jnp.int32), logprob_buffers((b, max_steps), logprobs))
-    pool, _, n_out, done, buf, i, _, bad, lp = jax.lax.while_loop(cond, body, init)
-    return DecodeOut(buf, n_out, done, i, bad, lp), pool
+    pool, cur, n_out, done, buf, i, _, bad, lp = jax.lax.while_loop(cond, body, init)
+    return DecodeOut(buf, n_out, done, i, bad, lp, cur, ~done, pool.lengths), pool
 
 
 def decode_done0(rows: Rows):

@@ -1,5 +1,5 @@
 """Which rows one engine call runs: the requests it takes (`fit`), their order padded to a row bucket (`plan`) and
-the `Rows` arrays the programs read (`rows`). With data-parallel pools (`data` > 1) row block d of a call
+the `Rows` arrays the programs read (`rows`, from the per-slot `SlotTable` written at admission). With data-parallel pools (`data` > 1) row block d of a call
 serves the slots of data shard d, so every shard gets rows / data rows.
 """
 
@@ -50,35 +50,84 @@ def padding(b: int) -> dict[str, np.ndarray]:
                 forced=np.zeros((b, MAX_FORCED), np.int32), n_forced=np.zeros(b, np.int32))
 
 
-def rows(plan: list[Live | None], running: set[int], max_slots: int, vocab: int, k_cap=None) -> Rows:
-    """`Rows` of a plan: padding rows (None) get distinct unused slots (free slots first); `running` holds the
-    slots in use. `k_cap` (optional, per live row of `plan`) replaces each request's own draft cap."""
-    used = {lv.slot for lv in plan if lv is not None}
-    spare = [s for s in range(max_slots) if s not in used and s not in running]
-    spare = iter(spare + [s for s in range(max_slots) if s not in used and s in running])
-    arr = padding(len(plan))
-    caps = iter(k_cap) if k_cap is not None else None
-    for r, lv in enumerate(plan):
-        if lv is None:
-            arr["slots"][r] = next(spare)
-            continue
-        q = lv.request
-        arr["slots"][r] = lv.slot
-        arr["active"][r] = True
-        arr["cur"][r] = lv.cur
-        arr["n_out"][r] = len(lv.result.tokens)
-        arr["max_new"][r] = q.max_new_tokens
-        arr["stop_ids"][r] = lv.stop
+FIXED = ("max_new", "stop_ids", "temperature", "top_p", "top_k", "key_data", "k_cap")  # fixed while a request runs
+_PAD = {name: a[0] for name, a in padding(1).items()}  # one padding row's value of each field
+
+
+class SlotTable:
+    """Per slot, the `Rows` fields that stay fixed while its request runs (`FIXED`), written once at admission:
+    a call gathers them with one numpy take per field instead of building every row in Python."""
+
+    def __init__(self, max_slots: int, vocab: int):
+        self.max_slots, self.vocab = max_slots, vocab
+        empty = padding(max_slots)
+        self.fields = {name: empty[name] for name in FIXED}
+
+    def admit(self, lv: Live) -> None:
+        q, f, s = lv.request, self.fields, lv.slot
+        f["max_new"][s] = q.max_new_tokens
+        f["stop_ids"][s] = lv.stop
         # valid values beyond the device's types saturate: top_k >= vocab is "off", temperature <= float32 max
-        arr["temperature"][r] = min(float(q.temperature), _FLOAT32_MAX)
-        arr["top_p"][r] = q.top_p
-        arr["top_k"][r] = min(int(q.top_k), vocab)
-        arr["key_data"][r] = lv.key_data
-        arr["k_cap"][r] = lv.k if caps is None else next(caps)
-        arr["forced"][r, : len(lv.forced)] = lv.forced
-        arr["n_forced"][r] = len(lv.forced)
-        budget = q.budget
+        f["temperature"][s] = min(float(q.temperature), _FLOAT32_MAX)
+        f["top_p"][s] = q.top_p
+        f["top_k"][s] = min(int(q.top_k), self.vocab)
+        f["key_data"][s] = lv.key_data
+        f["k_cap"][s] = lv.k
+
+
+def rows(plan: list[Live | None], running: set[int], table: SlotTable, k_cap=None) -> Rows:
+    """`Rows` of a plan: padding rows (None) get distinct unused slots (free slots first); `running` holds the
+    slots in use. `k_cap` (optional, per live row of `plan`) replaces each request's own draft cap. Every live
+    request's slot must have been written to `table` (`SlotTable.admit`)."""
+    b, live = len(plan), [lv for lv in plan if lv is not None]
+    at = [r for r, lv in enumerate(plan) if lv is not None]
+    slots = np.zeros(b, np.int32)
+    active = np.zeros(b, bool)
+    active[at] = True
+    slots[at] = [lv.slot for lv in live]
+    pad = ~active
+    if len(at) < b:  # padding rows: slots of no row of this call, those of no request first
+        free = np.ones(table.max_slots, bool)
+        free[slots[at]] = False
+        busy = np.zeros(table.max_slots, bool)
+        busy[list(running)] = True
+        spare = np.concatenate([np.flatnonzero(free & ~busy), np.flatnonzero(free & busy)])
+        slots[pad] = spare[: b - len(at)]
+    arr = {name: table.fields[name][slots] for name in FIXED}  # takes: copies, the table stays as it is
+    if len(at) < b:
+        for name in FIXED:
+            arr[name][pad] = _PAD[name]
+    if k_cap is not None:
+        arr["k_cap"][at] = k_cap
+    cur, n_out = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    cur[at] = [lv.cur for lv in live]
+    n_out[at] = [len(lv.result.tokens) for lv in live]
+    limit, forced, n_forced = np.full(b, NO_LIMIT, np.int32), np.zeros((b, MAX_FORCED), np.int32), np.zeros(b, np.int32)
+    for r, lv in zip(at, live):
+        if lv.forced:
+            forced[r, : len(lv.forced)] = lv.forced
+            n_forced[r] = len(lv.forced)
+        budget = lv.request.budget
         if budget is not None and not lv.budget_done and not lv.forced:
             # stop exactly at the budget's end; outside the span, N + 1 tokens cannot overshoot it
-            arr["limit"][r] = budget.max_tokens - lv.span_count if lv.in_span else budget.max_tokens + 1
-    return Rows(**arr)
+            limit[r] = budget.max_tokens - lv.span_count if lv.in_span else budget.max_tokens + 1
+    return Rows(slots=slots, active=active, cur=cur, n_out=n_out, limit=limit, forced=forced, n_forced=n_forced,
+                **arr)
+
+
+def prefill_inputs(live: list[Live], row_of: dict[int, int], b: int, width: int):
+    """One prefill call's inputs for `live` (`row_of`: slot -> row of a call of `b` rows, `width` tokens per row).
+    A row takes its next prompt tokens, up to `width`, ending exactly at each snapshot position. Returns (tokens
+    each of `live` takes, token ids [b, width], the id after each (the draft's input) [b, width], n_tokens [b],
+    finishing [b]: the prompt ends in this chunk)."""
+    n = [min(next((p for p in lv.snap_points if p > lv.pos), len(lv.ids)) - lv.pos, width) for lv in live]
+    tok, nxt = np.zeros((b, width), np.int32), np.zeros((b, width), np.int32)
+    n_tokens, finishing = np.zeros(b, np.int32), np.zeros(b, bool)
+    for lv, c in zip(live, n):
+        r = row_of[lv.slot]
+        tok[r, :c] = lv.ids[lv.pos: lv.pos + c]
+        follow = lv.ids[lv.pos + 1: lv.pos + c + 1]
+        nxt[r, : len(follow)] = follow
+        n_tokens[r] = c
+        finishing[r] = lv.pos + c == len(lv.ids)
+    return n, tok, nxt, n_tokens, finishing

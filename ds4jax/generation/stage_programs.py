@@ -165,6 +165,7 @@ class StagePrograms:
     """What `Engine` runs on a layer split: pools per stage, and prefill / decode calls stage by stage."""
 
     precompiles = False  # each stage's programs compile on their first warm-up call
+    runs_ahead = False  # a decode call is a host loop over stages and steps (`run_ahead`)
 
     def __init__(self, layout, cfg):
         self.layout, self.cfg = layout, cfg

@@ -1,0 +1,80 @@
+"""The engine's decode calls (mixed into `Engine`): one call of plain steps or speculative rounds over a part of
+the decoding rows, its outputs read in one fetch and delivered row by row, and the plain call run ahead
+(`run_ahead`): started from the previous call's outputs before that call is read, read by the next iteration."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ds4jax.generation import logprob_rows, run_ahead
+from ds4jax.generation.delivery import Live
+from ds4jax.generation.requests import TokenEvent
+from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
+
+
+class EngineDecode:
+    def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent] | None, ahead_ok: bool) -> None:
+        """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`; its outputs
+        come back in one fetch (logprobs only if a request of `part` asked), then go out row by row. A plain call
+        whose rows may run ahead (`ahead_ok` and `run_ahead.may_run_ahead`) starts the next one before it is read;
+        an iteration whose call was started that way only reads it."""
+        plan = self._row_plan(part, self.row_buckets)
+        ahead = self._ahead
+        if ahead is not None and (k or not ahead.serves(plan)):  # it ran other rows: read it, then plan anew
+            self._land(events)
+            part, ahead = [lv for lv in part if not lv.done], None
+            if not part:
+                return
+            plan = self._row_plan(part, self.row_buckets)
+        if ahead is not None:
+            self._ahead, rows, out, start = None, ahead.rows, ahead.out, max(ahead.dispatched, self._read_at)
+        else:
+            rows = self._padding_rows(plan, [min(lv.k, k) for lv in plan if lv is not None])
+            start = time.perf_counter()
+            if k:
+                slots = np.array([lv.slot for lv in part], np.int32)
+                behind = slots[self.dbook.lengths[slots] != self.tbook.lengths[slots]]
+                if behind.size:  # decoded plainly for a while: the draft's cache rejoins at the target's length
+                    self.dbook.lengths[behind] = self.tbook.lengths[behind]
+                    self.dpool = self.dbook.sync(self.dpool)
+            out = self._spec_call(rows) if k else self._decode_call(rows)
+        if not k and ahead_ok and self.programs.runs_ahead and run_ahead.may_run_ahead(plan):
+            nxt = run_ahead.next_rows(rows, out)
+            self._ahead = run_ahead.Ahead(plan, nxt, self._decode_call(nxt), time.perf_counter())
+        self._read(plan, part, out, k, start, events)
+
+    def _land(self, events: list[TokenEvent] | None) -> None:
+        """Read the call run ahead and deliver its tokens; rows that finished meanwhile drop theirs."""
+        ahead, self._ahead = self._ahead, None
+        part = [lv for lv in ahead.part if not lv.done]
+        if part:
+            self._read(ahead.plan, part, ahead.out, 0, max(ahead.dispatched, self._read_at), events)
+
+    def _read(self, plan: list[Live | None], part: list[Live], out, k: int, start: float, events) -> None:
+        """Fetch a decode / speculative call's outputs for `part` (rows of `plan`) and deliver them."""
+        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
+        slots = np.array([lv.slot for lv in part], np.int32)
+        after = out.lengths if getattr(out, "lengths", None) is not None else self.programs.lengths(self.tpool)
+        tokens, ran, bad, lengths, accepted, lp = fetch(
+            (out.tokens, out.rounds if k else out.steps, out.bad, after, out.accepted if k else None,
+             logprob_rows.wanted(out.logprobs, part)))
+        self._read_at = time.perf_counter()
+        ran = int(ran)
+        if k:
+            self.stats.spec_calls += 1
+            self.stats.spec_rounds += ran
+        else:
+            self.stats.decode_calls += 1
+            self.stats.decode_steps += ran
+        self.policy.observe_cost(len(plan), k, self._read_at - start, ran)
+        self.tbook.lengths[slots] = lengths[slots]
+        if k:  # the draft pool advances with the target in every round
+            self.dbook.lengths[slots] = lengths[slots]
+            accepted = accepted.tolist()
+            for lv in part:
+                got = [a for a in accepted[row_of[lv.slot]] if a >= 0]
+                lv.result.accepted_per_round.extend(got)
+                self.policy.observe_rounds(lv, got, min(lv.k, k))
+        self._out.deliver_call(part, row_of, tokens, bad, lp, events, self.check_finite)

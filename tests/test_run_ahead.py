@@ -1,0 +1,90 @@
+"""Run-ahead plain decoding (`ds4jax/generation/run_ahead.py`): the engine starts the next plain decode call from
+the previous one's outputs before reading it. Checked against the same engine with run-ahead off: the same tokens
+and finish reasons for every request (greedy and sampled, stop ids, max_new_tokens, a stop string and a
+cancelling `on_token` that the host alone sees, a request fed in mid-stream), that calls did run ahead (the
+dispatch itself), and that nothing compiled for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4jax import Request
+from ds4jax.generation import compiles, run_ahead
+from small_engine import one_layer_model, small_engine
+
+
+class Counting(run_ahead.Ahead):
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        Counting.made += 1
+
+
+def requests(stop_after: int | None = None):
+    seen = []
+
+    def cancel_after_3(event) -> bool:  # the host cancels mid-call: the call run ahead must drop its tokens
+        seen.append(event)
+        return len(seen) < 3
+
+    return [Request(prompt=[5, 6, 7], max_new_tokens=23, speculative=0),
+            Request(prompt=[9, 8, 7, 6], max_new_tokens=17, speculative=0, temperature=0.8, seed=4),
+            Request(prompt=[3, 3], max_new_tokens=30, speculative=0, stop_ids=(stop_after,) if stop_after else ()),
+            Request(prompt=[11, 12, 13], max_new_tokens=19, speculative=0, on_token=cancel_after_3)]
+
+
+def outcome(results):
+    return [(r.tokens, r.finish_reason, r.error) for r in results]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = small_engine(one_layer_model())
+    e.warmup()
+    return e
+
+
+def test_same_tokens_as_without_run_ahead(engine, monkeypatch):
+    off = outcome(engine.generate(requests()))
+    stop = off[2][0][5]  # a token request 2 emits mid-way: a stop id the device sees
+    with monkeypatch.context() as m:
+        m.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+        want = outcome(engine.generate(requests(stop)))
+    before = compiles.compile_count()
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
+    Counting.made = 0
+    got = outcome(engine.generate(requests(stop)))
+    assert got == want
+    assert Counting.made >= 3, Counting.made  # it did run ahead
+    assert compiles.compile_count() == before  # the call run ahead is the warmed-up program
+    assert len(want[2][0]) <= 6 and want[2][1] == "stop" and want[3][1] == "cancelled"
+
+
+def test_stop_string_and_fed_request(engine, monkeypatch):
+    """A stop string (seen by the host only) and a request fed into the running stream (admission lands the call
+    run ahead first): the same as without run-ahead."""
+    text = Request(prompt="ab", max_new_tokens=25, speculative=0)
+    first = engine.generate([text])[0]
+    stop = first.text[4:6] if first.text and len(first.text) > 6 else None
+
+    def run():
+        reqs = [Request(prompt="ab", max_new_tokens=25, speculative=0, stop_strings=(stop,) if stop else ())]
+        later = [Request(prompt=[9, 8], max_new_tokens=11, speculative=0)]
+        calls = []
+
+        def feed():
+            calls.append(1)
+            return later if len(calls) == 3 else []
+
+        list(engine.stream(reqs, feed=feed))
+        return outcome(engine.last_results)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+        want = run()
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
+    Counting.made = 0
+    got = run()
+    assert got == want and Counting.made >= 1
+    assert stop and got[0][1] == "stop" and len(got[0][0]) < 25 and len(got[1][0]) == 11  # both cases happened
