@@ -14,6 +14,7 @@ import pytest
 
 import ds4jax
 from ds4jax.cli import main, printable
+from ds4jax.commands.generate import STREAM_STEPS
 from ds4jax.generation.generate import SamplingParams
 from ds4jax.io import convert, default_model as dm, orbax_checkpoint
 
@@ -95,5 +96,10 @@ def test_generate_without_checkpoint_runs_the_default_model(model, capsys):
     assert code == 0, err
     assert "default model" in err
     tok = dm.default_tokenizer()
-    ids = ds4jax.greedy_generate(model, tok.encode(prompt, add_bos=True), 16, stop_ids=[tok.eos_id])
+    # the reference with the command's engine settings (one step per call, logits checked), so it runs the
+    # programs the command compiled: greedy tokens do not depend on them, and a second decode program (about
+    # 5 CPU seconds) is not compiled for it
+    ids = ds4jax.generate(model, tok.encode(prompt, add_bos=True),
+                          SamplingParams(max_new_tokens=16, stop_ids=(tok.eos_id,)), steps_per_call=STREAM_STEPS,
+                          check_finite=True)[0]
     assert out == printable(tok.decode([i for i in ids if i != tok.eos_id])) + "\n"
