@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import pytest
 
 import ds4jax
-from ds4jax import greedy_generate
 from ds4jax.io import checkpoint
 from ds4jax.cli import main, printable
 from ds4jax.commands.generate import STREAM_STEPS
@@ -118,7 +117,8 @@ def test_generate_uses_the_checkpoint_tokenizer(tmp_path, capsys):
     assert code == 0, err
     assert "tokenizer.json" in err
     ids = [vocab["<s>"]] + [vocab[w] for w in prompt.split()]
-    new = greedy_generate(model, ids, 12, stop_ids=[vocab["</s>"]])
+    new = ds4jax.generate(model, ids, ds4jax.SamplingParams(max_new_tokens=12, stop_ids=(vocab["</s>"],)),
+                          steps_per_call=STREAM_STEPS, check_finite=True)[0]  # the command's programs, as above
     tok = load_tokenizer(tmp_path)
     assert out == printable(tok.decode([i for i in new if i != vocab["</s>"]])) + "\n"
 
