@@ -38,9 +38,12 @@ os.environ["DS4JAX_COMPILATION_CACHE"] = "off"
 # by a subprocess a test starts, is loaded by every other process that needs it.
 run_cache.configure()
 
-import jax  # noqa: E402
+# Through the environment, not jax.config, so that every process the suite starts (notebook kernels, CLI and
+# worker subprocesses) inherits it: the precision is part of each program (so of its key in the run's cache), and
+# a kernel without it compiled its own copy of every program the suite had compiled already.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
-jax.config.update("jax_default_matmul_precision", "highest")
+import jax  # noqa: E402
 
 
 def gpu_device():

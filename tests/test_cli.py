@@ -14,9 +14,10 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from ds4jax import greedy_generate
+import ds4jax
 from ds4jax.io import checkpoint
 from ds4jax.cli import main, printable
+from ds4jax.commands.generate import STREAM_STEPS
 from ds4jax.io import default_model as default_module
 from ds4jax.io.default_model import random_config as default_config
 from ds4jax.io.default_model import random_model as default_model
@@ -54,7 +55,11 @@ def test_generate_default_is_greedy_generate(capsys):
     assert code == 0, err
     assert "random weights" in err
     tok = default_tokenizer()
-    ids = greedy_generate(default_model(jnp.float32), tok.encode(PROMPT, add_bos=True), 12, stop_ids=[tok.eos_id])
+    # the reference with the command's engine settings (one step per call, logits checked): it runs the programs
+    # the command compiled (greedy tokens do not depend on them) instead of compiling a second decode program
+    ids = ds4jax.generate(default_model(jnp.float32), tok.encode(PROMPT, add_bos=True),
+                          ds4jax.SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,)),
+                          steps_per_call=STREAM_STEPS, check_finite=True)[0]
     assert ids and ids[-1] != tok.eos_id  # the default model does not stop at once (else this test shows little)
     assert out == printable(tok.decode(ids)) + "\n"
     assert out.strip()
@@ -112,7 +117,8 @@ def test_generate_uses_the_checkpoint_tokenizer(tmp_path, capsys):
     assert code == 0, err
     assert "tokenizer.json" in err
     ids = [vocab["<s>"]] + [vocab[w] for w in prompt.split()]
-    new = greedy_generate(model, ids, 12, stop_ids=[vocab["</s>"]])
+    new = ds4jax.generate(model, ids, ds4jax.SamplingParams(max_new_tokens=12, stop_ids=(vocab["</s>"],)),
+                          steps_per_call=STREAM_STEPS, check_finite=True)[0]  # the command's programs, as above
     tok = load_tokenizer(tmp_path)
     assert out == printable(tok.decode([i for i in new if i != vocab["</s>"]])) + "\n"
 

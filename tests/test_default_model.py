@@ -14,6 +14,7 @@ import pytest
 
 import ds4jax
 from ds4jax.cli import main, printable
+from ds4jax.commands.generate import STREAM_STEPS
 from ds4jax.generation.generate import SamplingParams
 from ds4jax.io import convert, default_model as dm, orbax_checkpoint
 
@@ -80,7 +81,9 @@ def test_heldout_loss_matches_the_report(model, heldout, report):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_speculative_greedy_equals_plain_greedy(model, heldout, k):
-    prompts = [list(heldout[0, :20]), list(heldout[1, :13])]
+    # 4 ragged prompts of <= 32 tokens: k = 4 then runs on the engine sizes notebooks/03 warms up (4 slots, 128-token
+    # context), whose compiled programs the run's shared cache hands to this test (tests/run_cache.py)
+    prompts = [list(heldout[0, :20]), list(heldout[1, :13]), list(heldout[2, :27]), list(heldout[3, :9])]
     sp = SamplingParams(max_new_tokens=20)
     plain = ds4jax.generate(model, prompts, sp)
     spec = ds4jax.speculative_generate(model, prompts, sp, k=k)
@@ -95,5 +98,10 @@ def test_generate_without_checkpoint_runs_the_default_model(model, capsys):
     assert code == 0, err
     assert "default model" in err
     tok = dm.default_tokenizer()
-    ids = ds4jax.greedy_generate(model, tok.encode(prompt, add_bos=True), 16, stop_ids=[tok.eos_id])
+    # the reference with the command's engine settings (one step per call, logits checked), so it runs the
+    # programs the command compiled: greedy tokens do not depend on them, and a second decode program (about
+    # 5 CPU seconds) is not compiled for it
+    ids = ds4jax.generate(model, tok.encode(prompt, add_bos=True),
+                          SamplingParams(max_new_tokens=16, stop_ids=(tok.eos_id,)), steps_per_call=STREAM_STEPS,
+                          check_finite=True)[0]
     assert out == printable(tok.decode([i for i in ids if i != tok.eos_id])) + "\n"

@@ -11,7 +11,7 @@ import pytest
 
 import ds4jax
 from ds4jax import Engine, ErrorCode, Request
-from ds4jax.generation import engine as engine_lib
+from ds4jax.generation import buckets, engine as engine_lib
 from ds4jax.generation.loops import MAX_STOP_IDS
 from ds4jax.io.tokenizer import ByteTokenizer
 from ds4jax.runtime import kernels as kernel_dispatch
@@ -174,11 +174,16 @@ def test_serving(model, engine, monkeypatch):
 
 
 def test_greedy_wrapper_matches_engine(model):
-    """`ds4jax.generate` is the engine: same tokens as the engine path (greedy), one generation path."""
+    """`ds4jax.generate` is the engine: an Engine of the sizes generate picks (`buckets.one_shot`) gives the same
+    tokens and compiles nothing: generate ran these very programs, one generation path. (Tokens across engine
+    sizes are `check_batched_equals_alone`'s: row buckets 2 and 4.)"""
     got = ds4jax.greedy_generate(model, PROMPTS[:3], 6, prefill_chunk=8)
-    eng = Engine(model, max_slots=4, max_context=32, prefill_chunk=8, row_buckets=(4,),
-                 steps_per_call=8)
+    shape = buckets.one_shot([len(p) for p in PROMPTS[:3]], 6, speculative=0, data=1,
+                             max_position_embeddings=model.config.max_position_embeddings, prefill_chunk=8)
+    before = engine_lib.compile_count()
+    eng = Engine(model, **shape)
     assert got == [r.tokens for r in eng.generate([Request(prompt=p, max_new_tokens=6) for p in PROMPTS[:3]])]
+    assert engine_lib.compile_count() == before
 
 
 def test_every_step_goes_through_the_kernel_dispatcher(model, monkeypatch):
