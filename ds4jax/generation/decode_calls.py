@@ -1,9 +1,16 @@
 """The engine's decode calls (mixed into `Engine`): one call of plain steps or speculative rounds over a part of
 the decoding rows, its outputs read in one fetch and delivered row by row, and the plain call run ahead
-(`run_ahead`): started from the previous call's outputs before that call is read, read by the next iteration."""
+(`run_ahead`): started from the previous call's outputs before that call is read, read by the next iteration.
+
+The call run ahead is dispatched from a worker thread: a program with a `while_loop` holds the dispatching thread
+until the loop ends (the loop's condition is read on the host each iteration on GPU, and XLA:CPU runs it inline),
+so dispatched from the engine's thread it would keep that thread from delivering the call before. The worker
+only dispatches (`_decode_call`, which also takes the new pool); XLA releases the GIL while the program runs. The
+engine's thread reads `self.tpool` again only after the worker is done (`_settle_ahead`, `Ahead.out.result()`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import numpy as np
@@ -29,7 +36,7 @@ class EngineDecode:
                 return
             plan = self._row_plan(part, self.row_buckets)
         if ahead is not None:
-            self._ahead, rows, out, start = None, ahead.rows, ahead.out, max(ahead.dispatched, self._read_at)
+            self._ahead, rows, out, start = None, ahead.rows, ahead.out.result(), max(ahead.dispatched, self._read_at)
         else:
             rows = self._padding_rows(plan, [min(lv.k, k) for lv in plan if lv is not None])
             start = time.perf_counter()
@@ -42,15 +49,28 @@ class EngineDecode:
             out = self._spec_call(rows) if k else self._decode_call(rows)
         if not k and ahead_ok and self.programs.runs_ahead and run_ahead.may_run_ahead(plan):
             nxt = run_ahead.next_rows(rows, out)
-            self._ahead = run_ahead.Ahead(plan, nxt, self._decode_call(nxt), time.perf_counter())
+            self._ahead = run_ahead.Ahead(plan, nxt, self._dispatcher().submit(self._decode_call, nxt),
+                                          time.perf_counter())
         self._read(plan, part, out, k, start, events)
 
     def _land(self, events: list[TokenEvent] | None) -> None:
         """Read the call run ahead and deliver its tokens; rows that finished meanwhile drop theirs."""
         ahead, self._ahead = self._ahead, None
+        out = ahead.out.result()
         part = [lv for lv in ahead.part if not lv.done]
         if part:
-            self._read(ahead.plan, part, ahead.out, 0, max(ahead.dispatched, self._read_at), events)
+            self._read(ahead.plan, part, out, 0, max(ahead.dispatched, self._read_at), events)
+
+    def _settle_ahead(self) -> None:
+        """Wait until the call run ahead (if any) was dispatched, so `self.tpool` is the pool after it; an error
+        of its dispatch is left for whoever reads it."""
+        if getattr(self, "_ahead", None) is not None:
+            concurrent.futures.wait([self._ahead.out])
+
+    def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:
+        if getattr(self, "_worker", None) is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4jax-run-ahead")
+        return self._worker
 
     def _read(self, plan: list[Live | None], part: list[Live], out, k: int, start: float, events) -> None:
         """Fetch a decode / speculative call's outputs for `part` (rows of `plan`) and deliver them."""

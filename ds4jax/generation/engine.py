@@ -176,6 +176,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
 
     def _lost(self) -> bool:
         """Whether a failed call took the donated pools with it."""
+        self._settle_ahead()
         if self.tpool is None:  # parked
             return False
         return self.programs.lost(self.tpool) or (self.dpool is not None and self.dpool.lengths.is_deleted())
@@ -283,7 +284,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 if events:
                     yield events
         finally:
-            self._ahead = None  # rows that finished while it ran: its pool is the engine's, its tokens nobody's
+            self._settle_ahead()  # rows that finished while it ran: its pool is the engine's, its tokens nobody's
+            self._ahead = None
             self._abandon()
             n = compile_count() - before
             self.stats.compiles += n

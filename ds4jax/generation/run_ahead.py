@@ -16,11 +16,12 @@ on the device; their tokens are dropped, and their slots are reset before reuse 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 
 from ds4jax.generation.delivery import Live
-from ds4jax.generation.loops import DecodeOut, Rows
+from ds4jax.generation.loops import DecodeOut, Rows  # noqa: F401 (DecodeOut: in a type)
 
 
 @dataclasses.dataclass
@@ -29,7 +30,7 @@ class Ahead:
 
     plan: list[Live | None]  # its rows (None: padding), as the call before it had them
     rows: Rows  # its inputs, on the device
-    out: DecodeOut  # its outputs, not yet read
+    out: "concurrent.futures.Future[DecodeOut]"  # its outputs, once a worker thread dispatched it
     dispatched: float  # perf_counter at dispatch
 
     @property
