@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import numpy as np
@@ -43,8 +44,9 @@ class FusedPrograms:
     @property
     def runs_ahead(self) -> bool:
         """Whether the engine may start a plain decode call from the previous one's outputs before reading it
-        (`run_ahead`): on one device, where those outputs are the next call's inputs as they are."""
-        return self.layout is None
+        (`run_ahead`): on one device, where those outputs are the next call's inputs as they are.
+        DS4JAX_RUN_AHEAD=0 turns it off (to compare, or to rule it out when debugging)."""
+        return self.layout is None and os.environ.get("DS4JAX_RUN_AHEAD", "1") != "0"
 
     def __init__(self, layout, cfg, params, logprobs: int = 0):
         self.layout, self.cfg, self.logprobs = layout, cfg, logprobs
