@@ -43,6 +43,20 @@ def test_the_choice_follows_acceptance_and_cost():
     assert [p.choose(bad, 2) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
 
 
+def test_a_close_call_keeps_the_last_choice():
+    """Hysteresis: switching needs `switch_gain` more expected tokens/s than the last choice at that row bucket."""
+    p = AdaptivePolicy(Adaptive(ks=(1,), costs={0: 1.0, 1: 1.5}), 1)
+    poor, fair = rows(4, accepted=40, rejected=60), rows(4, accepted=56, rejected=44)
+    good = rows(4, accepted=90, rejected=10)
+    assert p.choose(poor, 4) == 0  # E(1) = 1.4 per 1.5: 0.93 of plain
+    assert p.choose(fair, 4) == 0  # 1.56 / 1.5 = 1.04x plain: not 10 % better, plain stays
+    assert p.choose(good, 4) == 1  # 1.9 / 1.5 = 1.27x: switch
+    assert p.choose(fair, 4) == 1  # plain would be 0.96x of k=1: k=1 stays
+    assert p.choose(poor, 4) == 1  # plain is 1.07x of k=1: still too close to switch back
+    assert p.choose(rows(4, accepted=5, rejected=95), 4) == 0  # drafts gone bad: plain 1.4x, switch
+    assert AdaptivePolicy(Adaptive(ks=(1,), costs={0: 1.0, 1: 1.5}, switch_gain=0.0), 1).choose(fair, 4) == 1
+
+
 def test_estimates_and_measured_costs():
     p = AdaptivePolicy(Adaptive(ks=(1, 2)), 2)
     lv = rows(1, k=2)[0]
