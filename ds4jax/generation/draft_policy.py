@@ -17,7 +17,8 @@ tokens per plain step for c(rows, 0). The call runs the k in {0} + `ks` with the
   expected tokens per second beats it by `switch_gain` (10 %). Where plain and speculation are close (a full
   batch), running costs measured from a few calls each differ by more than the options do, and flipping between
   them costs by itself: the draft cache of rows decoded plainly falls behind, and a plain call run ahead is read
-  early (measured on the H200 at batch 32: 16 plain and 36 k=3 calls gave 0.93x plain, where fixed k=3 gave 1.13x).
+  early. (On the H200 at batch 32 a run that flipped, 16 plain and 36 k=3 calls, gave 0.93x plain; how much of that
+  was the flipping is not known: fixed k=3 varied from 0.90x to 1.13x between runs.)
 * Exploration: with measured costs, each option (plain and every k of `ks`) runs once per row bucket before any
   is priced by a guess: a guessed draft cost decided the first calls wrongly both ways (on the default model a
   k=3 round costs 1.3 plain steps, not the 1.9 the guess says, so a run of 8 calls never speculated where k=3
