@@ -310,8 +310,8 @@ PERTURBATIONS: dict[str, Callable[[], tuple]] = {
     "sliding_window_one_short": _around(attention, "sliding_mask", lambda f: lambda q, k, w: f(q, k, w - 1)),
     "compressor_ape_dropped": _around(compressor, "compress_sequence", lambda f: lambda x, p, **kw: f(
         x, {**p, "ape": jnp.zeros_like(p["ape"])}, **kw)),
-    "compressor_entry_position_off_by_one": _around(compressor, "pool", lambda f: lambda kv, g, p, t, fr, eps: f(
-        kv, g, p, t + 1, fr, eps)),
+    "compressor_entry_position_off_by_one": _around(compressor, "pool", lambda f: lambda kv, g, p, t, fr, eps, *r: f(
+        kv, g, p, t + 1, fr, eps, *r)),
     "csa_previous_window_dropped": _around(compressor, "overlap_slots", _drop_previous_window),
     "indexer_relu_dropped": _replace(indexer, "scores", _no_relu_scores),
     "indexer_topk_one_short": _around(indexer, "select", lambda f: lambda s, ok, k: f(s, ok, k - 1)),
