@@ -88,3 +88,19 @@ def test_stop_string_and_fed_request(engine, monkeypatch):
     got = run()
     assert got == want and Counting.made >= 1
     assert stop and got[0][1] == "stop" and len(got[0][0]) < 25 and len(got[1][0]) == 11  # both cases happened
+
+
+def test_the_first_call_of_a_sequence_does_not_price_plain(engine, monkeypatch):
+    """The draft policy's costs: the first plain call of a run-ahead sequence waited for the host, so only the calls
+    after it (run ahead) are observed; a call with nothing run ahead after it is observed as before."""
+    seen = []
+    monkeypatch.setattr(engine.policy, "observe_cost", lambda rows, k, s, steps: seen.append(k))
+    calls = engine.stats.decode_calls
+    engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=23, speculative=0)])
+    calls = engine.stats.decode_calls - calls
+    assert calls >= 3 and len(seen) == calls - 1, (calls, seen)
+    seen.clear()
+    monkeypatch.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+    calls = engine.stats.decode_calls
+    engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=23, speculative=0)])
+    assert len(seen) == engine.stats.decode_calls - calls >= 3

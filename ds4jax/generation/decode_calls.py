@@ -51,7 +51,9 @@ class EngineDecode:
             nxt = run_ahead.next_rows(rows, out)
             self._ahead = run_ahead.Ahead(plan, nxt, self._dispatcher().submit(self._decode_call, nxt),
                                           time.perf_counter())
-        self._read(plan, part, out, k, start, events)
+        # the first call of a run-ahead sequence waited for the host; the calls after it show what plain costs,
+        # so the adaptive policy does not price plain by it (it measured plain dearer than it runs)
+        self._read(plan, part, out, k, start, events, observe=ahead is not None or self._ahead is None)
 
     def _land(self, events: list[TokenEvent] | None) -> None:
         """Read the call run ahead and deliver its tokens; rows that finished meanwhile drop theirs."""
@@ -72,8 +74,10 @@ class EngineDecode:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4jax-run-ahead")
         return self._worker
 
-    def _read(self, plan: list[Live | None], part: list[Live], out, k: int, start: float, events) -> None:
-        """Fetch a decode / speculative call's outputs for `part` (rows of `plan`) and deliver them."""
+    def _read(self, plan: list[Live | None], part: list[Live], out, k: int, start: float, events,
+              observe: bool = True) -> None:
+        """Fetch a decode / speculative call's outputs for `part` (rows of `plan`) and deliver them; `observe`:
+        its time per step goes to the draft policy's costs."""
         row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
         slots = np.array([lv.slot for lv in part], np.int32)
         after = out.lengths if getattr(out, "lengths", None) is not None else self.programs.lengths(self.tpool)
@@ -88,7 +92,8 @@ class EngineDecode:
         else:
             self.stats.decode_calls += 1
             self.stats.decode_steps += ran
-        self.policy.observe_cost(len(plan), k, self._read_at - start, ran)
+        if observe:
+            self.policy.observe_cost(len(plan), k, self._read_at - start, ran)
         self.tbook.lengths[slots] = lengths[slots]
         if k:  # the draft pool advances with the target in every round
             self.dbook.lengths[slots] = lengths[slots]
