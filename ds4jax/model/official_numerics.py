@@ -30,16 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
 from ds4jax.model.config import Config, Numerics
+from ds4jax.model.quantized import e2m1_codes
+from pallas_kernels._mxfp4 import e2m1_to_float
 
-FP8_MAX, FP4_MAX = 448.0, 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126  # keeps amax / 6 a normal float32, where the exponent-bit ceil below is exact
 KV_BLOCK, ACT_BLOCK, FP4_BLOCK = 64, 128, 32
-# e2m1 magnitudes: thresholds between neighbours and the step up at each; at a midpoint the even code wins, so the
-# step is taken at >= where the lower neighbour's code is odd and at > where it is even
-_E2M1_STEPS = ((0.25, 0.5, False), (0.75, 0.5, True), (1.25, 0.5, False), (1.75, 0.5, True), (2.5, 1.0, False),
-               (3.5, 1.0, True), (5.0, 2.0, False))
 
 
 def pow2_scale(amax: jax.Array, inv_max: float) -> jax.Array:
@@ -71,9 +69,7 @@ def e4m3(x: jax.Array) -> jax.Array:
 
 def e2m1(x: jax.Array) -> jax.Array:
     """float32 within +-6 -> the nearest e2m1 value (ties to the even code), as float32; signs kept (-0 too)."""
-    m = jnp.abs(x)
-    up = sum(jnp.where(m >= t if odd_below else m > t, step, 0.0) for t, step, odd_below in _E2M1_STEPS)
-    return jnp.where(jnp.signbit(x), -up, up)
+    return e2m1_to_float(e2m1_codes(x))
 
 
 def fp8_round(x: jax.Array, block: int) -> jax.Array:

@@ -19,13 +19,8 @@ from ds4jax.io import official_format
 from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
 from ds4jax.io.safetensors_layout import EXPERTS, T, plan
 from ds4jax.model.handle import Model
-from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight
+from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight, e2m1_codes
 from ds4jax.runtime import kv_quant
-
-# e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
-# (round half to even on the mantissa bit), so the comparison is > where the lower code is even, >= where odd
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-
 
 def _exponents(amax: jax.Array, top: float) -> jax.Array:
     """Smallest e with amax <= top * 2^e (0 for zero blocks), clipped to E8M0's [-127, 127]; exact (fixed up
@@ -55,19 +50,12 @@ def quantize_fp8(w: jax.Array, block: tuple[int, int], fp8_dtype=jnp.float8_e4m3
     return QuantizedWeight(q, scale, Format.FP8, block)
 
 
-def _e2m1_codes(x: jax.Array) -> jax.Array:
-    """float32 with |x| <= 6 -> e2m1 codes (int32), round to nearest, ties to even."""
-    m = jnp.abs(x)
-    code = sum(((m >= t) if odd_below else (m > t)).astype(jnp.int32) for t, odd_below in _E2M1_MIDPOINTS)
-    return jnp.where(jnp.signbit(x), code | 8, code)
-
-
 def quantize_fp4(w: jax.Array) -> QuantizedWeight:
     """[..., in, out] float (in % 32 == 0) -> FP4 `QuantizedWeight` (packed along in, E8M0 per 32 inputs)."""
     *lead, k, n = w.shape
     g = w.astype(jnp.float32).reshape(*lead, k // 32, 32, n)
     e = _exponents(jnp.abs(g).max(axis=-2), FP4_MAX)  # [..., k/32, n]
-    codes = _e2m1_codes(jnp.ldexp(g, -e[..., None, :])).reshape(*lead, k // 2, 2, n)
+    codes = e2m1_codes(jnp.ldexp(g, -e[..., None, :])).reshape(*lead, k // 2, 2, n)
     packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).astype(jnp.uint8)
     return QuantizedWeight(packed, (e + 127).astype(jnp.uint8), Format.FP4, FP4_BLOCK)
 

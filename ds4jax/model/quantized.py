@@ -27,6 +27,19 @@ import numpy as np
 from pallas_kernels import _mxfp4
 
 
+# e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
+# (round half to even on the mantissa bit), so the comparison is > where the lower code is even, >= where odd
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_codes(x: jax.Array) -> jax.Array:
+    """float32 with |x| <= 6 -> e2m1 codes (int32), round to nearest, ties to even (the FP4 quantizer and
+    `official_numerics`' FP4 rounding; `_mxfp4.e2m1_to_float` decodes them)."""
+    m = jnp.abs(x)
+    code = sum(((m >= t) if odd_below else (m > t)).astype(jnp.int32) for t, odd_below in _E2M1_MIDPOINTS)
+    return jnp.where(jnp.signbit(x), code | 8, code)
+
+
 class Format(enum.Enum):
     FP8 = "fp8"
     FP4 = "fp4"
