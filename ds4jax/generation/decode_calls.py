@@ -66,7 +66,7 @@ class EngineDecode:
     def _settle_ahead(self) -> None:
         """Wait until the call run ahead (if any) was dispatched, so `self.tpool` is the pool after it; an error
         of its dispatch is left for whoever reads it."""
-        if getattr(self, "_ahead", None) is not None:
+        if self._ahead is not None:
             concurrent.futures.wait([self._ahead.out])
 
     def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:

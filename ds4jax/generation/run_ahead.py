@@ -19,9 +19,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
-
 from ds4jax.generation.delivery import Live
-from ds4jax.generation.loops import DecodeOut, Rows  # noqa: F401 (DecodeOut: in a type)
+from ds4jax.generation.loops import DecodeOut, Rows
 
 
 @dataclasses.dataclass
@@ -49,7 +48,7 @@ def next_rows(rows: Rows, out: DecodeOut) -> Rows:
 
 def may_run_ahead(plan: list[Live | None]) -> bool:
     """Whether the rows of `plan` may run a call ahead, as far as the requests go (the engine checks the rest:
-    one device, plain rows, the only decode call, nothing waiting): none prefilling, none with forced tokens or an
+    one device, plain rows, the only decode call, nothing waiting or prefilling): none with forced tokens or an
     open thinking budget (its next call's limit and forced tokens come from the host)."""
-    return all(not lv.prefilling and not lv.forced and (lv.request.budget is None or lv.budget_done)
+    return all(not lv.forced and (lv.request.budget is None or lv.budget_done)
                for lv in plan if lv is not None)
