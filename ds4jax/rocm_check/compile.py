@@ -8,8 +8,10 @@ assembly's static LDS size is 0).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import re
 import subprocess
@@ -90,10 +92,53 @@ def _nvidia(num_warps: int, compiled, gpu: GpuTarget) -> Resources:
                      occupancy_limit=limit)
 
 
-def compile_kernel(kernel: TritonKernel, gpu: GpuTarget) -> Resources:
+def kernel_key(kernel: TritonKernel, gpu: GpuTarget) -> str:
+    """What a compile's result depends on: the Triton IR, the launch parameters, the target and the Triton version
+    (the compiler is deterministic for these)."""
+    text = "\0".join((TRITON_VERSION, gpu.name, str(kernel.num_warps), str(kernel.num_stages), kernel.ttir))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclasses.dataclass
+class Recorded:
+    """Resources a full compile recorded (`scripts/rocm_kernels.py` writes them into rocm_kernels.json), keyed by
+    `kernel_key`; `hits` / `misses` say which keys this process looked up."""
+
+    resources: dict[str, Resources]
+    hits: set[str] = dataclasses.field(default_factory=set)
+    misses: set[str] = dataclasses.field(default_factory=set)
+
+
+_recorded: Recorded | None = None
+compiled: dict[str, Resources] = {}  # every key this process compiled for real (the script records them all)
+
+
+@contextlib.contextmanager
+def recorded(resources: dict[str, dict]):
+    """Within: a kernel whose key a full compile recorded takes the recorded resources instead of compiling again
+    (Triton takes ~0.7 CPU s a kernel, two CPU minutes for the whole report); any other kernel compiles."""
+    global _recorded
+    book = Recorded({k: Resources(**v) for k, v in resources.items()})
+    previous, _recorded = _recorded, book
+    try:
+        yield book
+    finally:
+        _recorded = previous
+
+
+def compile_kernel(kernel: TritonKernel, gpu: GpuTarget, *, fresh: bool = False) -> Resources:
     """Compile `kernel` for `gpu` with its own num_warps / num_stages and read its resources (cached per process;
-    Triton's on-disk cache also spares recompiling identical modules across processes)."""
-    return _compile(kernel.name, kernel.ttir, kernel.num_warps, kernel.num_stages, gpu)
+    Triton's on-disk cache also spares recompiling identical modules across processes). Inside `recorded(...)` a
+    recorded key is not compiled again unless `fresh`."""
+    key = kernel_key(kernel, gpu)
+    if _recorded is not None and not fresh:
+        if key in _recorded.resources:
+            _recorded.hits.add(key)
+            return _recorded.resources[key]
+        _recorded.misses.add(key)
+    res = _compile(kernel.name, kernel.ttir, kernel.num_warps, kernel.num_stages, gpu)
+    compiled[key] = res
+    return res
 
 
 @functools.lru_cache(maxsize=None)
