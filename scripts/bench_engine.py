@@ -66,8 +66,10 @@ class Timer:
             self.seconds[k] = 0.0
 
 
-def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int) -> tuple[dict, list]:
-    """One (batch, mode): an untimed run, then the best of `repeats`."""
+def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
+            one_at_a_time: bool = False) -> tuple[dict, list]:
+    """One (batch, mode): an untimed run, then the best of `repeats`. `one_at_a_time`: the prompts are requests
+    generated one after another, each alone (batch 1 over several prompts); a run's time is their sum."""
     k_max = engine.k
     if mode == "plain":
         cap = 0
@@ -83,7 +85,7 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int)
         s0, c0 = dict(vars(engine.stats)), compile_count()
         timer.reset()
         t = time.perf_counter()
-        results = engine.generate(reqs)
+        results = [r for group in ([[q] for q in reqs] if one_at_a_time else [reqs]) for r in engine.generate(group)]
         wall = time.perf_counter() - t
         d = {k: v - s0[k] for k, v in vars(engine.stats).items() if isinstance(v, int)}
         calls = d["decode_calls"] + d["spec_calls"]
@@ -142,10 +144,11 @@ def bench_model(name: str, args, res: dict, save) -> bool:
     ks = [int(x) for x in (args.flash_ks if name == "flash" and args.flash_ks else args.ks).split(",")]
     new = args.flash_new if name == "flash" else args.new
     rng = np.random.default_rng(0)
+    n = max(max(batches), args.b1_prompts)
     if wins is not None:
-        prompts = [[int(t) for t in wins[i % len(wins)][: args.prompt_len]] for i in range(max(batches))]
+        prompts = [[int(t) for t in wins[i % len(wins)][: args.prompt_len]] for i in range(n)]
     else:
-        prompts = [rng.integers(3, model.config.vocab_size, args.prompt_len).tolist() for _ in range(max(batches))]
+        prompts = [rng.integers(3, model.config.vocab_size, args.prompt_len).tolist() for _ in range(n)]
     out = res["models"][name] = {"dtype": dtype, "batches": batches, "ks": ks, "new_tokens": new,
                                  "prompt_len": args.prompt_len, "init_s": time.perf_counter() - t0, "runs": []}
     k = max(ks)
@@ -168,8 +171,10 @@ def bench_model(name: str, args, res: dict, save) -> bool:
                 print(f"deadline: skipping {name} b={b} {mode}", flush=True)
                 res.setdefault("skipped", []).append(f"{name} b={b} {mode}")
                 continue
-            row, tokens = measure(engine, timer, prompts[:b], new, mode, args.repeats)
-            row.update(batch=b, mode=mode)
+            alone = b == 1 and args.b1_prompts > 1
+            row, tokens = measure(engine, timer, prompts[:args.b1_prompts] if alone else prompts[:b], new, mode,
+                                  args.repeats, one_at_a_time=alone)
+            row.update(batch=b, mode=mode, prompts=args.b1_prompts if alone else b)
             if mode == "plain":
                 plain = tokens
             else:
@@ -200,9 +205,12 @@ def write_md(res: dict, path: str) -> None:
     if res.get("skipped"):
         lines += [f"Skipped at the deadline: {', '.join(res['skipped'])}.", ""]
     for name, m in res["models"].items():
+        b1 = next((r.get("prompts", 1) for r in m["runs"] if r["batch"] == 1), 1)
         lines += [f"## {name} ({m['dtype']}, {m['prompt_len']}-token prompts, {m['new_tokens']} new tokens, kernels "
                   f"{m.get('kernels')}; warm-up {m.get('warmup_compiles')} compilations in "
                   f"{m.get('warmup_s', 0):.0f} s)", "",
+                  f"Batch 1: {b1} prompt(s), one request at a time ({'one prompt: a single case, not an average' if b1 == 1 else 'tok/s over all of them'}).",
+                  "",
                   "| batch | mode | tok/s | vs plain | fused loop tok/s | engine / fused | host ms/call "
                   "| device ms/call | plain + spec calls | mean accepted | equal to plain |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -234,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps-per-call", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--b1-prompts", type=int, default=1,
+                    help="batch 1: this many prompts, generated one after another (tok/s over all of them)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining runs after this")
     ap.add_argument("--smoke", action="store_true", help="the tiny random model, short runs (CPU check)")
     args = ap.parse_args(argv)
