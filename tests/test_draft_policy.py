@@ -63,6 +63,11 @@ def test_estimates_and_measured_costs():
     assert p.rate(lv) == pytest.approx(0.5)  # the prior
     p.observe_rounds(lv, [2, 2, 2, 1], cap=2)  # 7 accepted, one rejection
     assert (lv.drafts_accepted, lv.drafts_rejected) == (7, 1) and p.rate(lv) > p.global_rate() > 0.5
+    before = p.global_rate()
+    p.observe_rounds(lv, [2, 0], cap=2, finished=True)  # the request's last round, cut by its token limit
+    assert (lv.drafts_accepted, lv.drafts_rejected) == (9, 1) and p.global_rate() > before
+    p.observe_rounds(lv, [0, 2], cap=2, finished=True)  # a short round before the last one is a rejection
+    assert (lv.drafts_accepted, lv.drafts_rejected) == (11, 2)
     p.observe_cost(4, 0, 0.010, 10)
     assert p.cost(4, 0) == pytest.approx(0.001) and p.cost(4, 2) == pytest.approx(0.001 * 1.6)  # priced
     p.observe_cost(4, 2, 0.012, 10)

@@ -95,11 +95,13 @@ class EngineDecode:
         if observe:
             self.policy.observe_cost(len(plan), k, self._read_at - start, ran)
         self.tbook.lengths[slots] = lengths[slots]
+        rounds = {}
         if k:  # the draft pool advances with the target in every round
             self.dbook.lengths[slots] = lengths[slots]
             accepted = accepted.tolist()
             for lv in part:
-                got = [a for a in accepted[row_of[lv.slot]] if a >= 0]
+                rounds[lv.slot] = got = [a for a in accepted[row_of[lv.slot]] if a >= 0]
                 lv.result.accepted_per_round.extend(got)
-                self.policy.observe_rounds(lv, got, min(lv.k, k))
         self._out.deliver_call(part, row_of, tokens, bad, lp, events, self.check_finite)
+        for lv in part if k else ():  # after delivery, which tells the requests that ended in this call
+            self.policy.observe_rounds(lv, rounds[lv.slot], min(lv.k, k), finished=lv.done)

@@ -85,7 +85,7 @@ class Fixed:
     def choose(self, live: Sequence, rows: int) -> int:
         return self.k
 
-    def observe_rounds(self, lv, accepted: Sequence[int], cap: int) -> None:
+    def observe_rounds(self, lv, accepted: Sequence[int], cap: int, finished: bool = False) -> None:
         pass
 
     def observe_cost(self, rows: int, k: int, seconds: float, steps: int) -> None:
@@ -121,10 +121,14 @@ class AdaptivePolicy:
         plain = self._cost.get((rows, 0), 1.0)
         return plain * (1 + self.settings.draft_cost * k)
 
-    def observe_rounds(self, lv, accepted: Sequence[int], cap: int) -> None:
-        """One request's accepted drafts per round of a call that offered it `cap` drafts per round."""
-        for a in accepted:
-            miss = 1 if a < cap else 0
+    def observe_rounds(self, lv, accepted: Sequence[int], cap: int, finished: bool = False) -> None:
+        """One request's accepted drafts per round of a call that offered it `cap` drafts per round. `finished`:
+        the request ended in this call, so its last round may have been cut by its token limit or a stop, not
+        by a rejected draft: that round's accepted drafts count, its shortfall does not. (Counted as a
+        rejection, every request's last round pulled the decayed global rate down just as a batch ended, and
+        the next batch's requests started from it.)"""
+        for i, a in enumerate(accepted):
+            miss = 1 if a < cap and not (finished and i == len(accepted) - 1) else 0
             lv.drafts_accepted += a
             lv.drafts_rejected += miss
             d = self.settings.decay
