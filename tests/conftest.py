@@ -141,3 +141,27 @@ def pytest_collection_modifyitems(items):
         load[h] += _LONG[key]
     fill = max(0, len(items) // 2 - len(halves[0]))
     items[:] = halves[0] + short[:fill] + halves[1] + short[fill:]
+
+
+_CPU_REPORT = os.environ.get("DS4JAX_TEST_CPU_REPORT")  # a path: each test's CPU seconds, one JSON line per test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DS4JAX_TEST_CPU_REPORT set, append {test, cpu_s} per test: this process's CPU (every thread) plus the
+    subprocesses it waited for (notebook kernels, CLI and worker processes), setup and teardown included. Wall
+    times under xdist mix in the other worker's load; CPU seconds say what a test costs the machine."""
+    if not _CPU_REPORT:
+        yield
+        return
+    import json
+    import resource
+
+    def used():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    start = used()
+    yield
+    with open(_CPU_REPORT, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(used() - start, 2)}) + "\n")
