@@ -76,6 +76,7 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
     elif mode == "adaptive":
         engine.policy, cap = engine.adaptive_policy, None
         engine.policy.choices.clear()  # the calls of this (batch, mode): its untimed and timed runs
+        engine.policy.trace.clear()
     else:
         engine.policy, cap = draft_policy.Fixed(k_max, engine.adaptive_policy.ks), int(mode)
     reqs = [Request(prompt=p, max_new_tokens=new, speculative=cap) for p in prompts]
@@ -112,6 +113,7 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
     timer.enabled = False
     if mode == "adaptive":
         best["choices"] = {str(k): v for k, v in sorted(engine.policy.choices.items())}
+        best["trace"] = [list(t) for t in engine.policy.trace]  # the last choices and the speeds behind them
     engine.policy = engine.adaptive_policy
     return best, [r.tokens for r in results]
 

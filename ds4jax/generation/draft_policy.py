@@ -34,6 +34,7 @@ which lowers acceptance for a window, never correctness.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping, Sequence
 
@@ -102,6 +103,8 @@ class AdaptivePolicy:
         self._plain_streak = 0
         self._last: dict[int, int] = {}  # row bucket -> the draft length its last call chose (probes aside)
         self.choices: dict[int, int] = {}  # k -> calls that chose it (0 = plain)
+        # the last choices with what decided them: (row bucket, live rows, {k: expected tokens/s}, chosen k)
+        self.trace: collections.deque = collections.deque(maxlen=256)
 
     # ---- estimates ----------------------------------------------------------------------------------------------
     def global_rate(self) -> float:
@@ -159,6 +162,7 @@ class AdaptivePolicy:
             self._plain_streak += 1
             if self._plain_streak >= self.settings.probe_every:
                 best = self.ks[0]
+        self.trace.append((rows, len(live), {k: round(v, 1) for k, v in speed.items()}, best))
         return self._chose(best)
 
     def _unmeasured(self, rows: int) -> int | None:
