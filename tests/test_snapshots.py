@@ -193,6 +193,7 @@ def check_disk_and_invalid(engine, model, fresh, tmp_path):
         eng.snapshots.load(path)
         r = eng.generate([req(PROMPT)])[0]
         assert r.error is ErrorCode.INVALID_SNAPSHOT and what in r.message, (what, r.message)
+        assert eng.stats.prefill_steps == 0, what  # failed at admission: its prompt was not prefilled
 
 
 def check_budget(engine, fresh):

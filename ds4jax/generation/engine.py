@@ -271,7 +271,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 restored = self._admit(queue)
                 if restored:
                     self._guarded(restored, lambda: self._restore_once(restored, events))
-                prefilling = self._fit([lv for lv in self._slots.values() if lv.prefilling],
+                # (not the rows admission already finished: an invalid snapshot, a failed restore)
+                prefilling = self._fit([lv for lv in self._slots.values() if lv.prefilling and not lv.done],
                                        self.prefill_row_buckets[-1])
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
