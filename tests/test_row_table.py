@@ -30,7 +30,7 @@ def reference_rows(plan, running, max_slots, vocab, k_cap=None) -> Rows:
             arr["slots"][r] = next(spare)
             continue
         q = lv.request
-        arr["slots"][r], arr["active"][r], arr["cur"][r] = lv.slot, True, lv.cur
+        arr["slots"][r], arr["active"][r], arr["cur"][r], arr["wake"][r] = lv.slot, True, lv.cur, True
         arr["n_out"][r], arr["max_new"][r], arr["stop_ids"][r] = len(lv.result.tokens), q.max_new_tokens, lv.stop
         arr["temperature"][r] = min(float(q.temperature), _F32_MAX)
         arr["top_p"][r], arr["top_k"][r] = q.top_p, min(int(q.top_k), vocab)

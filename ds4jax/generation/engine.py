@@ -277,6 +277,9 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if not lv.prefilling and not lv.done]
+                # a call ends as a row finishes only for a request still waiting for a slot, or one that a
+                # feed (a server) may bring at any time; otherwise finished rows idle to the call's end
+                self._wake = bool(queue) or feed is not None
                 parts = list(self._decode_parts(decoding))
                 ahead_ok = len(parts) == 1 and not waiting and not prefilling
                 for part, k in parts:
@@ -341,7 +344,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         return row_plan.plan(live, buckets, self.tspec.max_slots, self.data)
 
     def _padding_rows(self, plan: list[Live | None], k_cap=None) -> Rows:
-        return row_plan.rows(plan, self._slots.keys(), self._table, k_cap)
+        # a decode call ends early when a row finishes only if a request waits for a slot (`Rows.wake`)
+        return row_plan.rows(plan, self._slots.keys(), self._table, k_cap, wake=getattr(self, "_wake", True))
 
     # ---- the calls (one place each, so a test can wrap one) ---------------------------------------------------
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):

@@ -53,6 +53,10 @@ class Rows(NamedTuple):
     limit: jax.Array  # int32 most tokens the row may emit in this call (a thinking budget's end; NO_LIMIT)
     forced: jax.Array  # [B, MAX_FORCED] int32 tokens the row must emit next, in order
     n_forced: jax.Array  # int32 how many of them
+    # bool: the call returns after the step (round) in which this row finishes, so the host can give its slot to
+    # a waiting request. False: a finished row just stops taking steps and the others go on to the call's end
+    # (with nothing waiting, returning early only adds calls: each row finishing would end one)
+    wake: jax.Array
 
 
 class SlotState(NamedTuple):
@@ -234,4 +238,4 @@ def decode_update(rows: Rows, logits, live, cur, n_out, done, buf, i, bad):
     n_out = n_out + live.astype(jnp.int32)
     finished = live & (is_stop(tok, rows.stop_ids) | (n_out >= rows.max_new))
     paused = live & (n_out - rows.n_out >= rows.limit)  # the host must look at it (a budget's end)
-    return tok, n_out, done | finished | paused, buf, i + 1, jnp.any(finished | paused), bad
+    return tok, n_out, done | finished | paused, buf, i + 1, jnp.any((finished & rows.wake) | paused), bad

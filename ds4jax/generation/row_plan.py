@@ -46,7 +46,7 @@ def padding(b: int) -> dict[str, np.ndarray]:
                 n_out=np.zeros(b, np.int32), max_new=np.ones(b, np.int32),
                 stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32), temperature=np.zeros(b, np.float32),
                 top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int32), key_data=np.zeros((b, 2), np.uint32),
-                k_cap=np.zeros(b, np.int32), limit=np.full(b, NO_LIMIT, np.int32),
+                k_cap=np.zeros(b, np.int32), limit=np.full(b, NO_LIMIT, np.int32), wake=np.zeros(b, bool),
                 forced=np.zeros((b, MAX_FORCED), np.int32), n_forced=np.zeros(b, np.int32))
 
 
@@ -75,10 +75,11 @@ class SlotTable:
         f["k_cap"][s] = lv.k
 
 
-def rows(plan: list[Live | None], running: set[int], table: SlotTable, k_cap=None) -> Rows:
+def rows(plan: list[Live | None], running: set[int], table: SlotTable, k_cap=None, wake: bool = True) -> Rows:
     """`Rows` of a plan: padding rows (None) get distinct unused slots (free slots first); `running` holds the
-    slots in use. `k_cap` (optional, per live row of `plan`) replaces each request's own draft cap. Every live
-    request's slot must have been written to `table` (`SlotTable.admit`)."""
+    slots in use. `k_cap` (optional, per live row of `plan`) replaces each request's own draft cap. `wake`: the
+    call ends when a live row finishes (`Rows.wake`). Every live request's slot must have been written to `table`
+    (`SlotTable.admit`)."""
     b, live = len(plan), [lv for lv in plan if lv is not None]
     at = [r for r, lv in enumerate(plan) if lv is not None]
     slots = np.zeros(b, np.int32)
@@ -112,7 +113,7 @@ def rows(plan: list[Live | None], running: set[int], table: SlotTable, k_cap=Non
             # stop exactly at the budget's end; outside the span, N + 1 tokens cannot overshoot it
             limit[r] = budget.max_tokens - lv.span_count if lv.in_span else budget.max_tokens + 1
     return Rows(slots=slots, active=active, cur=cur, n_out=n_out, limit=limit, forced=forced, n_forced=n_forced,
-                **arr)
+                wake=active & wake, **arr)
 
 
 def prefill_inputs(live: list[Live], row_of: dict[int, int], b: int, width: int):

@@ -183,7 +183,8 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)).astype(c.draft_stream.dtype),
                              c.draft_stream)
     nxt_carry = RoundCarry(c.tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
-                       c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1, jnp.any(now_done),
+                       c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1,
+                       jnp.any((finished & rows.wake) | paused),
                        c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad, lp)
     return nxt_carry, lengths
 

@@ -97,7 +97,7 @@ def _rows(b):
                       max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
                       temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
                       key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
-                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32))
+                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32), wake=per_row(jnp.bool_))
 
 
 def _slot_state(slots):

@@ -1,0 +1,44 @@
+"""A decode call ends as soon as a row finishes only when a request waits for a slot (`Rows.wake`): with nothing
+waiting, rows that finish early idle to the call's end and the others go on, so a batch of unequal requests takes
+fewer calls (on the H200 at 16 rows a speculative batch made 12 calls where rows finishing ended most of them).
+Tokens are the same either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4jax.generation.requests import Request
+from small_engine import one_layer_model, small_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return small_engine(one_layer_model())
+
+
+def _requests(k):
+    prompts = ([5, 9, 2, 7], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [6, 6, 6])
+    return [Request(prompt=p, max_new_tokens=n, speculative=k) for p, n in zip(prompts, (2, 3, 4, 4))]
+
+
+@pytest.mark.parametrize("k", [0, None], ids=["plain", "speculative"])
+def test_finished_rows_do_not_end_the_call_when_nothing_waits(engine, k):
+    # every request alone: the tokens each must give
+    alone = [engine.generate([r])[0].tokens for r in _requests(k)]
+    before = engine.stats.decode_calls + engine.stats.spec_calls
+    together = engine.generate(_requests(k))  # 4 rows in 4 slots, nothing waiting: steps_per_call=4 covers all
+    calls = engine.stats.decode_calls + engine.stats.spec_calls - before
+    assert [r.tokens for r in together] == alone
+    assert calls == 1, calls  # rows finishing after 1, 2 and 3 steps ended a call each before `wake`
+
+
+def test_a_waiting_request_ends_the_call_when_a_row_finishes(engine):
+    reqs = _requests(0) + [Request(prompt=[1, 2, 3], max_new_tokens=3)]  # a fifth request: 4 slots, it waits
+    alone = [engine.generate([r])[0].tokens for r in reqs]
+    steps0, calls0 = engine.stats.decode_steps, engine.stats.decode_calls
+    got = engine.generate(reqs)
+    assert [r.tokens for r in got] == alone
+    # call 1 ends after its first step, which finishes request 0 (2 tokens: one from prefill); the fifth request
+    # takes its slot, and call 2 (nothing waits now) runs the rest side by side: 1 + 2 steps. Had call 1 run on
+    # while a request waited, it would take 3 steps and the fifth request 2 more, alone
+    assert (engine.stats.decode_calls - calls0, engine.stats.decode_steps - steps0) == (2, 3)
