@@ -45,8 +45,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
+    # no snapshot store: nothing here snapshots, so warmup() skips the restore and fingerprint programs
+    # (test_snapshots.py warms those up and checks that restores compile nothing after it)
     eng = Engine(model, max_slots=4, max_context=64, speculative=2, prefill_chunk=8,
-                 row_buckets=(2, 4), steps_per_call=4, tokenizer=ByteTokenizer())
+                 row_buckets=(2, 4), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0)
     assert eng.warmup().compiles > 0
     return eng
 

@@ -76,21 +76,17 @@ def test_logprobs_equal_the_full_forward(model):
     assert too_many.error is ErrorCode.INVALID_REQUEST and "logprobs" in too_many.message
 
 
-def test_an_engine_without_logprobs_refuses_them():
-    from small_engine import one_layer_model
-
-    engine = Engine(one_layer_model(), max_slots=1, max_context=16)
+def test_an_engine_without_logprobs_refuses_them(model):
+    # the module's model (already loaded): the refusal is the request check's, no program runs for it
+    engine = Engine(model, max_slots=1, max_context=16)
     res = engine.generate([Request(prompt=[1, 2], max_new_tokens=2, logprobs=0)])[0]
     assert res.error is ErrorCode.INVALID_REQUEST and "Engine(logprobs=N)" in res.message
 
 
 @pytest.mark.parametrize("n", [-1, "vocab+1"])
-def test_engine_logprobs_out_of_range_is_refused(n):
-    from small_engine import one_layer_model
-
+def test_engine_logprobs_out_of_range_is_refused(model, n):
     from ds4jax.runtime.pools import PoolError
 
-    model = one_layer_model()
     n = model.config.vocab_size + 1 if n == "vocab+1" else n
     with pytest.raises(PoolError, match="logprobs must be in"):
         Engine(model, max_slots=1, max_context=16, logprobs=n)

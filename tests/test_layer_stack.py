@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import ds4jax
+from ds4jax import Engine, Request
+from ds4jax.generation import buckets
 from ds4jax.generation.generate import SamplingParams
 from ds4jax.model import forward as forward_lib
 from ds4jax.model import layer_stack, params as params_lib
@@ -48,15 +50,20 @@ def test_plan_of_the_published_schedules():
     assert [s.repeats for s in layer_stack.plan([(S, M.HASH)] * 3, min_reps=3)] == [3]  # one-layer units too
 
 
+def _same(a, b) -> bool:
+    """Two trees hold equal arrays (compared on the host: a jnp comparison compiles per leaf shape)."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def test_stack_round_trip_and_indexing(models):
     scanned, unrolled = models
     stack = scanned.params["layers"]
     assert isinstance(stack, layer_stack.LayerStack) and isinstance(unrolled.params["layers"], list)
     assert len(stack) == CFG.num_layers
     for i, layer in enumerate(unrolled.params["layers"]):
-        same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stack.layer(i), layer)
-        assert all(jax.tree.leaves(same)), i
-        assert jnp.array_equal(stack[i]["attn"]["wq_a"], layer["attn"]["wq_a"])
+        assert _same(stack.layer(i), layer), i
+        assert np.array_equal(stack[i]["attn"]["wq_a"], layer["attn"]["wq_a"])
     with pytest.raises(Exception, match="immutable"):  # an edit of a copy would be lost: it raises instead
         stack[1]["attn"]["wq_a"] = jnp.zeros(1)
     back = layer_stack.unstack(stack)
@@ -83,13 +90,21 @@ def test_forward_scanned_equals_unrolled(models):
 
 
 def test_generation_scanned_equals_unrolled(models):
+    """Greedy tokens of the scanned model equal the unrolled model's, decoding plainly and in speculative rounds
+    (the MTP draft on the scanned target's streams). The scanned side is one engine of the shape
+    `ds4jax.generate(..., speculative=2)` builds, running the plain requests and then the speculative ones: the
+    programs of one engine (draft prefill, plain decode, rounds) instead of two engines' (a second prefill)."""
     scanned, unrolled = models
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (37, 9, 70)]
-    sp = SamplingParams(max_new_tokens=12)
-    got = ds4jax.generate(scanned, prompts, sp, prefill_chunk=16)
-    assert got == ds4jax.generate(unrolled, prompts, sp, prefill_chunk=16)
-    assert ds4jax.generate(scanned, prompts, sp, prefill_chunk=16, speculative=2) == got
+    want = ds4jax.generate(unrolled, prompts, SamplingParams(max_new_tokens=12), prefill_chunk=16)
+    shape = buckets.one_shot([len(p) for p in prompts], 12, speculative=2, data=1,
+                             max_position_embeddings=CFG.max_position_embeddings, prefill_chunk=16)
+    engine = Engine(scanned, **shape)
+    run = lambda k: [r.tokens for r in engine.generate([Request(prompt=p, max_new_tokens=12, speculative=k)
+                                                        for p in prompts])]  # noqa: E731
+    assert run(0) == want  # plain decode steps
+    assert run(None) == want  # speculative rounds (the engine's k = 2)
 
 
 def _decode_jaxpr_size(cfg, scan: bool = True) -> int:
@@ -156,8 +171,7 @@ def test_save_and_load_round_trip_stacked(models, tmp_path):
     ds4jax.save(scanned, tmp_path / "st")
     loaded = ds4jax.load(tmp_path / "st", dtype=jnp.float32)
     assert layer_stack.is_stacked(loaded.params)
-    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), loaded.params, scanned.params)
-    assert all(jax.tree.leaves(same))
+    assert _same(loaded.params, scanned.params)
 
 
 def test_snapshot_fingerprint_does_not_depend_on_the_layout(models):

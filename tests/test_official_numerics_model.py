@@ -33,7 +33,8 @@ MIN_MEAN_COSINE, MIN_COSINE, MAX_REL = 0.99, 0.9, 0.4
 
 @functools.lru_cache(maxsize=None)
 def params():
-    return jax.jit(P.init, static_argnums=0)(REF, jax.random.key(0))
+    # eagerly, leaf by leaf: one jitted init program of this config costs ~17 CPU s of XLA, the per-shape ops ~4
+    return P.init(REF, jax.random.key(0))
 
 
 def ids():
@@ -138,23 +139,41 @@ def test_pallas_kernels_read_the_rounded_values():
 
 
 def _greedy_ok(model, prompt, new):
-    """Each generated token is the full forward's argmax (or within 1e-4 of it: a random model's near-ties)."""
-    seq = np.asarray(prompt + new, np.int32)[None]
-    logits = np.asarray(full(model.config, model.params, seq)[0])[0, len(prompt) - 1:-1]
+    """Each generated token is the full forward's argmax (or within 1e-4 of it: a random model's near-ties).
+    The sequence is row 0 of a batch shaped like `ids()` (row 1: filler), so `full` runs the program the tests
+    above compiled instead of compiling one more shape."""
+    seq = np.asarray(prompt + new, np.int32)
+    assert seq.shape == (PROMPT + DECODE,)
+    logits = np.asarray(full(model.config, model.params, np.stack([seq, ids()[1]]))[0])[0, len(prompt) - 1:-1]
     chosen = np.take_along_axis(logits, np.asarray(new)[:, None], -1)[:, 0]
     assert (logits.max(-1) - chosen <= 1e-4 * np.abs(logits).max(-1)).all()
 
 
+NEW = 8  # generated tokens: the first (prefill) and two calls of up to 4 decode steps or rounds
+
+
+@functools.lru_cache(maxsize=None)
+def engine():
+    """One engine of the shape `ds4jax.generate(..., speculative=2)` builds for the prompt below, serving both
+    parametrizations (a request with speculative=0 decodes plainly): its prefill program is compiled once."""
+    from ds4jax import Engine
+    from ds4jax.generation import buckets
+
+    shape = buckets.one_shot([PROMPT + DECODE - NEW], NEW, speculative=2, data=1, prefill_chunk=16, steps_per_call=4,
+                             max_position_embeddings=OFF.max_position_embeddings)
+    return Engine(Model(config=OFF, params=params()), **shape)
+
+
 @pytest.mark.parametrize("speculative", [0, 2])
 def test_engine_fused_loops_and_verification(speculative):
-    """`ds4jax.generate` (the Engine: fused decode loops; with speculative=2 the MTP drafts and verify steps) on
-    the official model: greedy tokens of the official full forward, and as many as asked."""
-    from ds4jax.generation.generate import SamplingParams, generate
+    """The Engine `ds4jax.generate` builds (fused decode loops; with speculative=2 the MTP drafts and verify
+    steps) on the official model: greedy tokens of the official full forward, and as many as asked."""
+    from ds4jax import Request
 
-    model = Model(config=OFF, params=params())
-    assert model.has_mtp
-    prompt = ids()[0, :PROMPT].tolist()
-    new = generate(model, prompt, SamplingParams(max_new_tokens=8), speculative=speculative, steps_per_call=4,
-                   prefill_chunk=16)[0]
-    assert len(new) == 8
-    _greedy_ok(model, prompt, new)
+    eng = engine()
+    assert eng.model.has_mtp and eng.tspec.draft_tokens == 3
+    prompt = ids()[0, :PROMPT + DECODE - NEW].tolist()  # 39 tokens: chunks of 16, 16 and 7
+    result = eng.generate([Request(prompt=prompt, max_new_tokens=NEW, speculative=speculative)])[0]
+    assert result.ok and len(result.tokens) == NEW
+    assert (result.accepted_per_round is None) == (speculative == 0)  # plain steps, or speculative rounds
+    _greedy_ok(eng.model, prompt, result.tokens)
