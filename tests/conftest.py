@@ -104,8 +104,8 @@ def _release_executables():
 # key is a node id prefix (a file, or a file::test) or "fixture:NAME" (every test using that fixture). Items under
 # one key share a module fixture (a subprocess, a compiled program set), so they stay together on one worker.
 _LONG = {
-    "fixture:mesh_cases": 90,  # tests/test_mesh.py's two worker processes (every layout and engine case)
-    "tests/rocm/test_kernel_compile.py::test_every_kernel": 45,  # lowers every step for 3 GPU targets
+    "fixture:mesh_cases": 150,  # tests/test_mesh.py's two worker processes (every layout and engine case)
+    "tests/rocm/test_kernel_compile.py::test_every_kernel": 140,  # every Triton kernel for 3 GPU targets, cold
     "tests/test_multiprocess.py": 120,  # a 2-process job (mp_job) and launches
     "tests/test_notebooks.py::test_notebook_runs": 80,  # five notebooks, a kernel process each
     "tests/test_compilation_cache.py": 40,  # six fresh processes

@@ -15,9 +15,7 @@ def test_bench_mesh_smoke(tmp_path):
     out = tmp_path / "mesh.md"
     # the script forces its own 2 devices; the suite's other XLA flags (the cheap compile settings) stay
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    # nor the run's compilation cache: its 2-device programs are its own (see test_mesh.py's mesh_cases)
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env["XLA_FLAGS"] = " ".join(flags)
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     script = os.path.join(ROOT, "scripts", "bench_mesh.py")
     proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=1200, cwd=ROOT)

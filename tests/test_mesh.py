@@ -33,11 +33,7 @@ def mesh_cases():
     cases share their one-device references and compiled programs (one jit cache), and the groups share none, so
     the two run side by side on two cores instead of one after the other (the suite's longest item). conftest.py
     runs these tests first, so one test worker takes them all at the start."""
-    # without the run's compilation cache: their 8-device programs are theirs alone (no other process loads
-    # them), and with JAX's persistent cache on they cost 2.5x the CPU seconds (one group: 125 against 49 s; the
-    # fused loops' backend compiles 10x longer, even with a write threshold no program reaches; cause not found)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_PERSISTENT_CACHE")
-           and k != "JAX_COMPILATION_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     worker = os.path.join(HERE, "mesh_worker.py")
     procs = [subprocess.Popen([sys.executable, worker, *group], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for group in mesh_worker.GROUPS]
