@@ -278,13 +278,20 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=GUARD_S) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))  # the role chunk; then leave
+        # read the role chunk and stay connected until the first token is held: the line iterator is kept, since
+        # a dropped one closes the connection (httpcore closes its stream on GeneratorExit), and a server that
+        # saw the client leave before the request was admitted cancelled it before it started (a CI flake)
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                break
         deadline = time.monotonic() + GUARD_S
         while not held.wait(0.05) and not ended_without_a_token() and time.monotonic() < deadline:
             pass
         result = jobs[0].result if jobs else None
         assert held.is_set(), (f"no first token: {_driver_state(server)}; the request's result: "
                                f"{result and (result.error, result.message, result.tokens, result.finish_reason)}")
+    # leaving the `with` closes the connection: the handler sees the client gone and cancels the held request
     monkeypatch.undo()
     deadline = time.monotonic() + GUARD_S
     while True:
