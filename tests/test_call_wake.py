@@ -6,9 +6,9 @@ Tokens are the same either way."""
 from __future__ import annotations
 
 import pytest
+from small_engine import one_layer_model, small_engine
 
 from ds4jax.generation.requests import Request
-from small_engine import one_layer_model, small_engine
 
 
 @pytest.fixture(scope="module")

@@ -162,6 +162,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         self._to_reset: set[int] = set()
         self._ahead: run_ahead.Ahead | None = None  # a plain decode call started before the last one was read
         self._read_at = 0.0  # when the last decode call's outputs were read
+        self._wake = True  # this iteration's `Rows.wake` (set by `_run` from its queue and feed)
 
     def _new_state(self, role: Role) -> None:
         """Fresh pools, books and (target) per-slot state of a role."""
@@ -345,7 +346,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
 
     def _padding_rows(self, plan: list[Live | None], k_cap=None) -> Rows:
         # a decode call ends early when a row finishes only if a request waits for a slot (`Rows.wake`)
-        return row_plan.rows(plan, self._slots.keys(), self._table, k_cap, wake=getattr(self, "_wake", True))
+        return row_plan.rows(plan, self._slots.keys(), self._table, k_cap, wake=self._wake)
 
     # ---- the calls (one place each, so a test can wrap one) ---------------------------------------------------
     def _prefill_call(self, rows: Rows, token_ids, n_tokens, next_ids, finishing):

@@ -102,10 +102,9 @@ def kernel_key(kernel: TritonKernel, gpu: GpuTarget) -> str:
 @dataclasses.dataclass
 class Recorded:
     """Resources a full compile recorded (`scripts/rocm_kernels.py` writes them into rocm_kernels.json), keyed by
-    `kernel_key`; `hits` / `misses` say which keys this process looked up."""
+    `kernel_key`; `misses`: the keys looked up and not found (compiled instead)."""
 
     resources: dict[str, Resources]
-    hits: set[str] = dataclasses.field(default_factory=set)
     misses: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -133,7 +132,6 @@ def compile_kernel(kernel: TritonKernel, gpu: GpuTarget, *, fresh: bool = False)
     key = kernel_key(kernel, gpu)
     if _recorded is not None and not fresh:
         if key in _recorded.resources:
-            _recorded.hits.add(key)
             return _recorded.resources[key]
         _recorded.misses.add(key)
     res = _compile(kernel.name, kernel.ttir, kernel.num_warps, kernel.num_stages, gpu)

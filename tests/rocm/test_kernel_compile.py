@@ -110,9 +110,7 @@ def test_fp8_kv_kernels_compile_within_limits():
     OCP E4M3 on gfx950 / sm90, and compile within each target's LDS / shared memory (about 45 CPU seconds)."""
     _needs("amd")
     _needs("nvidia")
-    from ds4jax.rocm_check.lowering import Case, lower_step
-
-    from ds4jax.rocm_check.lowering import FP8_KV_CASES
+    from ds4jax.rocm_check.lowering import FP8_KV_CASES, lower_step
 
     (case,) = FP8_KV_CASES
     for name, gpu in TARGETS.items():
