@@ -8,11 +8,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 res=$OUT/warmup_probe.jsonl; log=$OUT/session.log
+source scripts/warmup_probe_lib.sh  # probe()
 for level in 4 1 2; do
-    t=$SECONDS
-    DS4JAX_COMPILATION_CACHE=off XLA_FLAGS=--xla_gpu_autotune_level=$level timeout 90 python3 scripts/warmup_probe.py \
-        --label "autotune_$level" --out "$res" --speed >>"$OUT/probe.log" 2>&1
-    echo "== autotune $level: exit $? after $((SECONDS - t)) s" | tee -a "$log"
+    probe "autotune_$level" 90 XLA_FLAGS=--xla_gpu_autotune_level=$level
 done
 t=$SECONDS
 DS4JAX_COMPILATION_CACHE=$(mktemp -d) timeout 300 python3 scripts/bench_engine.py --out "$OUT" --models default \

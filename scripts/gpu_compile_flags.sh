@@ -8,15 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 res=$OUT/warmup_probe.jsonl; log=$OUT/compile_flags.log
-probe() {  # label limit_s env... -- args...
-    local label=$1 limit=$2; shift 2
-    local envs=() t=$SECONDS
-    while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
-    [ $# -gt 0 ] && shift
-    env DS4JAX_COMPILATION_CACHE=off "${envs[@]}" timeout "$limit" python3 scripts/warmup_probe.py --label "$label" \
-        --out "$res" --speed "$@" >>"$log" 2>&1
-    echo "== $label: exit $? after $((SECONDS - t)) s" | tee -a "$log"
-}
+source scripts/warmup_probe_lib.sh  # probe()
 probe baseline 90
 probe no_triton_gemm 90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
 probe autotune_0 90 XLA_FLAGS=--xla_gpu_autotune_level=0

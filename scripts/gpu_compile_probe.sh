@@ -8,15 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 res=$OUT/warmup_probe.jsonl; log=$OUT/compile_probe.log
-probe() {  # label limit_s env... -- args...
-    local label=$1 limit=$2; shift 2
-    local envs=() t=$SECONDS
-    while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
-    [ $# -gt 0 ] && shift
-    env DS4JAX_COMPILATION_CACHE=off "${envs[@]}" timeout "$limit" python3 scripts/warmup_probe.py --label "$label" \
-        --out "$res" --speed "$@" >>"$log" 2>&1
-    echo "== $label: exit $? after $((SECONDS - t)) s" | tee -a "$log"
-}
+source scripts/warmup_probe_lib.sh  # probe()
 t=$SECONDS
 DS4JAX_COMPILATION_CACHE=off timeout 120 python3 scripts/compile_phases.py --out "$OUT/compile_phases.json" \
     >"$OUT/compile_phases.log" 2>&1; echo "== phases: exit $? after $((SECONDS - t)) s" | tee -a "$log"
