@@ -112,7 +112,7 @@ def run_once(engine: Engine, reqs, streaming: bool, clock: Clock, prof=None) -> 
 def host_only(model, tokenizer, lp: int, on_token, streaming: bool, slots: int, new: int, repeats: int) -> dict:
     """`Engine._decode_once` alone with the decode program and the fetch replaced by canned numpy outputs (every
     row emits M tokens per call): the engine's own Python per call, free of XLA's threads sharing the cores."""
-    from ds4jax.generation import engine as engine_mod
+    from ds4jax.generation import decode_calls as calls_mod  # where `_decode_once` reads its fetch
     from ds4jax.generation.delivery import Live
     from ds4jax.generation.request_checks import check_for_engine
 
@@ -120,8 +120,8 @@ def host_only(model, tokenizer, lp: int, on_token, streaming: bool, slots: int, 
     m = eng.steps_per_call
     out = types.SimpleNamespace(tokens=(np.arange(slots * m, dtype=np.int32).reshape(slots, m) % 200 + 3),
                                 steps=np.int32(m), bad=np.full(slots, -1, np.int32), logprobs=None)
-    real_fetch = engine_mod.fetch
-    engine_mod.fetch, eng._decode_call = (lambda tree: tree), (lambda rows: out)
+    real_fetch = calls_mod.fetch
+    calls_mod.fetch, eng._decode_call = (lambda tree: tree), (lambda rows: out)
     eng.programs = types.SimpleNamespace(lengths=lambda pool: np.zeros(slots, np.int32))
     best = None
     try:
@@ -138,7 +138,7 @@ def host_only(model, tokenizer, lp: int, on_token, streaming: bool, slots: int, 
                 part.append(lv)
             calls, c = 0, time.thread_time()
             while not all(lv.done for lv in part):
-                eng._decode_once([lv for lv in part if not lv.done], 0, [] if streaming else None)
+                eng._decode_once([lv for lv in part if not lv.done], 0, [] if streaming else None, False)
                 calls += 1
             cpu = time.thread_time() - c
             tokens = sum(len(lv.result.tokens) - 1 for lv in part)
@@ -146,7 +146,7 @@ def host_only(model, tokenizer, lp: int, on_token, streaming: bool, slots: int, 
                        host_cpu_ms_per_call=1e3 * cpu / calls)
             best = got if best is None or got["host_cpu_us_per_token"] < best["host_cpu_us_per_token"] else best
     finally:
-        engine_mod.fetch = real_fetch
+        calls_mod.fetch = real_fetch
     return best
 
 
