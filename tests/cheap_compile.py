@@ -10,7 +10,24 @@ to build than the loop emitters they replace); `--xla_llvm_disable_expensive_pas
 level 0 but keeps the notebooks' earlier setting (scripts/notebook_tools.py).
 """
 
-FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+import importlib.metadata
+
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+    """Whether the installed jaxlib is older than major.minor (read without importing JAX, which would parse
+    XLA_FLAGS at once)."""
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
+    return tuple(parts) < (major, minor)
+
+
+# XLA aborts the process on a flag it does not know, before pytest can print a line: jaxlib 0.11's XLA dropped
+# the loop-emitter switch (the fusion emitters are its only path), so the H200 image's pytest died at start-up
+FLAGS = ("--xla_backend_optimization_level=0",
+         *(("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ()),
          "--xla_llvm_disable_expensive_passes=true")
 
 
