@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -108,10 +109,20 @@ def us_per_token(seconds: float, tokens: int) -> float | None:
     return round(1e6 * seconds / tokens, 1) if tokens else None
 
 
+def stats_delta(engine, before: dict) -> dict:
+    """The engine's counters (calls, steps, prefill chunks) since `before`: the work each side made the engine do,
+    so a gap in tokens/s can be traced to more calls or steps rather than to the HTTP layer."""
+    now = dataclasses.asdict(engine.stats)
+    keys = ("prefill_steps", "decode_calls", "decode_steps", "spec_calls", "spec_rounds", "tokens")
+    return {k: now[k] - before[k] for k in keys}
+
+
 def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, label: str) -> dict:
+    stats = dataclasses.asdict(engine.stats)
     start, cpu = time.perf_counter(), time.thread_time()
     results = engine.generate(requests_for(prompts, new, stop_ids))
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    stats = stats_delta(engine, stats)
     for i, (r, ref) in enumerate(zip(results, refs)):
         checks.expect(r.ok, f"{label} engine request {i}: {r.error} {r.message}")
         checks.tokens(f"{label} engine request {i}", r.tokens, ref)
@@ -120,7 +131,7 @@ def engine_level(engine, prompts, new: int, stop_ids, refs, checks: Checks, labe
     itl = [r.timings.decode_s / max(len(r.tokens) - 1, 1) for r in results]
     return {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 4),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_mean_p50_s": pct(itl, 50),
-            "engine_thread_cpu_us_per_token": us_per_token(cpu, tokens)}
+            "engine_thread_cpu_us_per_token": us_per_token(cpu, tokens), "engine_stats": stats}
 
 
 async def one_stream(http, prompt, new: int) -> dict:
@@ -261,11 +272,13 @@ def server_level(server, loop_thread: int, clients: ClientPool, tok, prompts, ne
     server.metrics.finished = record
     threads = {"engine_thread": server.driver.thread_ident, "event_loop": loop_thread}
     cpu = {name: thread_cpu(ident) for name, ident in threads.items()}
+    stats = dataclasses.asdict(server.driver.engine.stats)
     try:
         runs, wall = clients.run(prompts, new)
     finally:
         server.metrics.finished = finished
     cpu = {name: thread_cpu(ident) - cpu[name] for name, ident in threads.items()}
+    stats = stats_delta(server.driver.engine, stats)
     by_prompt = {tuple(p): ref for p, ref in zip(prompts, refs)}
     checks.expect(sorted(map(len, captured.values())) == [1] * len(prompts) and set(captured) == set(by_prompt),
                   f"{label} server: {sum(map(len, captured.values()))} results for {len(prompts)} requests")
@@ -288,7 +301,8 @@ def server_level(server, loop_thread: int, clients: ClientPool, tok, prompts, ne
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "inter_token_p50_s": pct(gaps, 50),
             "inter_token_p99_s": pct(gaps, 99), "sse_events": events,
             "tokens_per_event": round(tokens / events, 2) if events else None,
-            **{f"{name}_cpu_us_per_token": us_per_token(seconds, tokens) for name, seconds in cpu.items()}}
+            **{f"{name}_cpu_us_per_token": us_per_token(seconds, tokens) for name, seconds in cpu.items()},
+            "engine_stats": stats}
 
 
 def start_server(engine, tokenizer):
@@ -327,7 +341,10 @@ def render_md(doc: dict) -> str:
              "processes.", "",
              "| clients | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
              "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token | engine thread CPU / token "
-             "(alone / serving) | event loop CPU / token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(alone / serving) | event loop CPU / token | decode calls / steps, prefill chunks (alone / serving) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    work = lambda st: "n/a" if not st else (f"{st['decode_calls'] + st['spec_calls']} / "  # noqa: E731
+                                            f"{st['decode_steps'] + st['spec_rounds']}, {st['prefill_steps']}")
     for r in doc["levels"]:
         e, s = r["engine"], r["server"]
         lines.append(f"| {r['clients']} | {e['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
@@ -335,7 +352,8 @@ def render_md(doc: dict) -> str:
                      f"{ms(s['ttft_p99_s'])} | {ms(s['inter_token_p50_s'])} / {ms(s['inter_token_p99_s'])} | "
                      f"{s['tokens_per_event']} | {ms(e['inter_token_mean_p50_s'])} | "
                      f"{e['engine_thread_cpu_us_per_token']} / {s['engine_thread_cpu_us_per_token']} us | "
-                     f"{s['event_loop_cpu_us_per_token']} us |")
+                     f"{s['event_loop_cpu_us_per_token']} us | {work(e.get('engine_stats'))} / "
+                     f"{work(s.get('engine_stats'))} |")
     verdict = "PASS" if not c["failures"] else f"FAIL ({len(c['failures'])}: {c['failures'][:3]})"
     lines += ["", f"Checks: {c['checked']} results compared with the engine's reference greedy tokens "
               f"({c['ties']} parted at a near-tie), streamed text = its tokens' text, usage, finish, one result "
@@ -348,7 +366,8 @@ def render_md(doc: dict) -> str:
               "CPU time of the thread that drives the engine (the caller of `engine.generate` alone; the "
               "server's engine thread when serving) and of the server's event loop (HTTP, SSE, detokenization), "
               "per generated token, in the reported (best) run: a measure of the server's own work that a busy "
-              "machine distorts less than tokens/s."]
+              "machine distorts less than tokens/s. Decode calls / steps and prefill chunks: the engine's own counters "
+              "over the reported run of each side (the work the same requests cost it alone and behind the server)."]
     return "\n".join(lines) + "\n"
 
 

@@ -42,3 +42,25 @@ def test_a_waiting_request_ends_the_call_when_a_row_finishes(engine):
     # takes its slot, and call 2 (nothing waits now) runs the rest side by side: 1 + 2 steps. Had call 1 run on
     # while a request waited, it would take 3 steps and the fifth request 2 more, alone
     assert (engine.stats.decode_calls - calls0, engine.stats.decode_steps - steps0) == (2, 3)
+
+
+@pytest.mark.parametrize("waiting", [None, False, True], ids=["feed", "feed-nothing-waits", "feed-one-waits"])
+def test_a_feed_ends_calls_on_finished_rows_only_while_a_request_waits_at_it(engine, waiting):
+    """A server feeds its engine (`stream(feed=...)`) and says whether requests wait for a slot (`waiting`, the
+    driver's queue): with nothing waiting, the rows that finish early idle to the call's end as in `generate`;
+    with a request waiting, or no `waiting` to ask (any feed may bring one), each finishing row ends its call."""
+    alone = [engine.generate([r])[0].tokens for r in _requests(0)]
+    before = engine.stats.decode_calls
+    asked = []
+
+    def waits() -> bool:
+        asked.append(waiting)
+        return waiting
+
+    kw = {} if waiting is None else {"waiting": waits}
+    events = list(engine.stream(_requests(0), feed=lambda: [], **kw))
+    calls = engine.stats.decode_calls - before
+    assert [r.tokens for r in engine.last_results] == alone and len(events) == sum(map(len, alone))
+    # rows finish after 1, 2 and 3 decode steps (requests of 2, 3 and 4 tokens; the 4th also needs 3)
+    assert calls == (1 if waiting is False else 3), calls
+    assert bool(asked) == (waiting is not None)

@@ -214,16 +214,20 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 except StopIteration as stop:
                     return stop.value
 
-    def stream(self, requests: Sequence[Request], *, on_result=None, feed=None) -> Iterator[TokenEvent]:
+    def stream(self, requests: Sequence[Request], *, on_result=None, feed=None, waiting=None) -> Iterator[TokenEvent]:
         """Yield a `TokenEvent` per token as it is delivered; `self.last_results` holds the results afterwards.
         Closing the stream early (a `break`, an exception in the loop) cancels its unfinished requests.
 
         feed() (optional) is called before every iteration and returns more requests to join this stream (their
         indices continue after `requests`); the stream ends once nothing is queued or running and feed() returned
         nothing: a server's driver thread (`ds4jax.serving.driver`) keeps one engine busy this way.
+        waiting() (optional, with feed) says whether requests wait outside the engine for a slot. A decode call
+        ends as soon as one of its rows finishes only while a request waits (here or, per waiting(), at the
+        feed); otherwise a finished row idles to the call's end (at most `steps_per_call` - 1 steps) and the call
+        runs on. Without waiting(), any feed may bring a request at any time, so every finished row ends its call.
         The stream holds the engine from its first event until it ends or is closed: other threads' calls wait."""
         with self._exclusive("stream()"):
-            gen = self._run(list(requests), on_result, feed)
+            gen = self._run(list(requests), on_result, feed, feed_waits=waiting)
             try:
                 while True:
                     try:
@@ -235,7 +239,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 gen.close()
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _run(self, requests: list, on_result=None, feed=None, streaming=True) -> Iterator[list[TokenEvent]]:
+    def _run(self, requests: list, on_result=None, feed=None, streaming=True,
+             feed_waits=None) -> Iterator[list[TokenEvent]]:
         """Yields each iteration's `TokenEvent`s (none when not `streaming`: `generate` reads only the results,
         so no event is built for a request without `on_token`); returns the results."""
         results: list[GenerateResult | None] = []
@@ -278,9 +283,9 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 if prefilling:
                     self._guarded(prefilling, lambda: self._prefill_once(prefilling, events))
                 decoding = [lv for lv in self._slots.values() if not lv.prefilling and not lv.done]
-                # a call ends as a row finishes only for a request still waiting for a slot, or one that a
-                # feed (a server) may bring at any time; otherwise finished rows idle to the call's end
-                self._wake = bool(queue) or feed is not None
+                # a call ends as a row finishes only for a request still waiting for a slot (in the queue, or at
+                # the feed: a server's), otherwise finished rows idle to the call's end
+                self._wake = bool(queue) or feed is not None and (feed_waits is None or feed_waits())
                 parts = list(self._decode_parts(decoding))
                 ahead_ok = len(parts) == 1 and not waiting and not prefilling
                 for part, k in parts:

@@ -189,7 +189,7 @@ class Driver:
             run: list[Job] = []  # index in this stream -> job
             try:
                 for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
-                                            feed=lambda: self._feed(run)):
+                                            feed=lambda: self._feed(run), waiting=self._has_waiting):
                     if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
                         self._flush()
             finally:
@@ -211,6 +211,10 @@ class Driver:
             self._gauges()
         run.extend(taken)
         return [job.request for job in taken]
+
+    def _has_waiting(self) -> bool:
+        """Whether a job waits for a slot (read without the lock: a stale answer only moves when a call ends)."""
+        return bool(self._waiting)
 
     def _finished(self, job: Job, result: GenerateResult) -> None:
         with self._cv:
