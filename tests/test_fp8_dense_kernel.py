@@ -1,11 +1,13 @@
 """The FP8 dense linears of a quantized model go through the FP8 matmul kernel when the steps run the Pallas
-kernels (here interpreted), and dequantize next to the dot under the reference; both give the same logits.
+kernels (here interpreted), and dequantize next to the dot under the reference; both give the same logits; and the
+quantized decode step with the compiled kernels lowers for cuda and rocm with one FP8 kernel call per FP8 linear.
 
 The model is a tiny random one quantized as the published checkpoints are (`quantize_model(..., "fp4")`: FP8
 dense linears with 128 x 128 blocks, FP4 experts), in OCP E4M3 and in FNUZ (MI300's format, doubled scales).
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +107,21 @@ def test_quantized_model_logits_match_the_reference():
     assert np.isfinite(ref).all()
     # the same products in f32; sums reassociated (k splits, tiles) and the other kernels' own tolerance
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("platform,fmt", [("cuda", "ocp"), ("rocm", "fnuz")])
+def test_quantized_decode_step_lowers_for_gpu(platform, fmt):
+    """The decode step of the quantized model with the Pallas kernels lowers for a GPU (Pallas' Triton rules, the
+    FP8 kernel inside the layer scan with stacked weights), one Triton call per FP8 linear among them."""
+    model = quantized(fmt)
+    spec = _spec()
+    s = jax.ShapeDtypeStruct
+    batch = steps.StepBatch(s((2,), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
+    step = functools.partial(steps._step, streams_in=None, cfg=CFG, spec=spec, role=ds4jax.Role.TARGET,
+                             logits=steps.Logits.LAST, kernels=Impl.PALLAS)
+    text = jax.jit(step).trace(model.params, pools.abstract(spec), batch).lower(
+        lowering_platforms=(platform,)).as_text()
+    is_q = lambda x: isinstance(x, QuantizedWeight)
+    n_fp8 = sum(is_q(w) and w.format is Format.FP8 for w in jax.tree.leaves(model.params["layers"], is_leaf=is_q))
+    assert len(re.findall(r"call @fp8_matmul(?:_\d+)?\(", text)) == n_fp8
+    assert "triton" in text
