@@ -5,6 +5,8 @@ Each op: `op(...)` (kernel), `op_reference(...)` (pure jnp, same signature: the 
 This package never imports ds4jax.
 """
 
+from pallas_kernels.fp8_matmul import BlockSizes as Fp8MatmulBlockSizes
+from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul_fp4 import BlockSizes as GroupedMatmulFp4BlockSizes
@@ -29,6 +31,9 @@ from pallas_kernels.sparse_attention import (
 )
 
 __all__ = [
+    "Fp8MatmulBlockSizes",
+    "fp8_matmul",
+    "fp8_matmul_reference",
     "GroupedMatmulBlockSizes",
     "grouped_matmul",
     "grouped_matmul_reference",

@@ -13,6 +13,7 @@ import warnings
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 # Triton's `tt.dot` needs every matmul extent >= 16; interpret mode has no such limit.
 TRITON_MIN_DOT_DIM = 16
@@ -72,3 +73,38 @@ def dot_precision(dtype) -> lax.Precision:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+
+
+def _tile_mask(starts, shape, bounds):
+    """[*shape] bool: element (i, j) of the tile at `starts` lies inside `bounds` (None = that dim needs no mask);
+    None when no dim needs one."""
+    mask = None
+    for axis, (start, size, bound) in enumerate(zip(starts, shape, bounds)):
+        if bound is None:
+            continue
+        inside = start + lax.broadcasted_iota(jnp.int32, shape, axis) < bound
+        mask = inside if mask is None else mask & inside
+    return mask
+
+
+def load_tile(ref, starts, shape, bounds):
+    """ref[s0 : s0 + shape[0], s1 : s1 + shape[1]] of a 2-d ref, with the elements at or past `bounds` (per dim, an
+    int, or None where the tile never crosses the edge) never read: they load as 0 (masked load; Triton can still
+    stream the tile into shared memory with zero fill)."""
+    index = ref.at[tuple(pl.ds(s, n) for s, n in zip(starts, shape))]
+    mask = _tile_mask(starts, shape, bounds)
+    if mask is None:
+        return index[...]
+    # an FP8 fill must already have its type: Triton's lowering has no int -> f8 conversion
+    return _triton().load(index, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def store_tile(ref, starts, val, bounds):
+    """ref[s0 : s0 + n0, ...] = val for the elements inside `bounds` (as in `load_tile`); the others are not
+    written (masked store)."""
+    index = ref.at[tuple(pl.ds(s, n) for s, n in zip(starts, val.shape))]
+    mask = _tile_mask(starts, val.shape, bounds)
+    if mask is None:
+        index[...] = val
+    else:
+        _triton().store(index, val, mask=mask)

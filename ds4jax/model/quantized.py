@@ -9,8 +9,10 @@ lives in the params layout (inputs before outputs, like the dense ``[in, out]`` 
 * ``FP4``: values uint8 ``[..., in/2, out]`` (row j holds inputs 2j in its low nibble and 2j + 1 in its high one),
   scales E8M0 bytes uint8 ``[..., in/32, out]``; block = (32, 1).
 
-Dense linears dequantize next to their matmul (`dense`), a convert and a multiply that XLA fuses into the dot's
-operand; routed experts read FP4 in the grouped-matmul kernel (`pallas_kernels.grouped_matmul_fp4`). The loader
+Dense FP8 linears read the stored bytes in the FP8 matmul kernel when the steps run the Pallas kernels
+(`pallas_kernels.fp8_matmul`, dispatched by `ds4jax.runtime.kernels.dense_linears`); otherwise they dequantize
+next to their matmul (`dense`), a convert and a multiply that XLA fuses into the dot's operand. Routed experts read
+FP4 in the grouped-matmul kernel (`pallas_kernels.grouped_matmul_fp4`). The loader
 fills these from the checkpoint bytes (`ds4jax.load(..., weights="checkpoint")`).
 """
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _mxfp4
+from pallas_kernels.fp8_matmul import dequantize_fp8
 
 
 # e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
@@ -76,10 +79,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         if self.format is Format.FP4:
             return _mxfp4.dequantize_fp4(self.values, self.scales, dtype)
-        *_, rows, cols = self.values.shape
-        bi, bo = self.block
-        s = jnp.repeat(jnp.repeat(self.scales, bi, axis=-2)[..., :rows, :], bo, axis=-1)[..., :cols]
-        return (self.values.astype(jnp.float32) * s).astype(dtype)
+        return dequantize_fp8(self.values, self.scales, self.block, dtype)
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales"], meta_fields=["format", "block"])

@@ -8,6 +8,9 @@
 
 Override with the `kernels=` argument of the steps or the environment variable ``DS4JAX_KERNELS``
 (``reference`` / ``pallas`` / ``pallas_interpret``). The choice is static: each compiles its own program.
+The FP8 dense linears follow it too: a step traces them inside `dense_linears(impl)`, which hands
+`model.layers.linear` the FP8 matmul kernel (PALLAS / PALLAS_INTERPRET) or leaves today's dequantize-then-dot
+(REFERENCE).
 
 Tiles: the Pallas kernels get the `BlockSizes` default of the device's architecture (`block_sizes`), e.g. MI300's
 64 KB LDS and 64-wide wavefronts take other tiles than an H200 (`docs/benchmarks/rocm_kernels.md`).
@@ -15,13 +18,16 @@ Tiles: the Pallas kernels get the `BlockSizes` default of the device's architect
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
 import os
 
 import jax
 
 import pallas_kernels
-from ds4jax.model.layers import mhc, moe
+from ds4jax.model import sharding
+from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
@@ -115,3 +121,26 @@ def sinkhorn(logits, iters: int, eps: float, *, impl: Impl):
         lg, iters=iters, eps=eps, block_sizes=block_sizes("sinkhorn", lg.dtype, kernel_arch(impl)),
         interpret=impl is Impl.PALLAS_INTERPRET)
     return sharded_kernels.replicated(kernel, logits)  # shard_map under a mesh
+
+
+def fp8_linear(x, w, *, impl: Impl):
+    """x [m, in] @ an FP8 `QuantizedWeight` [in, out] -> [m, out] f32: dequantize next to the dot (the reference,
+    and whenever the call would be partitioned over an automatic mesh axis: GSPMD cannot split a custom call, and
+    the dense linears are sharded by their params' specs), or the FP8 matmul kernel reading the stored bytes."""
+    act = sharding.active()
+    if impl is Impl.REFERENCE or (act is not None and any(act.sizes[a] > 1 for a in act.auto)):
+        return pallas_kernels.fp8_matmul_reference(x, w.values, w.scales, block=w.block)
+    return pallas_kernels.fp8_matmul(
+        x, w.values, w.scales, block=w.block, interpret=impl is Impl.PALLAS_INTERPRET,
+        block_sizes=pallas_kernels.Fp8MatmulBlockSizes.get_default(x.dtype, x.shape[0], arch=kernel_arch(impl)))
+
+
+@contextlib.contextmanager
+def dense_linears(impl: Impl):
+    """Trace a step's FP8 dense linears with `impl` (`linear.fp8_matmul`): the Pallas kernel under PALLAS /
+    PALLAS_INTERPRET; under REFERENCE nothing is installed (dequantize next to the dot, as always)."""
+    if impl is Impl.REFERENCE:
+        yield
+        return
+    with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)):
+        yield

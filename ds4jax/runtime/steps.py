@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
-from ds4jax.runtime.kernels import Impl, resolve, routed_experts, sinkhorn
+from ds4jax.runtime.kernels import Impl, dense_linears, resolve, routed_experts, sinkhorn
 from ds4jax.runtime import data_parallel, pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model import layer_stack
@@ -161,6 +161,13 @@ def step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spe
 
 def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
           logits: Logits, kernels: Impl = Impl.REFERENCE):
+    with dense_linears(kernels):  # the FP8 dense linears by `kernels` too (a trace-time choice)
+        return _layers_and_logits(params, pool, batch, streams_in, cfg=cfg, spec=spec, role=role, logits=logits,
+                                  kernels=kernels)
+
+
+def _layers_and_logits(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec,
+                       role: Role, logits: Logits, kernels: Impl):
     _validate_static(cfg, spec, role, pool, batch)
     token_ids = batch.token_ids
     # A padding row (n = 0; or a slot outside the pool, which the host check rejects) addresses the null slot

@@ -21,6 +21,7 @@ import pytest
 
 from pallas_kernels import (IndexerTopkBlockSizes, SparseAttentionBlockSizes, grouped_matmul, indexer_topk, sinkhorn,
                             sparse_attention)
+from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4
 
 S = jax.ShapeDtypeStruct
@@ -80,6 +81,12 @@ def _grouped_fp4(rows, tiles, n_w, k, n):
     return grouped_matmul_fp4, (S((rows, k), jnp.bfloat16), tuple(w() for _ in range(n_w)), S((tiles,), jnp.int32))
 
 
+def _fp8_dense(m, k, n, fp8_dtype, dtype=jnp.bfloat16):
+    """An FP8 dense linear (E4M3 OCP or FNUZ + f32 128x128 block scales) at Flash dims, in / out not multiples of
+    the tiles in the ragged case (masked edges)."""
+    return fp8_matmul, (S((m, k), dtype), S((k, n), fp8_dtype), S((-(-k // 128), -(-n // 128)), jnp.float32))
+
+
 def _sinkhorn(tokens, m=4):
     """The mHC projection (20 rounds): decode batch 64 (one program) and a 16k-token prefill (a masked tail)."""
     return functools.partial(sinkhorn, iters=20, eps=1e-6), (S((tokens, m, m), jnp.float32),)
@@ -90,6 +97,10 @@ CASES = {
     "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
     "grouped_fp4_decode_gate_up": _grouped_fp4(96, 6, 2, 4096, 2048),
     "grouped_fp4_prefill_down": _grouped_fp4(448 * 64, 448, 1, 2048, 4096),
+    "fp8_dense_decode_ocp": _fp8_dense(8, 4096, 1024, jnp.float8_e4m3fn),
+    "fp8_dense_decode_fnuz": _fp8_dense(8, 4096, 1024, jnp.float8_e4m3fnuz),
+    "fp8_dense_prefill_ragged": _fp8_dense(500, 1000, 4000, jnp.float8_e4m3fn),
+    "fp8_dense_f32_fnuz": _fp8_dense(1, 512, 520, jnp.float8_e4m3fnuz, jnp.float32),
     "sparse_bf16_split": _sparse(jnp.bfloat16, None),
     "sparse_bf16_h16_w4": _sparse(jnp.bfloat16, SparseAttentionBlockSizes(block_h=16, num_warps=4, num_splits=1)),
     "sparse_f32_one_split": _sparse(jnp.float32, SparseAttentionBlockSizes(block_h=16, block_k=16, num_splits=1)),

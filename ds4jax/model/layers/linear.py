@@ -1,18 +1,45 @@
-"""Dense projections. Weights are [in, out] (an array, or an FP8 `QuantizedWeight` dequantized next to the dot,
-where XLA fuses the convert and the block-scale multiply into the dot's operand); accumulation is float32, one
-cast to the activation dtype."""
+"""Dense projections. Weights are [in, out] (an array, or an FP8 `QuantizedWeight`); accumulation is float32, one
+cast to the activation dtype.
+
+An FP8 weight is dequantized next to the dot (XLA fuses the convert and the block-scale multiply into the dot's
+operand), unless the step being traced installed a matmul for FP8 weights (`fp8_matmul`: the kernel dispatcher
+does for the Pallas kernels, `ds4jax.runtime.kernels.dense_linears`), which then reads the FP8 bytes itself.
+The choice is made while tracing: each compiles its own program."""
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 
-from ds4jax.model.quantized import dense
+from ds4jax.model.quantized import Format, dense, is_quantized
+
+# fn(x [m, in], w: FP8 QuantizedWeight [in, out]) -> [m, out] f32, or None: dequantize next to the dot
+_FP8_MATMUL = contextvars.ContextVar("ds4jax_fp8_matmul", default=None)
+
+
+@contextlib.contextmanager
+def fp8_matmul(fn):
+    """While tracing inside this context, every FP8 dense linear calls `fn(x2d, w)` (None = dequantize + dot)."""
+    token = _FP8_MATMUL.set(fn)
+    try:
+        yield
+    finally:
+        _FP8_MATMUL.reset(token)
+
+
+def _project(x: jax.Array, w) -> jax.Array:
+    fn = _FP8_MATMUL.get()
+    if fn is not None and is_quantized(w) and w.format is Format.FP8 and w.ndim == 2:
+        y = fn(x.reshape(-1, x.shape[-1]), w)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return jnp.einsum("...i,io->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return _project(x, w).astype(x.dtype)
 
 
 def linear_f32(x: jax.Array, w) -> jax.Array:
     """A projection whose result stays float32 (router logits, indexer head weights)."""
-    return jnp.einsum("...i,io->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32)
+    return _project(x, w)

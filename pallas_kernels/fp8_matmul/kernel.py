@@ -1,0 +1,95 @@
+"""Dense matmul with block-scaled FP8 weights — portable Pallas kernel (Triton backend; interpret mode on CPU).
+
+The FP8 dense linears of a quantized checkpoint, read as stored: 1 byte per weight (+ one f32 per 128 x 128
+block) instead of bf16's 2. Program (row tile, column block, k split) streams its [block_k, block_n] E4M3 tiles
+and their scale (a tile lies inside one scale block: one scalar per step), decodes them in registers to x's dtype
+— the same rounding as the dequantize-then-dot reference — and accumulates the dot in f32. FNUZ values (MI300)
+enter as their bytes and are decoded with integer ops (`_fp8`: Pallas' Triton lowering has no FNUZ conversion).
+
+Shapes need not be multiples of the tiles: tiles crossing the edge of x, the weight or the output are read and
+written with masked loads and stores (nothing past the arrays is touched, and nothing is padded or copied).
+Decode (m <= 16): one 16-row tile, k split so that enough programs stream the weight (the grouped matmul's
+heuristic); the k splits' f32 partials are summed by the wrapper. Prefill: 64-row tiles, usually one split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels._fp8 import kernel_operand, to_compute
+from pallas_kernels._util import cdiv
+from pallas_kernels.fp8_matmul.blocks import BlockSizes, tiles
+from pallas_kernels.fp8_matmul.validate import validate_fp8_matmul_static
+from pallas_kernels.grouped_matmul.blocks import choose_k_splits
+from pallas_kernels.grouped_matmul.tiles import sum_splits
+
+
+def _edge(extent: int, tile: int) -> int | None:
+    """The bound a tile along a dim of `extent` must be masked at, None when whole tiles cover it exactly."""
+    return None if extent % tile == 0 else extent
+
+
+def _kernel(x_ref, v_ref, s_ref, o_ref, *, block, tile_m, block_k, block_n, steps, precision):
+    m, k = x_ref.shape
+    n = v_ref.shape[1]
+    m0 = pl.program_id(0) * tile_m
+    n0 = pl.program_id(1) * block_n
+    k_base = pl.program_id(2) * (steps * block_k)
+    dtype = x_ref.dtype
+    m_edge, k_edge, n_edge = _edge(m, tile_m), _edge(k, block_k), _edge(n, block_n)
+
+    def body(i, acc):
+        k0 = pl.multiple_of(k_base + i * block_k, block_k)
+        xk = _backend.load_tile(x_ref, (m0, k0), (tile_m, block_k), (m_edge, k_edge))
+        v = _backend.load_tile(v_ref, (k0, n0), (block_k, block_n), (k_edge, n_edge))
+        scale = s_ref[k0 // block[0], n0 // block[1]]
+        w = (to_compute(v, jnp.float32) * scale).astype(dtype)  # = the reference's dequantized tile, exactly
+        return acc + lax.dot(xk, w, precision=precision, preferred_element_type=jnp.float32)
+
+    # a static trip count: Triton software-pipelines the weight loads
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((tile_m, block_n), jnp.float32))
+    _backend.store_tile(o_ref, (m0, n0), acc, (m_edge, n_edge))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "block_sizes", "interpret"))
+def fp8_matmul(x, values, scales, *, block=(128, 128), block_sizes=None, interpret=False):
+    """y = x @ dequantize(values, scales) (see `reference`), the weight read as stored.
+
+    Args:
+      x: [m, k] bf16/f32. values: [k, n] float8_e4m3fn or float8_e4m3fnuz (the dtype decides the decode).
+      scales: [ceil(k / bi), ceil(n / bo)] f32 for block = (bi, bo) (static).
+      block_sizes: `BlockSizes` (static) or None (`BlockSizes.get_default(x.dtype, m)`). interpret: Pallas
+      interpreter.
+    Returns:
+      [m, n] f32.
+    """
+    block = tuple(block)
+    validate_fp8_matmul_static(x, values, scales, block)
+    m, k = x.shape
+    n = values.shape[1]
+    bs = block_sizes or BlockSizes.get_default(x.dtype, m)
+    tile_m, block_k, block_n = tiles(bs, block, m, k, n, _backend.min_dot_dim(interpret))
+    m_tiles, n_blocks, k_blocks = cdiv(m, tile_m), cdiv(n, block_n), cdiv(k, block_k)
+    k_splits = choose_k_splits(bs.k_splits, tiles=m_tiles, n_blocks=n_blocks, k_blocks=k_blocks)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * a.ndim)
+    operand = kernel_operand(values)  # FNUZ as its bytes
+    out = pl.pallas_call(
+        functools.partial(_kernel, block=block, tile_m=tile_m, block_k=block_k, block_n=block_n,
+                          steps=k_blocks // k_splits, precision=_backend.dot_precision(x.dtype)),
+        grid=(m_tiles, n_blocks, k_splits),
+        in_specs=[whole(x), whole(operand), whole(scales)],
+        out_specs=pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0)),  # each split its own partial, whole
+        out_shape=jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32),
+        compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
+                                                 interpret=interpret),
+        interpret=interpret,
+        name="fp8_matmul",
+    )(x, operand, scales)
+    (y,) = sum_splits((out,))
+    return y
