@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 
 import ds4jax  # noqa: E402
 import e2e_common as common  # noqa: E402
+import device_trace  # noqa: E402
 from e2e_ds4jax import Bench, copy_bandwidth, matmul_flops  # noqa: E402
 from ds4jax.model import layer_stack  # noqa: E402
 from ds4jax.model import params as P  # noqa: E402
@@ -75,6 +76,8 @@ def parse(argv=None):
     ap.add_argument("--fp8-kv", action="store_true",
                     help=f"also run the quantized model with the FP8 KV cache (mode {KV_MODE}, decode cases)")
     ap.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
+    ap.add_argument("--profile", action="store_true",
+                    help="decode cases: a device trace per mode (kernels per step, device busy, heaviest kernels)")
     return ap.parse_args(argv)
 
 
@@ -114,7 +117,7 @@ def check_logits(bench: Bench, case: common.Case) -> np.ndarray:
 
 
 def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, timed: bool = True,
-             only: tuple[str, ...] | None = None, kv_dtype: str = "auto") -> tuple[dict, dict]:
+             only: tuple[str, ...] | None = None, kv_dtype: str = "auto", profile: bool = False) -> tuple[dict, dict]:
     """(per case results, per case check logits) for one weight format (and KV cache dtype); `only`: case names."""
     cfg = model.config
     bench = Bench(model, kernels, max_context=2048 + 512, max_slots=8)
@@ -145,6 +148,9 @@ def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, ti
                 need = common.decode_bytes(cfg, pb, case.rows, case.size, **kv_bytes)
                 r.update(ms=secs * 1e3, ms_per_step=secs * 1e3, tokens_per_s=case.rows / secs, bytes=need,
                          roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs)
+                if profile:  # where a step's device time goes (the heaviest kernels), from a trace of one run
+                    r["profile"] = device_trace.profile(lambda: common.timed(fn, 1), case.new,
+                                                        cfg.num_hidden_layers)
                 del fn
         except Exception as e:  # recorded; the other cases still run, and the run fails
             r = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}
@@ -219,6 +225,16 @@ def write_markdown(res: dict, path: str) -> None:
             a, b = c["fp8_kv_vs_fp8_fp4"], c.get("fp8_kv_vs_bf16") or {}
             lines.append(f"| {name} | {a['cosine']:.5f}, {a['rel_err']:.2e}, {a['argmax_equal']} | "
                          f"{b.get('cosine', float('nan')):.4f}, {b.get('rel_err', float('nan')):.2e} |")
+    profiled = [(name, mode, r["profile"]) for mode, by_case in res["modes"].items()
+                for name, r in by_case.items() if r.get("profile")]
+    if profiled:
+        lines += ["", "Decode steps traced (`--profile`, one run each): device busy and kernels per step, and the five "
+                  "heaviest kernels (us per step):", "", "| case | format | busy ms / step | kernels / step | heaviest |",
+                  "|---|---|---|---|---|"]
+        for name, mode, prof in profiled:
+            top = ", ".join(f"`{k[:48]}` {v}" for k, v in list(prof["top_kernels_us_per_step"].items())[:5])
+            lines.append(f"| {name} | {mode} | {prof['device_busy_ms_per_step']:.3f} | "
+                         f"{prof['kernels_per_step']:.0f} | {top} |")
     lines += ["", f"Check: quantized vs dequantized cosine >= {MIN_COSINE}"
               + (f", FP8 KV vs bf16 KV cosine >= {MIN_KV_COSINE}" if kv_rows else "") + ": "
               + ("PASS" if not res["failures"] else "FAIL: " + "; ".join(res["failures"])), ""]
@@ -246,7 +262,8 @@ def main(argv=None) -> int:
     del params
     res["weight_gb"]["bf16"] = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
     only = None if args.cases is None else tuple(args.cases.split(","))
-    res["modes"]["bf16"], bf16_logits = run_mode(model, kernels, args.smoke, bw, peak, only=only)
+    res["modes"]["bf16"], bf16_logits = run_mode(model, kernels, args.smoke, bw, peak, only=only,
+                                                 profile=args.profile)
     common.write_json(json_path, res)
 
     t = time.perf_counter()
@@ -256,7 +273,8 @@ def main(argv=None) -> int:
     del model
     gc.collect()
     res["weight_gb"]["fp8_fp4"] = sum(x.nbytes for x in jax.tree.leaves(quantized.params)) / 1e9
-    res["modes"]["fp8_fp4"], q_logits = run_mode(quantized, kernels, args.smoke, bw, peak, only=only)
+    res["modes"]["fp8_fp4"], q_logits = run_mode(quantized, kernels, args.smoke, bw, peak, only=only,
+                                                 profile=args.profile)
     common.write_json(json_path, res)
     kv_logits = {}
     if args.fp8_kv:
