@@ -150,7 +150,7 @@ def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, ti
                          roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs)
                 if profile:  # where a step's device time goes (the heaviest kernels), from a trace of one run
                     r["profile"] = device_trace.profile(lambda: common.timed(fn, 1), case.new,
-                                                        cfg.num_hidden_layers)
+                                                        cfg.num_layers)
                 del fn
         except Exception as e:  # recorded; the other cases still run, and the run fails
             r = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}

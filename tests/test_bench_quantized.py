@@ -57,3 +57,21 @@ def test_fp8_kv_failures_and_markdown(tmp_path):
     text = (tmp_path / "q.md").read_text()
     assert "| decode | fp8_fp4 + FP8 KV | 0.500 |" in text and "+ FP8 KV vs fp8_fp4" in text
     assert bq.parse(["--fp8-kv", "--cases", "decode_b1_ctx2048"]).fp8_kv
+
+
+def test_profile_table_in_markdown(tmp_path):
+    """--profile: each traced decode case and format gets a row (busy, kernels per step, heaviest kernels)."""
+    res = _kv_res(0.999)
+    prof = {"device_busy_ms_per_step": 1.25, "kernels_per_step": 301.0,
+            "top_kernels_us_per_step": {"fp8_matmul_kernel": 310.5, "grouped_matmul_fp4": 120.0}}
+    for mode in res["modes"].values():
+        for r in mode.values():
+            r.setdefault("bytes", 1e9), r.setdefault("roofline_ms", 0.5), r.setdefault("fraction_of_roofline", 0.5)
+    res["modes"]["fp8_fp4"]["decode"]["profile"] = prof
+    res["checks"]["decode"]["fp8_fp4_vs_dequantized"].update(rel_err=0.0)
+    res.update(layers=4, device="gpu", jax="0", kernels="pallas", copy_bandwidth_tb_s=4.0, matmul_tflop_s=700.0,
+               weight_gb={"bf16": 1.0, "fp8_fp4": 0.5}, failures=[])
+    bq.write_markdown(res, str(tmp_path / "q.md"))
+    text = (tmp_path / "q.md").read_text()
+    assert "| decode | fp8_fp4 | 1.250 | 301 | `fp8_matmul_kernel` 310.5, `grouped_matmul_fp4` 120.0 |" in text
+    assert bq.parse(["--profile"]).profile
