@@ -29,11 +29,11 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 CELL_TIMEOUT_S = 900
 # The notebooks are compile-bound on CPU (a few large programs, each run briefly): XLA:CPU's backend and LLVM
 # optimisations cost far more than they save (notebook 03's warmup: 108 s of CPU time by default, 74 s at level 0,
-# 55 s with both). Flags already in XLA_FLAGS win.
-# The fusion-emitter switch: 25 % less backend compile time again (tests/cheap_compile.py, which the test suite's
-# processes share with the kernels so that their programs meet in the run's compilation cache).
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                 "--xla_cpu_use_fusion_emitters=false")
+# 55 s with both; the fusion-emitter switch, on jaxlib < 0.11 only, 25 % less again). Flags already in XLA_FLAGS
+# win. One list with the test suite's processes (tests/cheap_compile.py), so that the notebook kernels' programs
+# meet theirs in the run's compilation cache (the flags are part of its key).
+sys.path.insert(0, str(ROOT / "tests"))
+from cheap_compile import FLAGS as COMPILE_FLAGS  # noqa: E402
 
 
 def notebooks() -> list[pathlib.Path]:
