@@ -64,3 +64,21 @@ def test_a_feed_ends_calls_on_finished_rows_only_while_a_request_waits_at_it(eng
     # rows finish after 1, 2 and 3 decode steps (requests of 2, 3 and 4 tokens; the 4th also needs 3)
     assert calls == (1 if waiting is False else 3), calls
     assert bool(asked) == (waiting is not None)
+
+
+def test_the_draft_policy_is_told_when_the_rows_drain(engine, monkeypatch):
+    """The policy weighs a draining batch by its slowest row (`draft_policy`): `drain` is True exactly when no
+    request waits for a slot (the same condition as `Rows.wake`, negated)."""
+    seen = []
+    choose = engine.policy.choose
+
+    def spy(live, rows, drain=False):
+        seen.append(drain)
+        return choose(live, rows, drain=drain)
+
+    monkeypatch.setattr(engine.policy, "choose", spy)
+    engine.generate(_requests(None))  # 4 requests, 4 slots: nothing waits
+    assert seen and all(seen), seen
+    seen.clear()
+    engine.generate(_requests(None) + [Request(prompt=[1, 2, 3], max_new_tokens=3, speculative=None)])
+    assert seen[0] is False and seen[-1] is True, seen  # the fifth waits at first, then the rows drain

@@ -13,6 +13,13 @@ tokens per plain step for c(rows, 0). The call runs the k in {0} + `ks` with the
   elsewhere); otherwise every call's wall time per step (device work and host work alike) updates a running
   mean per (row bucket, k), and a k not measured yet at a row bucket is priced as the plain step times
   `1 + draft_cost * k`.
+* Draining: when no request waits for a slot (`Rows.wake` off), the rows' batch ends with its slowest row, and
+  rows that finish early idle until then. The call then scores each option by the time its slowest row needs
+  for the tokens it has left (at most `max_new_tokens` - emitted, divided by its E_r(k)) instead of by the sum
+  of the rows' tokens per round: a long draft that most rows accept but one row keeps rejecting leaves the
+  batch waiting for that row. (On the H200 at batch 32, 128 tokens each, nothing waiting, k=4 needed 64
+  rounds for what its mean acceptance says takes 34, and gave 1.10x plain where k=1 gave 1.29x and the
+  throughput score chose k=4; `docs/benchmarks/engine.md`.)
 * Hysteresis: a call keeps the draft length the last call at its row bucket chose unless another option's
   expected tokens per second beats it by `switch_gain` (10 %). Where plain and speculation are close (a full
   batch), running costs measured from a few calls each differ by more than the options do, and flipping between
@@ -83,7 +90,7 @@ class Fixed:
         self.ks = tuple(ks) if ks is not None else ((k,) if k else ())
         self.k = k
 
-    def choose(self, live: Sequence, rows: int) -> int:
+    def choose(self, live: Sequence, rows: int, drain: bool = False) -> int:
         return self.k
 
     def observe_rounds(self, lv, accepted: Sequence[int], cap: int, finished: bool = False) -> None:
@@ -144,15 +151,23 @@ class AdaptivePolicy:
             self._cost[(rows, k)] = per if old is None else 0.8 * old + 0.2 * per
 
     # ---- the choice ---------------------------------------------------------------------------------------------
-    def choose(self, live: Sequence, rows: int) -> int:
-        """The draft length for a call over `live` (speculative-capable rows) padded to `rows` rows."""
+    def choose(self, live: Sequence, rows: int, drain: bool = False) -> int:
+        """The draft length for a call over `live` (speculative-capable rows) padded to `rows` rows. `drain`:
+        no request waits for a slot, so these rows' batch ends with its slowest row (module docstring)."""
         unmeasured = self._unmeasured(rows)
         if unmeasured is not None:
             return self._chose(unmeasured)
         rates = [self.rate(lv) for lv in live]
-        speed = {0: len(live) / self.cost(rows, 0)}  # expected tokens per second of each option
-        for k in self.ks:
-            speed[k] = sum(tokens_per_round(a, min(k, lv.k)) for a, lv in zip(rates, live)) / self.cost(rows, k)
+        if drain:  # the tokens left over the time the slowest row needs for its share
+            left = [max(lv.request.max_new_tokens - len(lv.result.tokens), 1) for lv in live]
+            speed = {0: sum(left) / (max(left) * self.cost(rows, 0))}
+            for k in self.ks:
+                slowest = max(n / tokens_per_round(a, min(k, lv.k)) for n, a, lv in zip(left, rates, live))
+                speed[k] = sum(left) / (slowest * self.cost(rows, k))
+        else:  # expected tokens per second of each option
+            speed = {0: len(live) / self.cost(rows, 0)}
+            for k in self.ks:
+                speed[k] = sum(tokens_per_round(a, min(k, lv.k)) for a, lv in zip(rates, live)) / self.cost(rows, k)
         best = max(speed, key=speed.get)
         last = self._last.get(rows)
         if last in speed and speed[best] < speed[last] * (1 + self.settings.switch_gain):

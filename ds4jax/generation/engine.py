@@ -338,7 +338,9 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         speculative-capable rows; those it sends plain join the plain rows' calls."""
         most = self.row_buckets[-1]
         capable = [lv for lv in decoding if lv.k > 0]
-        k = self.policy.choose(capable[:most], len(self._row_plan(capable[:most], self.row_buckets))) if capable else 0
+        rows = len(self._row_plan(capable[:most], self.row_buckets))
+        # with nothing waiting for a slot (`_wake` off) these rows drain: the policy weighs their slowest one
+        k = self.policy.choose(capable[:most], rows, drain=not self._wake) if capable else 0
         for group, kk in (([lv for lv in decoding if not (lv.k and k)], 0), ([lv for lv in capable if k], k)):
             for start in range(0, len(group), most):
                 yield group[start: start + most], kk
