@@ -66,6 +66,19 @@ def test_a_draining_batch_is_scored_by_its_slowest_row():
     assert p().choose(uniform, 8, drain=True) == p().choose(uniform, 8) == 4
 
 
+def test_keeps_only_a_choice_made_on_its_merits():
+    """`keeps(k, rows)`: whether a speculative call may be started ahead of reading the last one (`run_ahead`):
+    for a draft length the bucket chose on its merits, not for a probe or an exploration call."""
+    costs = {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6}
+    p = AdaptivePolicy(Adaptive(ks=(1, 2, 3), costs=costs, probe_every=2), 3)
+    assert p.choose(rows(4, accepted=90, rejected=10), 4) == 3 and p.keeps(3, 4) and not p.keeps(1, 4)
+    bad = rows(4, accepted=0, rejected=50)
+    assert [p.choose(bad, 4) for _ in range(2)] == [0, 1]  # the second is a probe of k = 1
+    assert not p.keeps(1, 4) and p.keeps(0, 4)
+    measuring = AdaptivePolicy(Adaptive(ks=(1,)), 1)  # costs measured: each option explored once first
+    assert measuring.choose(bad, 4) == 0 and not measuring.keeps(0, 4)
+
+
 def test_a_close_call_keeps_the_last_choice():
     """Hysteresis: switching needs `switch_gain` more expected tokens/s than the last choice at that row bucket."""
     p = AdaptivePolicy(Adaptive(ks=(1,), costs={0: 1.0, 1: 1.5}), 1)

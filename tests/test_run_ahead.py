@@ -1,5 +1,5 @@
-"""Run-ahead plain decoding (`ds4jax/generation/run_ahead.py`): the engine starts the next plain decode call from
-the previous one's outputs before reading it. Checked against the same engine with run-ahead off: the same tokens
+"""Run-ahead decoding (`ds4jax/generation/run_ahead.py`): the engine starts the next decode call, plain or
+speculative, from the previous one's outputs before reading it. Checked against the same engine with run-ahead off: the same tokens
 and finish reasons for every request (greedy and sampled, stop ids, max_new_tokens, a stop string and a
 cancelling `on_token` that the host alone sees, a request fed in mid-stream), that calls did run ahead (the
 dispatch itself), and that nothing compiled for it."""
@@ -15,10 +15,12 @@ from small_engine import one_layer_model, small_engine
 
 class Counting(run_ahead.Ahead):
     made = 0
+    ks: list = []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         Counting.made += 1
+        Counting.ks.append(self.k)
 
 
 def requests(stop_after: int | None = None):
@@ -104,3 +106,45 @@ def test_the_first_call_of_a_sequence_does_not_price_plain(engine, monkeypatch):
     calls = engine.stats.decode_calls
     engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=23, speculative=0)])
     assert len(seen) == engine.stats.decode_calls - calls >= 3
+
+
+def spec_requests(stop_after: int | None = None):
+    """Speculative (the engine's k = 1) versions of `requests`: greedy and sampled, a stop id, a host cancel."""
+    return [Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, speculative=None, temperature=r.temperature,
+                    seed=r.seed, stop_ids=r.stop_ids, on_token=r.on_token) for r in requests(stop_after)]
+
+
+def test_speculative_calls_run_ahead_with_the_same_tokens(engine, monkeypatch):
+    """Speculative rounds run ahead too (each call's draft state and pools are the next one's inputs): the same
+    tokens, finish reasons and accepted drafts per round as without run-ahead, calls of k = 1 did run ahead, and
+    nothing compiled for it (the rows reach the program committed either way)."""
+    plain = outcome(engine.generate(spec_requests()))
+    stop = plain[2][0][5]
+    with monkeypatch.context() as m:
+        m.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+        base = engine.generate(spec_requests(stop))
+    before = compiles.compile_count()
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
+    Counting.made, Counting.ks = 0, []
+    got = engine.generate(spec_requests(stop))
+    assert outcome(got) == outcome(base)
+    assert [r.accepted_per_round for r in got] == [r.accepted_per_round for r in base]
+    assert Counting.made >= 3 and set(Counting.ks) == {1}, Counting.ks
+    assert compiles.compile_count() == before
+    assert outcome(base)[2][1] == "stop" and outcome(base)[3][1] == "cancelled"
+
+
+def test_a_new_draft_length_reads_the_call_run_ahead_first(engine, monkeypatch):
+    """When the policy picks another draft length than the call run ahead has (speculation switched off and on
+    again), that call is read first and its tokens delivered: the same tokens as a fixed policy without run-ahead."""
+    with monkeypatch.context() as m:
+        m.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+        want = outcome(engine.generate(spec_requests()[:2]))
+    picks = iter([1, 1, 0, 0, 1, 1, 1, 0] * 8)
+    monkeypatch.setattr(engine.policy, "choose", lambda live, rows, drain=False: next(picks))
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
+    Counting.made, Counting.ks = 0, []
+    got = outcome(engine.generate(spec_requests()[:2]))
+    assert got[0] == want[0]  # the greedy request (a sampled one's draws differ between plain and speculative)
+    assert got[1][2] is None and len(got[1][0]) == 17
+    assert {0, 1} <= set(Counting.ks), Counting.ks  # plain and speculative calls both ran ahead

@@ -1,6 +1,6 @@
 """The engine's decode calls (mixed into `Engine`): one call of plain steps or speculative rounds over a part of
-the decoding rows, its outputs read in one fetch and delivered row by row, and the plain call run ahead
-(`run_ahead`): started from the previous call's outputs before that call is read, read by the next iteration.
+the decoding rows, its outputs read in one fetch and delivered row by row, and the call run ahead (`run_ahead`):
+started from the previous call's outputs before that call is read, read by the next iteration.
 
 The call run ahead is dispatched from a worker thread: a program with a `while_loop` holds the dispatching thread
 until the loop ends (the loop's condition is read on the host each iteration on GPU, and XLA:CPU runs it inline),
@@ -24,12 +24,12 @@ from ds4jax.runtime.distributed import fetch  # device_get across processes (dat
 class EngineDecode:
     def _decode_once(self, part: list[Live], k: int, events: list[TokenEvent] | None, ahead_ok: bool) -> None:
         """One call of up to M plain steps (k = 0) or M speculative rounds of k drafts over `part`; its outputs
-        come back in one fetch (logprobs only if a request of `part` asked), then go out row by row. A plain call
+        come back in one fetch (logprobs only if a request of `part` asked), then go out row by row. A call
         whose rows may run ahead (`ahead_ok` and `run_ahead.may_run_ahead`) starts the next one before it is read;
         an iteration whose call was started that way only reads it."""
         plan = self._row_plan(part, self.row_buckets)
         ahead = self._ahead
-        if ahead is not None and (k or not ahead.serves(plan)):  # it ran other rows: read it, then plan anew
+        if ahead is not None and (k != ahead.k or not ahead.serves(plan)):  # other rows or draft length: read it
             self._land(events)
             part, ahead = [lv for lv in part if not lv.done], None
             if not part:
@@ -47,10 +47,12 @@ class EngineDecode:
                     self.dbook.lengths[behind] = self.tbook.lengths[behind]
                     self.dpool = self.dbook.sync(self.dpool)
             out = self._spec_call(rows) if k else self._decode_call(rows)
-        if not k and ahead_ok and self.programs.runs_ahead and run_ahead.may_run_ahead(plan):
+        # a speculative call runs ahead only at a draft length the policy keeps (not a probe or an exploration)
+        if (ahead_ok and self.programs.runs_ahead and out.cur is not None and run_ahead.may_run_ahead(plan)
+                and (not k or self.policy.keeps(k, len(plan)))):
             nxt = run_ahead.next_rows(rows, out)
-            self._ahead = run_ahead.Ahead(plan, nxt, self._dispatcher().submit(self._decode_call, nxt),
-                                          time.perf_counter())
+            call = self._spec_call if k else self._decode_call
+            self._ahead = run_ahead.Ahead(plan, nxt, self._dispatcher().submit(call, nxt), time.perf_counter(), k)
         # the first call of a run-ahead sequence waited for the host; the calls after it show what plain costs,
         # so the adaptive policy does not price plain by it (it measured plain dearer than it runs)
         self._read(plan, part, out, k, start, events, observe=ahead is not None or self._ahead is None)
@@ -61,7 +63,7 @@ class EngineDecode:
         out = ahead.out.result()
         part = [lv for lv in ahead.part if not lv.done]
         if part:
-            self._read(ahead.plan, part, out, 0, max(ahead.dispatched, self._read_at), events)
+            self._read(ahead.plan, part, out, ahead.k, max(ahead.dispatched, self._read_at), events)
 
     def _settle_ahead(self) -> None:
         """Wait until the call run ahead (if any) was dispatched, so `self.tpool` is the pool after it; an error

@@ -96,6 +96,9 @@ class Fixed:
     def observe_rounds(self, lv, accepted: Sequence[int], cap: int, finished: bool = False) -> None:
         pass
 
+    def keeps(self, k: int, rows: int) -> bool:
+        return True
+
     def observe_cost(self, rows: int, k: int, seconds: float, steps: int) -> None:
         pass
 
@@ -179,6 +182,12 @@ class AdaptivePolicy:
                 best = self.ks[0]
         self.trace.append((rows, len(live), {k: round(v, 1) for k, v in speed.items()}, best))
         return self._chose(best)
+
+    def keeps(self, k: int, rows: int) -> bool:
+        """Whether the next call at `rows` rows would likely run k drafts again: k is the bucket's last choice made
+        on its merits, not an exploration or a probe (one-off calls). The engine starts a speculative call ahead
+        of reading the last one only then (`run_ahead`): one started for a probe would be a second probe."""
+        return self._last.get(rows) == k
 
     def _unmeasured(self, rows: int) -> int | None:
         """The first option not yet measured at `rows` (None: all are, or the costs are fixed)."""

@@ -43,8 +43,8 @@ class FusedPrograms:
 
     @property
     def runs_ahead(self) -> bool:
-        """Whether the engine may start a plain decode call from the previous one's outputs before reading it
-        (`run_ahead`): on one device, where those outputs are the next call's inputs as they are.
+        """Whether the engine may start a decode call (plain or speculative) from the previous one's outputs before
+        reading it (`run_ahead`): on one device, where those outputs are the next call's inputs as they are.
         DS4JAX_RUN_AHEAD=0 turns it off (to compare, or to rule it out when debugging)."""
         return self.layout is None and os.environ.get("DS4JAX_RUN_AHEAD", "1") != "0"
 
@@ -146,9 +146,9 @@ class FusedPrograms:
     def speculate(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
                   dspec: PoolSpec, k: int, kernels, max_rounds: int):
         """Up to `max_rounds` speculative rounds of k drafts. Returns (SpecOut, tpool, dpool, slot_state)."""
-        with self.active():
-            return spec_rounds.speculative_loop(params, tpool, dpool, slot_state, rows, cfg=self.cfg, tspec=spec,
-                                                dspec=dspec, k=k, kernels=kernels, max_rounds=max_rounds,
+        with self.active():  # rows committed as in `decode`: a call run ahead takes the last one's outputs
+            return spec_rounds.speculative_loop(params, tpool, dpool, slot_state, self.committed(rows), cfg=self.cfg,
+                                                tspec=spec, dspec=dspec, k=k, kernels=kernels, max_rounds=max_rounds,
                                                 logprobs=self.logprobs)
 
     def restore(self, params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, dspec, kernels):

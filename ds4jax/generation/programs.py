@@ -128,7 +128,7 @@ class Programs(Protocol):
     `DecodeOut.logprobs` / `SpecOut.logprobs` (None when the engine's logprobs are off; always on a split)."""
 
     precompiles: bool  # whether warm-up may lower the calls first and compile them side by side
-    runs_ahead: bool  # whether a plain decode call may start from the previous one's outputs (`run_ahead`)
+    runs_ahead: bool  # whether a decode call may start from the previous one's outputs (`run_ahead`)
 
     def zeros(self, spec): ...
     def draft_zeros(self, dspec): ...

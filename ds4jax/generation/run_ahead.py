@@ -1,12 +1,15 @@
-"""Run-ahead plain decoding: the engine starts the next plain decode call before it reads the current one, so the
-device computes call i+1 while the host delivers call i's tokens (and a server's event loop sends them).
+"""Run-ahead decoding: the engine starts the next decode call (plain steps, or speculative rounds of the same draft
+length) before it reads the current one, so the device computes call i+1 while the host delivers call i's tokens
+(and a server's event loop sends them).
 
 Without it every call ends in a round trip the device waits through: fetch the tokens, split them per request,
 run the callbacks, plan the next rows, dispatch. Call i+1 needs only what call i computed, so its inputs are call
 i's outputs on the device (`next_rows`: each row's last token and token count, done rows off); no host value
-enters. The engine runs ahead only where that is exact (`may_run_ahead`): one device (a layer split's stages
-loop on the host), plain rows (k = 0), every decoding row in this one call, nothing queued for a free slot or
-prefilling, and no row with forced tokens or a thinking-budget limit (those the host rebuilds per call).
+enters. A speculative call's draft state (the draft pool and each slot's pending draft logits) is its output as
+well, and its draft length stays the one the call before it ran: when the policy picks another, the call run ahead
+is read first. The engine runs ahead only where that is exact (`may_run_ahead`): one device (a layer split's
+stages loop on the host), every decoding row in this one call, nothing queued for a free slot or prefilling, and
+no row with forced tokens or a thinking-budget limit (those the host rebuilds per call).
 
 The call run ahead (`Ahead`) is landed, its tokens read and delivered, before anything that rewrites the page
 table (admission, a slot reset, a prefill: the host's lengths would be one call behind the device's) and before
@@ -21,16 +24,18 @@ import dataclasses
 
 from ds4jax.generation.delivery import Live
 from ds4jax.generation.loops import DecodeOut, Rows
+from ds4jax.generation.spec_rounds import SpecOut
 
 
 @dataclasses.dataclass
 class Ahead:
-    """A plain decode call dispatched before the previous one was read."""
+    """A decode call dispatched before the previous one was read."""
 
     plan: list[Live | None]  # its rows (None: padding), as the call before it had them
     rows: Rows  # its inputs, on the device
-    out: "concurrent.futures.Future[DecodeOut]"  # its outputs, once a worker thread dispatched it
+    out: "concurrent.futures.Future[DecodeOut | SpecOut]"  # its outputs, once a worker thread dispatched it
     dispatched: float  # perf_counter at dispatch
+    k: int = 0  # draft length (0: plain steps)
 
     @property
     def part(self) -> list[Live]:
@@ -41,7 +46,7 @@ class Ahead:
         return len(plan) == len(self.plan) and all(a is b for a, b in zip(plan, self.plan))
 
 
-def next_rows(rows: Rows, out: DecodeOut) -> Rows:
+def next_rows(rows: Rows, out: "DecodeOut | SpecOut") -> Rows:
     """The inputs of the call after `out`'s, from its outputs on the device: rows that finished are off."""
     return rows._replace(cur=out.cur, n_out=out.n_out, active=out.live)
 

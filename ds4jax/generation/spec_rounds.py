@@ -39,6 +39,11 @@ class SpecOut(NamedTuple):
     rounds: jax.Array  # [] rounds run
     bad: jax.Array  # [B] index of the first emitted token whose target logits were not finite (-1 = none)
     logprobs: TokenLogprobs | None = None  # [B, M * (k+1)] of the tokens (with `logprobs` on)
+    # the next call's inputs and the target pool's lengths after this call, as outputs, so the engine can start
+    # the next call before it reads this one (`run_ahead`; the pools go to that call); None on a layer split
+    cur: jax.Array | None = None  # [B] each row's last token
+    live: jax.Array | None = None  # [B] ~done: the rows the next call continues
+    lengths: jax.Array | None = None  # [S] the target pool's lengths after the call
 
 
 class RoundCarry(NamedTuple):
@@ -217,7 +222,8 @@ def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
     slot_state = slot_state._replace(
         draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
         draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad, c.lp), rows_over_data(slot_state)
+    ahead = () if c.tpool is None else (c.cur, ~c.done, c.tpool.lengths)  # a layer split keeps its pools apart
+    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad, c.lp, *ahead), rows_over_data(slot_state)
 
 
 @cached_jit
