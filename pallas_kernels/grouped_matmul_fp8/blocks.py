@@ -16,8 +16,10 @@ class BlockSizes:
 
     Shared memory per stage: tile_m * block_k * itemsize(x) + len(ws) * block_k * block_n bytes (FP8), times the
     buffered stages, plus the tiles decoded to x's dtype for the MMA. The grouped matmul's tiles (64 x 64, 3 stages
-    at decode, 2 for 64-row prefill tiles) read half the weight bytes here; see the README for the compiled sizes.
-    f32 halves block_k, as in the grouped matmul.
+    at decode, 2 for 64-row prefill tiles), bf16, compiled with pip Triton 3.6 on a CPU host at Flash dims
+    (`tests/rocm/test_fp8_grouped_kernel_compile.py`): sm90 28 / 20 / 32 / 28 KB shared for decode gate+up / decode
+    down / prefill gate+up / prefill down, 12 / 12 / 16 / 16 KB LDS on gfx942 and gfx950; no spills. Not yet timed
+    on a GPU. f32 halves block_k, as in the grouped matmul.
     """
 
     block_n: int = 64
