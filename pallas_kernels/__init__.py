@@ -11,6 +11,8 @@ from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul_fp4 import BlockSizes as GroupedMatmulFp4BlockSizes
 from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4, grouped_matmul_fp4_reference
+from pallas_kernels.grouped_matmul_fp8 import BlockSizes as GroupedMatmulFp8BlockSizes
+from pallas_kernels.grouped_matmul_fp8 import grouped_matmul_fp8, grouped_matmul_fp8_reference
 from pallas_kernels.indexer_topk import BlockSizes as IndexerTopkBlockSizes
 from pallas_kernels.indexer_topk import (
     indexer_topk,
@@ -40,6 +42,9 @@ __all__ = [
     "GroupedMatmulFp4BlockSizes",
     "grouped_matmul_fp4",
     "grouped_matmul_fp4_reference",
+    "GroupedMatmulFp8BlockSizes",
+    "grouped_matmul_fp8",
+    "grouped_matmul_fp8_reference",
     "IndexerTopkBlockSizes",
     "SinkhornBlockSizes",
     "SparseAttentionBlockSizes",

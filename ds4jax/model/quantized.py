@@ -12,7 +12,7 @@ lives in the params layout (inputs before outputs, like the dense ``[in, out]`` 
 Dense FP8 linears read the stored bytes in the FP8 matmul kernel when the steps run the Pallas kernels
 (`pallas_kernels.fp8_matmul`, dispatched by `ds4jax.runtime.kernels.dense_linears`); otherwise they dequantize
 next to their matmul (`dense`), a convert and a multiply that XLA fuses into the dot's operand. Routed experts read
-FP4 in the grouped-matmul kernel (`pallas_kernels.grouped_matmul_fp4`). The loader
+FP4 and FP8 in the grouped-matmul kernels (`pallas_kernels.grouped_matmul_fp4` / `grouped_matmul_fp8`). The loader
 fills these from the checkpoint bytes (`ds4jax.load(..., weights="checkpoint")`).
 """
 

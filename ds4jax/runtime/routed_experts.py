@@ -3,8 +3,9 @@
 The n·k (token, expert) selections are sorted by expert and padded so every tile of `tile_m` rows has one expert;
 `pallas_kernels.grouped_matmul` then reads each used expert's weights once per tile — at decode exactly the
 selected experts, nothing else — for the gate and up projections together, then the down projection. The
-result, weighted, is scattered back to the tokens (padding rows are dropped). FP4 experts (a checkpoint loaded
-with ``weights="checkpoint"``) go through `pallas_kernels.grouped_matmul_fp4`, which reads the packed bytes.
+result, weighted, is scattered back to the tokens (padding rows are dropped). Quantized experts (a checkpoint
+loaded with ``weights="checkpoint"``) are read as stored: FP4 through `pallas_kernels.grouped_matmul_fp4` (packed
+bytes), FP8 (base checkpoints) through `pallas_kernels.grouped_matmul_fp8` (E4M3 + block scales).
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ def sort_into_tiles(experts: jax.Array, num_experts: int, tile_m: int) -> tuple[
 
 
 def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) -> tuple[jax.Array, ...]:
-    """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes;
-    FP8 experts (base checkpoints) dequantized whole first (no FP8 grouped kernel yet); arrays as they are."""
+    """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes,
+    FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
+    formats, which no checkpoint has, would be dequantized whole first)."""
     if all(is_quantized(w) and w.format is Format.FP4 for w in ws):
         return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  interpret=interpret)
+    if all(is_quantized(w) and w.format is Format.FP8 and w.block == ws[0].block for w in ws):
+        return pallas_kernels.grouped_matmul_fp8(x, tuple((w.values, w.scales) for w in ws), tile_group,
+                                                 block=ws[0].block, interpret=interpret)
     return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, interpret=interpret)
 
 

@@ -45,9 +45,10 @@ class BlockSizes:
         return cls(block_k=block_k)
 
 
-def _fit(want: int, scale_block: int, extent: int, floor: int) -> int:
+def fit_block(want: int, scale_block: int, extent: int, floor: int) -> int:
     """The largest power of two <= `want` that divides `scale_block` (a tile never straddles two scales), shrunk
-    towards the array's `extent` but not below `floor` (the backend's smallest dot extent)."""
+    towards the array's `extent` but not below `floor` (the backend's smallest dot extent). Shared with the FP8
+    grouped matmul."""
     size = 1
     while size * 2 <= want and scale_block % (size * 2) == 0:
         size *= 2
@@ -60,4 +61,4 @@ def _fit(want: int, scale_block: int, extent: int, floor: int) -> int:
 def tiles(bs: BlockSizes, block: tuple[int, int], m: int, k: int, n: int, min_dot: int) -> tuple[int, int, int]:
     """(tile_m, block_k, block_n) the kernel runs with for an [m, k] x [k, n] product with scale `block`."""
     tile_m = max(min_dot, min(next_pow2(bs.tile_m), next_pow2(m)))
-    return tile_m, _fit(bs.block_k, block[0], k, min_dot), _fit(bs.block_n, block[1], n, min_dot)
+    return tile_m, fit_block(bs.block_k, block[0], k, min_dot), fit_block(bs.block_n, block[1], n, min_dot)

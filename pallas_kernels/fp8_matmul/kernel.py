@@ -23,16 +23,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels._fp8 import kernel_operand, to_compute
-from pallas_kernels._util import cdiv
+from pallas_kernels._util import cdiv, edge_bound
 from pallas_kernels.fp8_matmul.blocks import BlockSizes, tiles
 from pallas_kernels.fp8_matmul.validate import validate_fp8_matmul_static
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
 from pallas_kernels.grouped_matmul.tiles import sum_splits
-
-
-def _edge(extent: int, tile: int) -> int | None:
-    """The bound a tile along a dim of `extent` must be masked at, None when whole tiles cover it exactly."""
-    return None if extent % tile == 0 else extent
 
 
 def _kernel(x_ref, v_ref, s_ref, o_ref, *, block, tile_m, block_k, block_n, steps, precision):
@@ -42,7 +37,7 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block, tile_m, block_k, block_n, step
     n0 = pl.program_id(1) * block_n
     k_base = pl.program_id(2) * (steps * block_k)
     dtype = x_ref.dtype
-    m_edge, k_edge, n_edge = _edge(m, tile_m), _edge(k, block_k), _edge(n, block_n)
+    m_edge, k_edge, n_edge = edge_bound(m, tile_m), edge_bound(k, block_k), edge_bound(n, block_n)
 
     def body(i, acc):
         k0 = pl.multiple_of(k_base + i * block_k, block_k)

@@ -12,20 +12,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
-def write_tile(group, o_refs, steps: int, body: Callable) -> None:
-    """o_refs[w] = the f32 accumulators of `steps` iterations of `body(i, accs)` when `group` >= 0, else zeros."""
-    tile_m, block_n = o_refs[0].shape
+def _assign(o_ref, val) -> None:
+    o_ref[...] = val
+
+
+def write_tile(group, o_refs, steps: int, body: Callable, *, shape: tuple[int, int] | None = None,
+               store: Callable = _assign) -> None:
+    """o_refs[w] = the f32 accumulators of `steps` iterations of `body(i, accs)` when `group` >= 0, else zeros.
+
+    `shape`: the accumulators' [tile_m, block_n] (default: the out refs' shape, a blocked output); `store(o_ref,
+    val)` writes one (default: the whole ref; a kernel with whole output refs stores its tile there itself)."""
+    tile_m, block_n = shape or o_refs[0].shape
     zeros = lambda: tuple(jnp.zeros((tile_m, block_n), jnp.float32) for _ in o_refs)
 
     @pl.when(group >= 0)
     def _():  # a static trip count: Triton software-pipelines the weight loads
         for o, acc in zip(o_refs, lax.fori_loop(0, steps, body, zeros())):
-            o[...] = acc
+            store(o, acc)
 
     @pl.when(group < 0)
     def _():  # an empty tile reads no weight
         for o, z in zip(o_refs, zeros()):
-            o[...] = z
+            store(o, z)
 
 
 def split_outputs(n_w: int, *, k_splits: int, rows: int, tile_m: int, n: int, block_n: int):

@@ -23,6 +23,7 @@ from pallas_kernels import (IndexerTopkBlockSizes, SparseAttentionBlockSizes, gr
                             sparse_attention)
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4
+from pallas_kernels.grouped_matmul_fp8 import grouped_matmul_fp8
 
 S = jax.ShapeDtypeStruct
 T, H, D, HI, DI = 4, 64, 512, 64, 128
@@ -81,6 +82,13 @@ def _grouped_fp4(rows, tiles, n_w, k, n):
     return grouped_matmul_fp4, (S((rows, k), jnp.bfloat16), tuple(w() for _ in range(n_w)), S((tiles,), jnp.int32))
 
 
+def _grouped_fp8(rows, tiles, n_w, k, n, fp8_dtype):
+    """The same with a base checkpoint's FP8 experts: E4M3 (OCP or FNUZ) [256, k, n] + f32 128x128 block scales;
+    k / n not multiples of the tiles in the ragged case (masked edges)."""
+    w = lambda: (S((256, k, n), fp8_dtype), S((256, -(-k // 128), -(-n // 128)), jnp.float32))
+    return grouped_matmul_fp8, (S((rows, k), jnp.bfloat16), tuple(w() for _ in range(n_w)), S((tiles,), jnp.int32))
+
+
 def _fp8_dense(m, k, n, fp8_dtype, dtype=jnp.bfloat16):
     """An FP8 dense linear (E4M3 OCP or FNUZ + f32 128x128 block scales) at Flash dims, in / out not multiples of
     the tiles in the ragged case (masked edges)."""
@@ -97,6 +105,9 @@ CASES = {
     "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
     "grouped_fp4_decode_gate_up": _grouped_fp4(96, 6, 2, 4096, 2048),
     "grouped_fp4_prefill_down": _grouped_fp4(448 * 64, 448, 1, 2048, 4096),
+    "grouped_fp8_decode_gate_up_ocp": _grouped_fp8(96, 6, 2, 4096, 2048, jnp.float8_e4m3fn),
+    "grouped_fp8_prefill_down_fnuz": _grouped_fp8(448 * 64, 448, 1, 2048, 4096, jnp.float8_e4m3fnuz),
+    "grouped_fp8_ragged_fnuz": _grouped_fp8(64, 4, 2, 1000, 520, jnp.float8_e4m3fnuz),
     "fp8_dense_decode_ocp": _fp8_dense(8, 4096, 1024, jnp.float8_e4m3fn),
     "fp8_dense_decode_fnuz": _fp8_dense(8, 4096, 1024, jnp.float8_e4m3fnuz),
     "fp8_dense_prefill_ragged": _fp8_dense(500, 1000, 4000, jnp.float8_e4m3fn),

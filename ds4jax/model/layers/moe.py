@@ -3,7 +3,8 @@ routed experts through `jax.lax.ragged_dot`, plus the always-on shared expert.
 
 Quantized experts (`ds4jax.model.quantized.QuantizedWeight`) work on every strategy: ``gather`` and ``tiles`` index
 the stored bytes and dequantize only the experts they gathered; ``ragged`` dequantizes the stack (the CPU
-reference). The pooled steps' kernel path reads FP4 in `pallas_kernels.grouped_matmul_fp4`.
+reference). The pooled steps' kernel path reads FP4 in `pallas_kernels.grouped_matmul_fp4` and FP8 in
+`pallas_kernels.grouped_matmul_fp8`.
 """
 
 import os
