@@ -254,27 +254,27 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
         time.sleep(0.05)
     assert server.driver.depth() == (0, 0), f"an earlier test's jobs are still in the server: {_driver_state(server)}"
     before = metric(httpx.get(base + "/metrics").text, "ds4jax_generations_total", outcome="cancelled")
-    make = server.driver.on_token
+    make = server.driver.on_tokens
     held = threading.Event()
     jobs = []
 
-    def on_token(job):
+    def on_tokens(job):
         deliver = make(job)
         jobs.append(job)
 
-        def slow(event):
-            if event.index == 0:
+        def slow(events):
+            if events[0].index == 0:
                 held.set()
                 deadline = time.monotonic() + GUARD_S
                 while not job.cancelled and time.monotonic() < deadline:
                     time.sleep(0.01)
-            return deliver(event)
+            return deliver(events)
         return slow
 
     def ended_without_a_token() -> bool:  # e.g. the request failed: say how, at once, rather than wait GUARD_S
         return bool(jobs) and jobs[0].result is not None and not held.is_set()
 
-    monkeypatch.setattr(server.driver, "on_token", on_token)
+    monkeypatch.setattr(server.driver, "on_tokens", on_tokens)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=GUARD_S) as r:
         assert r.status_code == 200
@@ -311,20 +311,20 @@ def test_sigterm_drain_names_what_it_cancelled():
     import threading
 
     with live_server(ServerConfig(shutdown_grace_s=0.3)) as (server, base):
-        make = server.driver.on_token
+        make = server.driver.on_tokens
         held = threading.Event()
 
-        def on_token(job):
+        def on_tokens(job):
             deliver = make(job)
 
-            def slow(event):  # hold the first token until the drain cancels the request
+            def slow(events):  # hold the first token until the drain cancels the request
                 held.set()
                 while not job.cancelled:
                     threading.Event().wait(0.01)
-                return deliver(event)
+                return deliver(events)
             return slow
 
-        server.driver.on_token = on_token
+        server.driver.on_tokens = on_tokens
         events = []
 
         def client():
@@ -355,19 +355,19 @@ def test_wait_idle_waits_for_the_engine_thread(served, monkeypatch):
     from ds4jax import Request
 
     server, base = served
-    make = server.driver.on_token
+    make = server.driver.on_tokens
     held, release = threading.Event(), threading.Event()
 
-    def on_token(job):
+    def on_tokens(job):
         deliver = make(job)
 
-        def slow(event):
+        def slow(events):
             held.set()
             release.wait(60)
-            return deliver(event)
+            return deliver(events)
         return slow
 
-    monkeypatch.setattr(server.driver, "on_token", on_token)
+    monkeypatch.setattr(server.driver, "on_tokens", on_tokens)
     done = []
     t = threading.Thread(target=lambda: done.append(httpx.post(base + "/v1/completions", timeout=60, json={
         "prompt": "x", "max_tokens": 3, "temperature": 0}).status_code))

@@ -151,8 +151,9 @@ def test_a_failure_mid_stream_ends_with_an_error_event(server):
 
 
 def test_the_driver_hands_over_the_first_token_at_once_and_the_rest_per_iteration(server):
-    """`Driver.on_token` (the engine thread's callback): token 0 reaches the sink at once, later tokens wait for
-    the end of the engine iteration (`_flush`) and go in one hand-over, counted once per delivery."""
+    """`Driver.on_tokens` (the engine thread's callback, once per engine call): token 0 reaches the sink at once,
+    later calls' tokens wait for the end of the engine iteration (`_flush`) and go in one hand-over, counted once
+    per delivery."""
     from ds4jax.serving.driver import Driver, Job
     from ds4jax.serving.metrics import ServerMetrics
 
@@ -160,17 +161,20 @@ def test_the_driver_hands_over_the_first_token_at_once_and_the_rest_per_iteratio
     driver = Driver(server.engine, max_queue=4, metrics=metrics)
     got = []
     job = Job(request=None, sink=lambda kind, value: got.append((kind, [e.index for e in value])))
-    deliver = driver.on_token(job)
-    events = _events(TOK.encode("abcd"))
-    assert deliver(events[0]) and got == [("tokens", [0])]
-    assert all(deliver(e) for e in events[1:]) and got == [("tokens", [0])]
+    deliver = driver.on_tokens(job)
+    events = _events(TOK.encode("abcdef"))
+    assert deliver(events[:1]) and got == [("tokens", [0])]
+    assert deliver(events[1:3]) and deliver(events[3:4]) and got == [("tokens", [0])]  # two calls, one iteration
     driver._flush()
     assert got == [("tokens", [0]), ("tokens", [1, 2, 3])]
+    assert deliver(events[4:]) and got[-1] == ("tokens", [1, 2, 3])
+    driver._flush()
+    assert got[-1] == ("tokens", [4, 5])
     sample = metrics.registry.get_sample_value
-    assert sample("ds4jax_generated_tokens_total") == 4
-    assert sample("ds4jax_time_to_first_token_seconds_count") == 1 and sample("ds4jax_inter_token_seconds_count") == 1
+    assert sample("ds4jax_generated_tokens_total") == 6
+    assert sample("ds4jax_time_to_first_token_seconds_count") == 1 and sample("ds4jax_inter_token_seconds_count") == 2
     job.cancelled = True
-    assert deliver(_events(TOK.encode("e"), 4)[0]) is False
+    assert deliver(_events(TOK.encode("e"), 6)) is False
 
 
 def test_handoff_wakes_the_loop_once_per_batch():
@@ -218,8 +222,8 @@ def test_a_closed_loop_cancels_the_jobs_it_could_not_reach(server):
     driver = Driver(server.engine, max_queue=4, batch=handoff.batch)
     inbox: asyncio.Queue = asyncio.Queue()
     job = Job(request=None, sink=lambda kind, value: handoff.put(inbox, (0, kind, value)))
-    deliver = driver.on_token(job)
+    deliver = driver.on_tokens(job)
     events = _events(TOK.encode("abc"), 1)  # not a first token: buffered until the iteration ends
-    assert deliver(events[0]) and not job.cancelled
+    assert deliver(events[:1]) and not job.cancelled
     driver._flush()
-    assert job.cancelled and deliver(events[1]) is False
+    assert job.cancelled and deliver(events[1:]) is False

@@ -194,7 +194,7 @@ class Server:
             budget = Budget(max_tokens=p.thinking_budget, close_ids=self.close_ids)
         return Request(prompt=list(ids), max_new_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                        top_p=p.top_p, seed=p.seed_of(choice), stop_ids=self.stop_ids, stop_strings=p.stop,
-                       on_token=self.driver.on_token(job), budget=budget, logprobs=p.logprobs)
+                       on_tokens=self.driver.on_tokens(job), budget=budget, logprobs=p.logprobs)
 
     @staticmethod
     def _sink(handoff: Handoff, inbox: asyncio.Queue, index: int):
