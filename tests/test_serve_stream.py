@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-for _name in ("starlette", "sse_starlette"):
+for _name in ("starlette",):
     pytest.importorskip(_name, reason="the serve extra is not installed (pip install 'ds4jax[serve]')")
 
 from ds4jax.generation.requests import GenerateResult, TokenEvent, TokenLogprob
@@ -78,10 +78,15 @@ class _Stream:
                 self.ended = True
                 self.loop.close()
                 break
-            frame = task.result()
-            out += [frame] if isinstance(frame, str) else [
-                json.loads(e[len("data: "):]) for e in frame.decode().split("\n\n") if e]
+            out += _parse(task.result())
         return out
+
+
+def _parse(frame: bytes) -> list:
+    """The data events of one body write: chunks as dicts, ``"[DONE]"`` as is (comments left out)."""
+    assert isinstance(frame, bytes) and frame.endswith(b"\n\n")
+    events = [e[len("data: "):] for e in frame.decode().split("\n\n") if e.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
 def _text(chunks) -> str:
@@ -227,3 +232,30 @@ def test_a_closed_loop_cancels_the_jobs_it_could_not_reach(server):
     assert deliver(events[:1]) and not job.cancelled
     driver._flush()
     assert job.cancelled and deliver(events[1:]) is False
+
+
+def test_an_idle_stream_gets_the_server_timer_s_ping():
+    """Keep-alive: while a stream has nothing to send (its request waits for a slot, or a long prefill), the
+    server-wide timer (`ServerConfig.ping_s`) puts a ``: ping`` comment into it; data goes on after it, and a
+    closed stream leaves the timer's set."""
+    engine = types.SimpleNamespace(tspec=types.SimpleNamespace(max_slots=2, max_context=64), k=0, logprobs=3,
+                                   cfg=types.SimpleNamespace(vocab_size=ByteTokenizer.VOCAB_SIZE))
+    server = Server(engine, TOK, ServerConfig(model_name="tiny", ping_s=0.05))
+    inbox: asyncio.Queue = asyncio.Queue()
+    choice = Choice(0, TOK, (), server.close_ids, False)
+    gen = server._events(Shape(False, "tiny"), [choice], [types.SimpleNamespace(result=None)], inbox,
+                         types.SimpleNamespace(chat=False, include_usage=False), 0)
+
+    async def run():
+        ping = await asyncio.wait_for(gen.__anext__(), 60)  # nothing was queued: only the timer can answer
+        inbox.put_nowait((0, "tokens", _events(TOK.encode("a"))))
+        data = await asyncio.wait_for(gen.__anext__(), 60)
+        assert server._streams == {inbox}
+        await gen.aclose()
+        return ping, data
+
+    loop = asyncio.new_event_loop()
+    ping, data = loop.run_until_complete(run())
+    loop.close()
+    assert ping.startswith(b": ping - ") and ping.endswith(b"\n\n") and b"data:" not in ping
+    assert _text(_parse(data)) == "a" and not server._streams
