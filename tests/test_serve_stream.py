@@ -259,3 +259,26 @@ def test_an_idle_stream_gets_the_server_timer_s_ping():
     loop.close()
     assert ping.startswith(b": ping - ") and ping.endswith(b"\n\n") and b"data:" not in ping
     assert _text(_parse(data)) == "a" and not server._streams
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunk_without_logprobs_is_what_json_dumps_writes(chat):
+    """`Shape.chunk_json` splices a chunk without logprobs from encoded strings (`responses._choice_json`): it
+    must equal json.dumps of the chunk's dict, for any text (quotes, escapes, non-ASCII, a lone surrogate)."""
+    shape = Shape(chat, "tiny")
+    head = {"id": shape.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": shape.created,
+            "model": "tiny"}
+    for reasoning, content, finish, role in [("", "", None, True), ("", 'a"b\\c\n\x01é€😀\ud800', None, False),
+                                             ("think ✓", "", None, False), ("r", "c", "stop", False),
+                                             ("", "", "length", False), ("", "x", None, True)]:
+        if chat:
+            delta = {"role": "assistant"} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or role:
+                delta["content"] = content
+            choice = {"index": 3, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 3, "text": content, "logprobs": None, "finish_reason": finish}
+        got = shape.chunk_json(3, reasoning, content, finish_reason=finish, role=role)
+        assert got == json.dumps({**head, "choices": [choice]})
