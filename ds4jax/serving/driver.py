@@ -4,8 +4,9 @@ back to its handler through `Job.sink` (called on the driver thread; the app han
 job's tokens of one engine iteration go in one ``("tokens", [TokenEvent, ...])`` call after it: one thread hop per
 job and engine call instead of one per token (a decode call delivers up to steps-per-call tokens at once anyway);
 a job's first token goes at once (time to first token). The engine thread is the server's critical path, so it
-does no per-token work beyond buffering: metrics are counted per delivery (`ServerMetrics.delivered`) and engine
-stats sampled once per engine iteration.
+does no per-token work beyond buffering: the engine calls it once per request and engine call
+(`Request.on_tokens`), yields once per iteration (`Engine.iterations`), metrics are counted per delivery
+(`ServerMetrics.delivery`, the tokens once per hand-over) and engine stats sampled once per engine iteration.
 
 * Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
   `max_queue`; the handler answers 429 with Retry-After.
@@ -224,16 +225,18 @@ class Driver:
             self._cv.notify_all()
 
     def _flush(self, jobs=None) -> None:
-        """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
-        now, handed = time.perf_counter(), []
+        """Hand the buffered tokens of `jobs` (default: all) to their handlers; their tokens are counted once."""
+        now, handed, tokens = time.perf_counter(), [], 0
+        delivery = self.metrics.delivery if self.metrics is not None else None
         try:
             with self._batch_context():
                 for job in list(self._batch) if jobs is None else jobs:
                     events = self._batch.pop(job, None)
                     if not events:
                         continue
-                    if self.metrics is not None:
-                        self.metrics.delivered(job, len(events), now)
+                    tokens += len(events)
+                    if delivery is not None:
+                        delivery(job, now)
                     job.first_token = job.first_token or now
                     job.last_token = now
                     handed.append(job)
@@ -241,6 +244,9 @@ class Driver:
         except Exception:  # noqa: BLE001 - the handlers' loop is closed: nobody reads these jobs any more
             for job in handed:
                 job.cancelled = True  # its next token cancels it
+        finally:
+            if tokens and self.metrics is not None:
+                self.metrics.tokens.inc(tokens)
 
     def _done(self, job: Job, result: GenerateResult) -> None:
         self._flush([job])  # its last tokens before its result
