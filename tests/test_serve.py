@@ -378,3 +378,46 @@ def test_wait_idle_waits_for_the_engine_thread(served, monkeypatch):
     t.join(60)
     assert done == [200] and server.driver.wait_idle(60)
     assert server.engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=2)])[0].ok
+
+
+def test_a_stream_in_flight_at_sigterm_finishes_within_the_grace_period(monkeypatch):
+    """SIGTERM (`_Uvicorn.handle_exit`) stops new requests, but a stream already running gets the grace period to
+    finish: it ends with [DONE] and the shutdown reports it finished. (sse-starlette's exit watcher cancelled every
+    stream at the signal, the grace period notwithstanding.)"""
+    import signal
+    import threading
+    import time
+
+    from ds4jax.serving import server as server_mod
+
+    made = []
+    init = server_mod._Uvicorn.__init__
+
+    def record(self, *args, **kwargs):  # the test needs the uvicorn server to signal it
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(server_mod._Uvicorn, "__init__", record)
+    with live_server(ServerConfig(shutdown_grace_s=60)) as (server, base):
+        flush = server.driver._flush
+
+        def slow(jobs=None):  # each engine iteration's hand-over waits a little: the signal comes mid-stream
+            threading.Event().wait(0.05)
+            flush(jobs)
+
+        server.driver._flush = slow
+        lines = []
+        body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        made[0].handle_exit(signal.SIGTERM, None)
+        assert len(lines) > 3 and lines[-1] == "data: [DONE]", lines[-2:]
+        assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 60
+        while server.shutdown_report is None and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        finished, cancelled = server.shutdown_report
+        assert len(finished) == 1 and cancelled == []
