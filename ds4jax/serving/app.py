@@ -241,8 +241,9 @@ class Server:
 
         Starlette's `StreamingResponse` sends the writes as they are and, as uvicorn speaks ASGI 2.3, watches for
         the client's disconnect beside it: a client that leaves cancels this generator at its wait, and the
-        ``finally`` cancels its jobs (which frees their slots). (sse-starlette did the same with cancel scopes,
-        tasks and a ping task per stream: about a third of the event loop's time per event.)"""
+        ``finally`` cancels its jobs (which frees their slots). (sse-starlette did the same with cancel scopes per
+        event and four tasks per stream: about a fifth of the event loop's CPU per token, bench_serve --tiny at 32
+        clients on the 2-core CPU.)"""
         pending = len(jobs)
         self._open_stream(inbox)
         try:
