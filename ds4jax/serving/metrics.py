@@ -5,8 +5,14 @@ from __future__ import annotations
 import bisect
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 (the /metrics content type)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 (the /metrics content type)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
