@@ -2,7 +2,7 @@
 # Issues 23 and 25 on the GPU, one call: the engine (plain vs fixed k vs adaptive, engine vs fused loop) on the
 # default model at batch 1, 4, 8, 16, 32, then the server against the Engine at 1, 8, 32, 64 streaming clients,
 # each part under its own time limit (a part cut by its limit still leaves its JSON: the scripts save as they go).
-# Needs the serve extra's wheels in .whl/ (starlette, uvicorn, sse-starlette, httptools; the image lacks them).
+# Needs the serve extra's wheels in .whl/ (starlette, uvicorn, httptools; the image lacks them).
 # Usage: OUT=/path bash scripts/gpu_engine_serve.sh [engine_s serve_s]
 set -uo pipefail
 cd "$(dirname "$0")/.."

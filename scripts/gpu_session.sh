@@ -11,7 +11,7 @@
 # (the e2e parts are packed into one archive).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The serve extra's pure-Python wheels (the device image lacks starlette / uvicorn / sse-starlette), carried in
+# The serve extra's pure-Python wheels (the device image lacks starlette / uvicorn), carried in
 # .whl/ by the caller: without them tests/test_serve.py fails at collection and no device test runs.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -13,7 +13,7 @@ import pytest
 
 # The server needs the `serve` extra (the test extra installs it; a GPU image may lack it): without it the server
 # tests are skipped, visibly, rather than failing the whole collection.
-for _name in ("starlette", "sse_starlette", "uvicorn"):
+for _name in ("starlette", "uvicorn"):
     pytest.importorskip(_name, reason="the serve extra is not installed (pip install 'ds4jax[serve]')")
 
 from ds4jax.io.tokenizer import ByteTokenizer

@@ -254,27 +254,27 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
         time.sleep(0.05)
     assert server.driver.depth() == (0, 0), f"an earlier test's jobs are still in the server: {_driver_state(server)}"
     before = metric(httpx.get(base + "/metrics").text, "ds4jax_generations_total", outcome="cancelled")
-    make = server.driver.on_token
+    make = server.driver.on_tokens
     held = threading.Event()
     jobs = []
 
-    def on_token(job):
+    def on_tokens(job):
         deliver = make(job)
         jobs.append(job)
 
-        def slow(event):
-            if event.index == 0:
+        def slow(events):
+            if events[0].index == 0:
                 held.set()
                 deadline = time.monotonic() + GUARD_S
                 while not job.cancelled and time.monotonic() < deadline:
                     time.sleep(0.01)
-            return deliver(event)
+            return deliver(events)
         return slow
 
     def ended_without_a_token() -> bool:  # e.g. the request failed: say how, at once, rather than wait GUARD_S
         return bool(jobs) and jobs[0].result is not None and not held.is_set()
 
-    monkeypatch.setattr(server.driver, "on_token", on_token)
+    monkeypatch.setattr(server.driver, "on_tokens", on_tokens)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=GUARD_S) as r:
         assert r.status_code == 200
@@ -311,20 +311,20 @@ def test_sigterm_drain_names_what_it_cancelled():
     import threading
 
     with live_server(ServerConfig(shutdown_grace_s=0.3)) as (server, base):
-        make = server.driver.on_token
+        make = server.driver.on_tokens
         held = threading.Event()
 
-        def on_token(job):
+        def on_tokens(job):
             deliver = make(job)
 
-            def slow(event):  # hold the first token until the drain cancels the request
+            def slow(events):  # hold the first token until the drain cancels the request
                 held.set()
                 while not job.cancelled:
                     threading.Event().wait(0.01)
-                return deliver(event)
+                return deliver(events)
             return slow
 
-        server.driver.on_token = on_token
+        server.driver.on_tokens = on_tokens
         events = []
 
         def client():
@@ -355,19 +355,19 @@ def test_wait_idle_waits_for_the_engine_thread(served, monkeypatch):
     from ds4jax import Request
 
     server, base = served
-    make = server.driver.on_token
+    make = server.driver.on_tokens
     held, release = threading.Event(), threading.Event()
 
-    def on_token(job):
+    def on_tokens(job):
         deliver = make(job)
 
-        def slow(event):
+        def slow(events):
             held.set()
             release.wait(60)
-            return deliver(event)
+            return deliver(events)
         return slow
 
-    monkeypatch.setattr(server.driver, "on_token", on_token)
+    monkeypatch.setattr(server.driver, "on_tokens", on_tokens)
     done = []
     t = threading.Thread(target=lambda: done.append(httpx.post(base + "/v1/completions", timeout=60, json={
         "prompt": "x", "max_tokens": 3, "temperature": 0}).status_code))
@@ -378,3 +378,46 @@ def test_wait_idle_waits_for_the_engine_thread(served, monkeypatch):
     t.join(60)
     assert done == [200] and server.driver.wait_idle(60)
     assert server.engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=2)])[0].ok
+
+
+def test_a_stream_in_flight_at_sigterm_finishes_within_the_grace_period(monkeypatch):
+    """SIGTERM (`_Uvicorn.handle_exit`) stops new requests, but a stream already running gets the grace period to
+    finish: it ends with [DONE] and the shutdown reports it finished. (sse-starlette's exit watcher cancelled every
+    stream at the signal, the grace period notwithstanding.)"""
+    import signal
+    import threading
+    import time
+
+    from ds4jax.serving import server as server_mod
+
+    made = []
+    init = server_mod._Uvicorn.__init__
+
+    def record(self, *args, **kwargs):  # the test needs the uvicorn server to signal it
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(server_mod._Uvicorn, "__init__", record)
+    with live_server(ServerConfig(shutdown_grace_s=60)) as (server, base):
+        flush = server.driver._flush
+
+        def slow(jobs=None):  # each engine iteration's hand-over waits a little: the signal comes mid-stream
+            threading.Event().wait(0.05)
+            flush(jobs)
+
+        server.driver._flush = slow
+        lines = []
+        body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        made[0].handle_exit(signal.SIGTERM, None)
+        assert len(lines) > 3 and lines[-1] == "data: [DONE]", lines[-2:]
+        assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 60
+        while server.shutdown_report is None and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        finished, cancelled = server.shutdown_report
+        assert len(finished) == 1 and cancelled == []

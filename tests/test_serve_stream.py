@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-for _name in ("starlette", "sse_starlette"):
+for _name in ("starlette",):
     pytest.importorskip(_name, reason="the serve extra is not installed (pip install 'ds4jax[serve]')")
 
 from ds4jax.generation.requests import GenerateResult, TokenEvent, TokenLogprob
@@ -78,10 +78,15 @@ class _Stream:
                 self.ended = True
                 self.loop.close()
                 break
-            frame = task.result()
-            out += [frame] if isinstance(frame, str) else [
-                json.loads(e[len("data: "):]) for e in frame.decode().split("\n\n") if e]
+            out += _parse(task.result())
         return out
+
+
+def _parse(frame: bytes) -> list:
+    """The data events of one body write: chunks as dicts, ``"[DONE]"`` as is (comments left out)."""
+    assert isinstance(frame, bytes) and frame.endswith(b"\n\n")
+    events = [e[len("data: "):] for e in frame.decode().split("\n\n") if e.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
 def _text(chunks) -> str:
@@ -151,8 +156,9 @@ def test_a_failure_mid_stream_ends_with_an_error_event(server):
 
 
 def test_the_driver_hands_over_the_first_token_at_once_and_the_rest_per_iteration(server):
-    """`Driver.on_token` (the engine thread's callback): token 0 reaches the sink at once, later tokens wait for
-    the end of the engine iteration (`_flush`) and go in one hand-over, counted once per delivery."""
+    """`Driver.on_tokens` (the engine thread's callback, once per engine call): token 0 reaches the sink at once,
+    later calls' tokens wait for the end of the engine iteration (`_flush`) and go in one hand-over, counted once
+    per delivery."""
     from ds4jax.serving.driver import Driver, Job
     from ds4jax.serving.metrics import ServerMetrics
 
@@ -160,17 +166,20 @@ def test_the_driver_hands_over_the_first_token_at_once_and_the_rest_per_iteratio
     driver = Driver(server.engine, max_queue=4, metrics=metrics)
     got = []
     job = Job(request=None, sink=lambda kind, value: got.append((kind, [e.index for e in value])))
-    deliver = driver.on_token(job)
-    events = _events(TOK.encode("abcd"))
-    assert deliver(events[0]) and got == [("tokens", [0])]
-    assert all(deliver(e) for e in events[1:]) and got == [("tokens", [0])]
+    deliver = driver.on_tokens(job)
+    events = _events(TOK.encode("abcdef"))
+    assert deliver(events[:1]) and got == [("tokens", [0])]
+    assert deliver(events[1:3]) and deliver(events[3:4]) and got == [("tokens", [0])]  # two calls, one iteration
     driver._flush()
     assert got == [("tokens", [0]), ("tokens", [1, 2, 3])]
+    assert deliver(events[4:]) and got[-1] == ("tokens", [1, 2, 3])
+    driver._flush()
+    assert got[-1] == ("tokens", [4, 5])
     sample = metrics.registry.get_sample_value
-    assert sample("ds4jax_generated_tokens_total") == 4
-    assert sample("ds4jax_time_to_first_token_seconds_count") == 1 and sample("ds4jax_inter_token_seconds_count") == 1
+    assert sample("ds4jax_generated_tokens_total") == 6
+    assert sample("ds4jax_time_to_first_token_seconds_count") == 1 and sample("ds4jax_inter_token_seconds_count") == 2
     job.cancelled = True
-    assert deliver(_events(TOK.encode("e"), 4)[0]) is False
+    assert deliver(_events(TOK.encode("e"), 6)) is False
 
 
 def test_handoff_wakes_the_loop_once_per_batch():
@@ -218,8 +227,58 @@ def test_a_closed_loop_cancels_the_jobs_it_could_not_reach(server):
     driver = Driver(server.engine, max_queue=4, batch=handoff.batch)
     inbox: asyncio.Queue = asyncio.Queue()
     job = Job(request=None, sink=lambda kind, value: handoff.put(inbox, (0, kind, value)))
-    deliver = driver.on_token(job)
+    deliver = driver.on_tokens(job)
     events = _events(TOK.encode("abc"), 1)  # not a first token: buffered until the iteration ends
-    assert deliver(events[0]) and not job.cancelled
+    assert deliver(events[:1]) and not job.cancelled
     driver._flush()
-    assert job.cancelled and deliver(events[1]) is False
+    assert job.cancelled and deliver(events[1:]) is False
+
+
+def test_an_idle_stream_gets_the_server_timer_s_ping():
+    """Keep-alive: while a stream has nothing to send (its request waits for a slot, or a long prefill), the
+    server-wide timer (`ServerConfig.ping_s`) puts a ``: ping`` comment into it; data goes on after it, and a
+    closed stream leaves the timer's set."""
+    engine = types.SimpleNamespace(tspec=types.SimpleNamespace(max_slots=2, max_context=64), k=0, logprobs=3,
+                                   cfg=types.SimpleNamespace(vocab_size=ByteTokenizer.VOCAB_SIZE))
+    server = Server(engine, TOK, ServerConfig(model_name="tiny", ping_s=0.05))
+    inbox: asyncio.Queue = asyncio.Queue()
+    choice = Choice(0, TOK, (), server.close_ids, False)
+    gen = server._events(Shape(False, "tiny"), [choice], [types.SimpleNamespace(result=None)], inbox,
+                         types.SimpleNamespace(chat=False, include_usage=False), 0)
+
+    async def run():
+        ping = await asyncio.wait_for(gen.__anext__(), 60)  # nothing was queued: only the timer can answer
+        inbox.put_nowait((0, "tokens", _events(TOK.encode("a"))))
+        data = await asyncio.wait_for(gen.__anext__(), 60)
+        assert server._streams == {inbox}
+        await gen.aclose()
+        return ping, data
+
+    loop = asyncio.new_event_loop()
+    ping, data = loop.run_until_complete(run())
+    loop.close()
+    assert ping.startswith(b": ping - ") and ping.endswith(b"\n\n") and b"data:" not in ping
+    assert _text(_parse(data)) == "a" and not server._streams
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunk_without_logprobs_is_what_json_dumps_writes(chat):
+    """`Shape.chunk_json` splices a chunk without logprobs from encoded strings (`responses._choice_json`): it
+    must equal json.dumps of the chunk's dict, for any text (quotes, escapes, non-ASCII, a lone surrogate)."""
+    shape = Shape(chat, "tiny")
+    head = {"id": shape.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": shape.created,
+            "model": "tiny"}
+    for reasoning, content, finish, role in [("", "", None, True), ("", 'a"b\\c\n\x01é€😀\ud800', None, False),
+                                             ("think ✓", "", None, False), ("r", "c", "stop", False),
+                                             ("", "", "length", False), ("", "x", None, True)]:
+        if chat:
+            delta = {"role": "assistant"} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or role:
+                delta["content"] = content
+            choice = {"index": 3, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 3, "text": content, "logprobs": None, "finish_reason": finish}
+        got = shape.chunk_json(3, reasoning, content, finish_reason=finish, role=role)
+        assert got == json.dumps({**head, "choices": [choice]})

@@ -121,6 +121,7 @@ class Delivery:
         if lv.done or not tokens:
             return
         q, res = lv.request, lv.result
+        on_tokens = q.on_tokens
         if q.on_token is None and not q.stop_strings and (q.budget is None or lv.budget_done):
             # nothing can end the request between these tokens, nor watches them one by one: all at once
             n = len(res.tokens)
@@ -129,12 +130,17 @@ class Delivery:
                 res.logprobs.extend(logprobs)
             lv.cur = tokens[-1]
             self.stats.tokens += len(tokens)
-            if events is not None:
+            if events is not None or on_tokens is not None:
                 i = lv.index
-                events.extend([_event(i, t, n + j, None if logprobs is None else logprobs[j])
-                               for j, t in enumerate(tokens)])
+                evs = [_event(i, t, n + j, None if logprobs is None else logprobs[j]) for j, t in enumerate(tokens)]
+                if events is not None:
+                    events.extend(evs)
+                if on_tokens is not None:
+                    self._hand(lv, on_tokens, evs)
             return
         out, on_token, stop_strings, budget = res.tokens, q.on_token, q.stop_strings, q.budget is not None
+        bulk: list[TokenEvent] | None = [] if on_tokens is not None else None  # for on_tokens, after the loop
+        stopped = None  # the text up to a stop string that ended the request
         for j, t in enumerate(tokens):
             if lv.done:
                 return
@@ -149,6 +155,8 @@ class Delivery:
             self.stats.tokens += 1
             if events is not None:
                 events.append(ev)
+            if bulk is not None:
+                bulk.append(ev)
             if on_token is not None:
                 try:
                     keep = on_token(ev)
@@ -162,9 +170,25 @@ class Delivery:
                 text = self.tokenizer.decode(out)
                 hit = [text.index(s) for s in stop_strings if s and s in text]
                 if hit:
-                    self.finish(lv, FinishReason.STOP)
-                    lv.result.text = text[: min(hit)]
-                    return
+                    stopped = text[: min(hit)]
+                    break
+        if bulk and not self._hand(lv, on_tokens, bulk):
+            return
+        if stopped is not None:
+            self.finish(lv, FinishReason.STOP)
+            lv.result.text = stopped
+
+    def _hand(self, lv: Live, on_tokens, events: list[TokenEvent]) -> bool:
+        """`on_tokens(events)`; False when it cancelled the request (it returned False or raised)."""
+        try:
+            keep = on_tokens(events)
+        except Exception as exc:  # noqa: BLE001 - the callback's failure cancels its own request only
+            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"on_tokens raised {exc!r}")
+            return False
+        if keep is False:
+            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, "on_tokens returned False")
+            return False
+        return True
 
     def deliver_call(self, part: list[Live], row_of: dict[int, int], tokens: np.ndarray, bad: np.ndarray,
                      lp: TokenLogprobs | None, events: list[TokenEvent] | None, check_finite: bool) -> None:

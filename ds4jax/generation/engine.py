@@ -8,8 +8,8 @@ device state. Requests wait in a FIFO queue and join free slots between calls; e
 2. one prefill chunk over the rows still prefilling (their first token is sampled on device);
 3. one multi-step call over the decoding rows: up to M plain decode steps for plain rows, up to M speculative
    rounds for speculative ones; each returns early when a row finishes;
-4. delivery (`delivery`): tokens go to `on_token` / the stream in order; finished or cancelled requests free
-   and reset their slot.
+4. delivery (`delivery`): tokens go to `on_token` / `on_tokens` / the stream in order; finished or cancelled
+   requests free and reset their slot.
 
 Shapes come only from the buckets (`buckets.py`: one prefill width per prefill row bucket from a token budget,
 `row_buckets` for decode), so `warmup()` compiles a small, fixed set of programs (it returns them with their
@@ -238,11 +238,31 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
             finally:
                 gen.close()
 
+    def iterations(self, requests: Sequence[Request], *, on_result=None, feed=None, waiting=None) -> Iterator[None]:
+        """`stream` for a caller that takes every token through the requests' callbacks (`Request.on_token` /
+        `on_tokens`): it yields None once after each engine iteration (all the tokens it delivered are with the
+        callbacks by then) and builds no `TokenEvent` list for the stream, so it costs nothing per token
+        beyond the callbacks (a server's driver thread flushes what its callbacks buffered at each yield).
+        feed, waiting, on_result, closing early and `last_results`: as in `stream`."""
+        with self._exclusive("iterations()"):
+            gen = self._run(list(requests), on_result, feed, streaming=False, feed_waits=waiting, ticks=True)
+            try:
+                while True:
+                    try:
+                        next(gen)
+                    except StopIteration as stop:
+                        self.last_results = stop.value
+                        return
+                    yield None
+            finally:
+                gen.close()
+
     # ---- the loop --------------------------------------------------------------------------------------------
     def _run(self, requests: list, on_result=None, feed=None, streaming=True,
-             feed_waits=None) -> Iterator[list[TokenEvent]]:
+             feed_waits=None, ticks=False) -> Iterator[list[TokenEvent] | None]:
         """Yields each iteration's `TokenEvent`s (none when not `streaming`: `generate` reads only the results,
-        so no event is built for a request without `on_token`); returns the results."""
+        so no event is built for a request without `on_token`); returns the results. ticks (not streaming):
+        yields None after each iteration instead (`iterations`)."""
         results: list[GenerateResult | None] = []
         queue: collections.deque[Live] = collections.deque()
         self._out.on_result = on_result
@@ -293,6 +313,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 self._release_finished()
                 if events:
                     yield events
+                elif ticks:
+                    yield None
         finally:
             self._settle_ahead()  # rows that finished while it ran: its pool is the engine's, its tokens nobody's
             self._ahead = None

@@ -56,6 +56,11 @@ def check_request(req, where: str = "Request") -> None:
     on_token = getattr(req, "on_token", None)
     if on_token is not None and not callable(on_token):
         raise ArgumentError("must be callable", name=f"{where}.on_token", value=on_token)
+    on_tokens = getattr(req, "on_tokens", None)
+    if on_tokens is not None and not callable(on_tokens):
+        raise ArgumentError("must be callable", name=f"{where}.on_tokens", value=on_tokens)
+    if on_token is not None and on_tokens is not None:
+        raise ArgumentError("set on_token or on_tokens, not both", name=f"{where}.on_tokens", value=on_tokens)
     logprobs = getattr(req, "logprobs", None)
     if logprobs is not None:
         check_int(logprobs, f"{where}.logprobs", low=0)

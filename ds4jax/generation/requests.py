@@ -17,7 +17,7 @@ class ErrorCode(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"  # malformed: empty prompt, id outside the vocabulary, bad sampling values
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_new_tokens (+ speculative window) exceed max_context
     CAPACITY_EXCEEDED = "capacity_exceeded"  # the queue is full, or the request needs more pages than exist
-    CANCELLED = "cancelled"  # on_token returned False or raised
+    CANCELLED = "cancelled"  # on_token / on_tokens returned False or raised
     INTERNAL = "internal"  # an engine step failed; the message says how
     MODEL_PARKED = "model_parked"  # the model the request needs is parked (`Engine.park`)
     INVALID_SNAPSHOT = "invalid_snapshot"  # a snapshot from another model, config, dtype or pool spec
@@ -70,7 +70,10 @@ class Request:
     `logprobs`: None records none; 0..N (an engine built with ``logprobs=N``) records each token's log-probability
     and that many alternatives (`TokenLogprob`, on the events and in `GenerateResult.logprobs`).
     `on_token(event)` is called for every token as it is delivered; returning False (or raising) cancels the
-    request only."""
+    request only. `on_tokens(events)` (instead of `on_token`, never both) is called once per delivery with the
+    tokens one engine call gave the request (a decode call's, or its first token alone), in order, after they
+    are all in its result; returning False (or raising) cancels it after them. The events are the same either
+    way; one call per delivery spares a caller that buffers them (a server) its per-token calls."""
 
     prompt: Sequence[int] | str
     max_new_tokens: int = 32
@@ -86,6 +89,7 @@ class Request:
     snapshot: bool = False  # save a prefix snapshot of the prompt after prefill (issue 9)
     snapshot_at: tuple[int, ...] = ()  # extra prompt positions to snapshot at (prefill chunks split there)
     logprobs: int | None = None
+    on_tokens: Callable[[list[TokenEvent]], bool | None] | None = None
 
 
 @dataclasses.dataclass

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import sys
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ds4jax.generation.loops import MAX_FORCED
@@ -41,6 +41,9 @@ DISCONNECT_POLL_S = 0.25  # how often a whole-response request checks that its c
 # interval (5 ms) each engine call could start that much late. 0.5 ms doubled the tokens/s of 32 streams over a
 # fake engine of 10 ms calls on the 2-core CPU (scripts/bench_serve.py measures the real one).
 SWITCH_INTERVAL_S = 0.0005
+# A stream's headers (what sse-starlette sent): no caching, and no buffering by a proxy in front (nginx)
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+PING = (-1, "ping", None)  # an inbox item: send a keep-alive comment
 
 
 class Server:
@@ -61,6 +64,9 @@ class Server:
         self.close_ids = chat.close_ids(tokenizer)
         self.stop_ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.shutdown_report: tuple[list[str], list[str]] | None = None
+        self._streams: set[asyncio.Queue] = set()  # the inboxes of the open streams (event loop only)
+        self._ping_timer: asyncio.TimerHandle | None = None  # armed while streams are open
+        self._ping_loop: asyncio.AbstractEventLoop | None = None
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -184,8 +190,8 @@ class Server:
         prompt_tokens = sum(map(len, p.prompts))
         if p.stream:
             self.metrics.requests.labels(route, "200").inc()
-            return EventSourceResponse(self._events(shape, choices, jobs, inbox, p, prompt_tokens), ping=15,
-                                       sep="\n")
+            return StreamingResponse(self._events(shape, choices, jobs, inbox, p, prompt_tokens),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         return self._answer(route, await self._whole(request, shape, choices, jobs, inbox, prompt_tokens))
 
     def _engine_request(self, p, ids, choice: int, job: Job) -> Request:
@@ -194,7 +200,7 @@ class Server:
             budget = Budget(max_tokens=p.thinking_budget, close_ids=self.close_ids)
         return Request(prompt=list(ids), max_new_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                        top_p=p.top_p, seed=p.seed_of(choice), stop_ids=self.stop_ids, stop_strings=p.stop,
-                       on_token=self.driver.on_token(job), budget=budget, logprobs=p.logprobs)
+                       on_tokens=self.driver.on_tokens(job), budget=budget, logprobs=p.logprobs)
 
     @staticmethod
     def _sink(handoff: Handoff, inbox: asyncio.Queue, index: int):
@@ -227,11 +233,19 @@ class Server:
                     self.driver.cancel(job)
 
     async def _events(self, shape: Shape, choices, jobs, inbox, p, prompt_tokens: int):
-        """SSE events. Whatever has arrived when the loop looks (a decode call's tokens of each choice, or more
-        while it was busy) goes out in one write (`_frames`), as at most one chunk per choice: its released text
-        joined, the logprobs of the tokens that released it, and ``finish_reason`` when the choice ended. A
-        choice's first token comes alone (the driver hands it over at once), so it is not held back."""
+        """The SSE body, in writes of whole events. Whatever has arrived when the loop looks (a decode call's tokens
+        of each choice, or more while it was busy) goes out in one write (`_frames`), as at most one chunk per
+        choice: its released text joined, the logprobs of the tokens that released it, and ``finish_reason`` when
+        the choice ended. A choice's first token comes alone (the driver hands it over at once), so it is not held
+        back. Every `ServerConfig.ping_s` the server-wide timer (`_ping`) adds a ``: ping`` comment.
+
+        Starlette's `StreamingResponse` sends the writes as they are and, as uvicorn speaks ASGI 2.3, watches for
+        the client's disconnect beside it: a client that leaves cancels this generator at its wait, and the
+        ``finally`` cancels its jobs (which frees their slots). (sse-starlette did the same with cancel scopes per
+        event and four tasks per stream: about a fifth of the event loop's CPU per token, bench_serve --tiny at 32
+        clients on the 2-core CPU.)"""
         pending = len(jobs)
+        self._open_stream(inbox)
         try:
             if p.chat:
                 yield _frames([shape.chunk_json(c.index, role=True) for c in choices])
@@ -240,8 +254,11 @@ class Server:
                 while not inbox.empty():
                     items.append(inbox.get_nowait())
                 touched: dict[int, None] = {}  # the choices with news, in order of arrival
-                failed = None
+                failed, ping = None, False
                 for index, kind, value in items:
+                    if kind == "ping":
+                        ping = True
+                        continue
                     touched[index] = None
                     if kind == "tokens":
                         choices[index].extend(value)
@@ -256,15 +273,31 @@ class Server:
                     out.append(json.dumps(_result_error(failed).body()))
                     yield _frames(out)
                     return
-                if out:
-                    yield _frames(out)
-            if p.include_usage:
-                yield json.dumps(shape.usage_chunk(choices, prompt_tokens))
-            yield "[DONE]"
+                if out or ping:
+                    yield (_ping_comment() if ping else b"") + _frames(out)
+            tail = [json.dumps(shape.usage_chunk(choices, prompt_tokens))] if p.include_usage else []
+            yield _frames(tail + ["[DONE]"])
         finally:  # the client left (or the stream failed): cancel what still runs, which frees the slots
+            self._streams.discard(inbox)
             for job in jobs:
                 if job.result is None:
                     self.driver.cancel(job)
+
+    # ---- keep-alive pings: one timer for all streams ---------------------------------------------------------
+    def _open_stream(self, inbox: asyncio.Queue) -> None:
+        self._streams.add(inbox)
+        loop = asyncio.get_running_loop()
+        if self.config.ping_s > 0 and (self._ping_timer is None or self._ping_loop is not loop):
+            self._ping_loop, self._ping_timer = loop, loop.call_later(self.config.ping_s, self._ping)
+
+    def _ping(self) -> None:
+        """Every `ping_s` while streams are open: a ping item into each one's inbox (proxies close idle
+        connections; a stream of a request waiting in the queue sends nothing else)."""
+        self._ping_timer = None
+        for inbox in self._streams:
+            inbox.put_nowait(PING)
+        if self._streams:
+            self._ping_timer = self._ping_loop.call_later(self.config.ping_s, self._ping)
 
     # ---- answers -----------------------------------------------------------------------------------------------
     def _answer(self, route: str, response: Response) -> Response:
@@ -298,8 +331,13 @@ def _chunk(shape: Shape, choice) -> str | None:
 
 
 def _frames(events: list[str]) -> bytes:
-    """Several SSE events as one body write (sse-starlette sends bytes as they are)."""
+    """Several SSE events as one body write."""
     return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+def _ping_comment() -> bytes:
+    """A keep-alive SSE comment, as sse-starlette wrote it (clients ignore comments)."""
+    return f": ping - {datetime.datetime.now(datetime.timezone.utc)}\n\n".encode()
 
 
 def _result_error(result) -> APIError:

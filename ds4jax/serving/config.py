@@ -20,3 +20,4 @@ class ServerConfig:
     retry_after_s: int = 1
     warmup: bool = True  # compile every engine program before /health says ready
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
+    ping_s: float = 15.0  # open streams get a ": ping" comment this often (proxies drop idle connections); 0: never

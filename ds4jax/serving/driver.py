@@ -1,17 +1,18 @@
 """The one thread that owns the `Engine` (it is not thread-safe): HTTP handlers submit `Job`s to a bounded queue,
-the driver feeds them into one running `Engine.stream` as slots free up, and each job's tokens and result go
+the driver feeds them into one running `Engine.iterations` as slots free up, and each job's tokens and result go
 back to its handler through `Job.sink` (called on the driver thread; the app hands them to its event loop). A
 job's tokens of one engine iteration go in one ``("tokens", [TokenEvent, ...])`` call after it: one thread hop per
 job and engine call instead of one per token (a decode call delivers up to steps-per-call tokens at once anyway);
 a job's first token goes at once (time to first token). The engine thread is the server's critical path, so it
-does no per-token work beyond buffering: metrics are counted per delivery (`ServerMetrics.delivered`) and engine
-stats sampled once per engine iteration.
+does no per-token work beyond buffering: the engine calls it once per request and engine call
+(`Request.on_tokens`), yields once per iteration (`Engine.iterations`), metrics are counted per delivery
+(`ServerMetrics.delivery`, the tokens once per hand-over) and engine stats sampled once per engine iteration.
 
 * Admission is all-or-nothing per HTTP request (its n choices): `QueueFull` when the waiting jobs would exceed
   `max_queue`; the handler answers 429 with Retry-After.
 * Only as many jobs as there are free slots are handed to the engine, so a cancelled job that still waits never
   reaches it, and the queue depth is the server's own (metrics).
-* `cancel(job)`: a waiting job is dropped at once; a running one is cancelled at its next token (`on_token`
+* `cancel(job)`: a waiting job is dropped at once; a running one is cancelled at its next tokens (`on_tokens`
   returns False), which frees its slot (the engine resets it).
 * `wait_idle(timeout)`: until the engine thread is between streams with nothing waiting; only then may another
   caller use the engine (a benchmark's engine-only passes): the thread still resets finished slots after it has
@@ -66,7 +67,7 @@ class Driver:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
         self._accepting, self._stopping = True, False
-        self._streaming = False  # the engine thread is inside `Engine.stream`
+        self._streaming = False  # the engine thread is inside `Engine.iterations`
         self._inflight: list[Job] | None = None  # what ran or waited when the server stopped accepting
         self.state = "starting"  # -> warming -> ready -> draining -> stopped (or failed)
         self.error: str | None = None
@@ -188,9 +189,9 @@ class Driver:
                 self._streaming = True
             run: list[Job] = []  # index in this stream -> job
             try:
-                for _ in self.engine.stream([], on_result=lambda i, res: self._finished(run[i], res),
-                                            feed=lambda: self._feed(run), waiting=self._has_waiting):
-                    if self._batch:  # the stream yields an iteration's events one by one, after delivering them all
+                for _ in self.engine.iterations([], on_result=lambda i, res: self._finished(run[i], res),
+                                                feed=lambda: self._feed(run), waiting=self._has_waiting):
+                    if self._batch:  # once per engine iteration, after it delivered all its tokens
                         self._flush()
             finally:
                 with self._cv:
@@ -224,16 +225,18 @@ class Driver:
             self._cv.notify_all()
 
     def _flush(self, jobs=None) -> None:
-        """Hand the buffered tokens of `jobs` (default: all) to their handlers."""
-        now, handed = time.perf_counter(), []
+        """Hand the buffered tokens of `jobs` (default: all) to their handlers; their tokens are counted once."""
+        now, handed, tokens = time.perf_counter(), [], 0
+        delivery = self.metrics.delivery if self.metrics is not None else None
         try:
             with self._batch_context():
                 for job in list(self._batch) if jobs is None else jobs:
                     events = self._batch.pop(job, None)
                     if not events:
                         continue
-                    if self.metrics is not None:
-                        self.metrics.delivered(job, len(events), now)
+                    tokens += len(events)
+                    if delivery is not None:
+                        delivery(job, now)
                     job.first_token = job.first_token or now
                     job.last_token = now
                     handed.append(job)
@@ -241,6 +244,9 @@ class Driver:
         except Exception:  # noqa: BLE001 - the handlers' loop is closed: nobody reads these jobs any more
             for job in handed:
                 job.cancelled = True  # its next token cancels it
+        finally:
+            if tokens and self.metrics is not None:
+                self.metrics.tokens.inc(tokens)
 
     def _done(self, job: Job, result: GenerateResult) -> None:
         self._flush([job])  # its last tokens before its result
@@ -252,15 +258,20 @@ class Driver:
         except Exception:  # noqa: BLE001 - a handler that went away must not stop the engine
             log.debug("job %s: its handler is gone", job.label)
 
-    def on_token(self, job: Job) -> Callable[[TokenEvent], bool]:
-        """The `Request.on_token` of `job` (runs on this thread): False cancels it."""
+    def on_tokens(self, job: Job) -> Callable[[list[TokenEvent]], bool]:
+        """The `Request.on_tokens` of `job` (runs on this thread, once per engine call that gave it tokens): False
+        cancels it."""
 
-        def deliver(event: TokenEvent) -> bool:
+        def deliver(events: list[TokenEvent]) -> bool:
             if job.cancelled:
                 return False
-            self._batch.setdefault(job, []).append(event)
-            if event.index == 0:  # the first token goes at once: the rest of its iteration (a decode call) would
-                self._flush([job])  # delay it by a whole call
+            held = self._batch.get(job)
+            if held is None:
+                self._batch[job] = events  # (the engine hands each call's list over and keeps no reference)
+            else:
+                held.extend(events)
+            if events[0].index == 0:  # the first token goes at once: the rest of its iteration (a decode call)
+                self._flush([job])  # would delay it by a whole call
             return True
 
         return deliver

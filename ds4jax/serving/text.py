@@ -38,6 +38,8 @@ class TextStream:
 
     def _text(self) -> tuple[str, bool]:
         text = self._decoded()
+        if not self.stop:
+            return text, False
         hits = [text.index(s) for s in self.stop if s in text]
         return (text[: min(hits)], True) if hits else (text, False)
 
@@ -48,8 +50,9 @@ class TextStream:
         text, self.stopped = self._text()
         if not self.stopped:
             text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
+            if self.stop:  # (without stop strings nothing else is held back)
+                hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                text = text[: len(text) - hold]
         return self._release(text)
 
     def finish(self) -> str:
