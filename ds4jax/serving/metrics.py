@@ -82,15 +82,10 @@ class ServerMetrics:
         self._accepted = 0
 
     # called on the driver thread (prometheus_client is thread-safe; ttft and itl are written only there)
-    def delivered(self, job, tokens: int, now: float) -> None:
-        """`tokens` tokens of `job` handed to its handler at `now` (before `job`'s times are updated): one
-        observation per delivery, not per token (a delivery holds up to steps-per-call tokens, which the engine
-        produced together)."""
-        self.tokens.inc(tokens)
-        self.delivery(job, now)
-
     def delivery(self, job, now: float) -> None:
-        """`delivered` without counting the tokens (the driver counts an iteration's at once: `tokens.inc`)."""
+        """Tokens of `job` handed to its handler at `now` (before `job`'s times are updated): one observation per
+        delivery, not per token (a delivery holds up to steps-per-call tokens, which the engine produced together).
+        The tokens themselves are counted by the driver, once per hand-over (`tokens.inc`)."""
         if job.first_token:
             self.itl.observe(now - job.last_token)
         else:
