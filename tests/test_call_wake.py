@@ -58,7 +58,7 @@ def test_a_feed_ends_calls_on_finished_rows_only_while_a_request_waits_at_it(eng
         return waiting
 
     kw = {} if waiting is None else {"waiting": waits}
-    events = list(engine.stream(_requests(0), feed=lambda: [], **kw))
+    events = list(engine.stream(_requests(0), feed=list, **kw))
     calls = engine.stats.decode_calls - before
     assert [r.tokens for r in engine.last_results] == alone and len(events) == sum(map(len, alone))
     # rows finish after 1, 2 and 3 decode steps (requests of 2, 3 and 4 tokens; the 4th also needs 3)

@@ -7,13 +7,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from small_engine import MAX_CONTEXT, one_layer_model
+from spec_helpers import agreeable_model
 
 from ds4jax import Engine, Request
 from ds4jax.errors import ArgumentError
+from ds4jax.generation import run_ahead
 from ds4jax.generation.draft_policy import Adaptive, AdaptivePolicy, tokens_per_round
 from ds4jax.io.tokenizer import ByteTokenizer
-from small_engine import MAX_CONTEXT, one_layer_model
-from spec_helpers import agreeable_model
 
 COSTS = {0: 1.0, 1: 1.3}  # a round of one draft costs 1.3 plain steps
 
@@ -57,7 +58,7 @@ def test_a_draining_batch_is_scored_by_its_slowest_row():
     uniform batch drains as it streams."""
     costs = {0: 1.06, 1: 1.28, 2: 1.34, 4: 1.95}
     batch = [_row(accepted=900, rejected=100) for _ in range(7)] + [_row(accepted=400, rejected=600)]
-    p = lambda: AdaptivePolicy(Adaptive(ks=(1, 2, 4), costs=costs, switch_gain=0.0), 4)  # noqa: E731
+    p = lambda: AdaptivePolicy(Adaptive(ks=(1, 2, 4), costs=costs, switch_gain=0.0), 4)
     assert p().choose(batch, 8) == 4
     assert p().choose(batch, 8, drain=True) == 2
     nearly_done = batch[:7] + [_row(accepted=400, rejected=600, left=8)]  # the slow row's 8 tokens take no time
@@ -161,11 +162,21 @@ def test_random_drafts_run_plain_calls():
     assert eng.policy.global_rate() < 0.2
 
 
-def test_good_drafts_turn_speculation_back_on():
+def test_good_drafts_turn_speculation_back_on(monkeypatch):
+    """...and once speculation is chosen on its merits, its calls run ahead of the host (`run_ahead`)."""
     model = agreeable_model(one_layer_model().config, seed=3, damp=0.1)
     eng = engine(model, Adaptive(costs=COSTS, prior=0.0, probe_every=2))  # starts pessimistic: plain first
     plain = run(eng, speculative=0)
     eng.policy.choices.clear()
+    ahead = []
+
+    class Counting(run_ahead.Ahead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            ahead.append(self.k)
+
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
     assert run(eng) == plain
     assert eng.policy.global_rate() > 0.5
     assert eng.policy.choices.get(1, 0) > 2 * eng.policy.choices.get(0, 0), eng.policy.choices
+    assert 1 in ahead, ahead  # the adaptive engine's speculative calls ran ahead

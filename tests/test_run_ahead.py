@@ -6,16 +6,18 @@ dispatch itself), and that nothing compiled for it."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
+from small_engine import one_layer_model, small_engine
 
 from ds4jax import Request
 from ds4jax.generation import compiles, run_ahead
-from small_engine import one_layer_model, small_engine
 
 
 class Counting(run_ahead.Ahead):
     made = 0
-    ks: list = []
+    ks: typing.ClassVar[list] = []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -33,7 +33,7 @@ class Ahead:
 
     plan: list[Live | None]  # its rows (None: padding), as the call before it had them
     rows: Rows  # its inputs, on the device
-    out: "concurrent.futures.Future[DecodeOut | SpecOut]"  # its outputs, once a worker thread dispatched it
+    out: concurrent.futures.Future[DecodeOut | SpecOut]  # its outputs, once a worker thread dispatched it
     dispatched: float  # perf_counter at dispatch
     k: int = 0  # draft length (0: plain steps)
 
@@ -46,7 +46,7 @@ class Ahead:
         return len(plan) == len(self.plan) and all(a is b for a, b in zip(plan, self.plan))
 
 
-def next_rows(rows: Rows, out: "DecodeOut | SpecOut") -> Rows:
+def next_rows(rows: Rows, out: DecodeOut | SpecOut) -> Rows:
     """The inputs of the call after `out`'s, from its outputs on the device: rows that finished are off."""
     return rows._replace(cur=out.cur, n_out=out.n_out, active=out.live)
 
