@@ -150,3 +150,16 @@ def test_a_new_draft_length_reads_the_call_run_ahead_first(engine, monkeypatch):
     assert got[0] == want[0]  # the greedy request (a sampled one's draws differ between plain and speculative)
     assert got[1][2] is None and len(got[1][0]) == 17
     assert {0, 1} <= set(Counting.ks), Counting.ks  # plain and speculative calls both ran ahead
+
+
+def test_a_request_alone_runs_ahead_from_its_first_decode_call(engine, monkeypatch):
+    """Whether a call may run ahead is judged after the iteration's admission and prefill: a request alone, its
+    prompt prefilled in one chunk, starts its second decode call from its first (before, the iteration that
+    admitted it ran its first call without one, since a request had been queued)."""
+    monkeypatch.setattr(run_ahead, "Ahead", Counting)
+    Counting.made, Counting.ks = 0, []
+    calls = engine.stats.decode_calls
+    engine.generate([Request(prompt=[5, 6, 7], max_new_tokens=23, speculative=0)])
+    calls = engine.stats.decode_calls - calls
+    assert calls >= 3 and Counting.made >= calls, (calls, Counting.made)  # each call started the next (the last's
+    # was dispatched for rows the device had finished: it ran no step, and nobody read it)

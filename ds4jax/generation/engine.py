@@ -307,7 +307,11 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                 # the feed: a server's), otherwise finished rows idle to the call's end
                 self._wake = bool(queue) or feed is not None and (feed_waits is None or feed_waits())
                 parts = list(self._decode_parts(decoding))
-                ahead_ok = len(parts) == 1 and not waiting and not prefilling
+                # a call may run ahead when nothing is queued or still prefilling (an admission or a prefill lands
+                # it first): judged after this iteration's admission and prefill, so a request's first decode call,
+                # right after its one-chunk prefill, starts its second
+                ahead_ok = len(parts) == 1 and not queue and not any(
+                    lv.prefilling and not lv.done for lv in self._slots.values())
                 for part, k in parts:
                     self._guarded(part, lambda: self._decode_once(part, k, events, ahead_ok))
                 self._release_finished()

@@ -8,8 +8,9 @@ i's outputs on the device (`next_rows`: each row's last token and token count, d
 enters. A speculative call's draft state (the draft pool and each slot's pending draft logits) is its output as
 well, and its draft length stays the one the call before it ran: when the policy picks another, the call run ahead
 is read first. The engine runs ahead only where that is exact (`may_run_ahead`): one device (a layer split's
-stages loop on the host), every decoding row in this one call, nothing queued for a free slot or prefilling, and
-no row with forced tokens or a thinking-budget limit (those the host rebuilds per call).
+stages loop on the host), every decoding row in this one call, nothing queued for a free slot or prefilling once
+the iteration's admission and prefill are done, and no row with forced tokens or a thinking-budget limit (those the
+host rebuilds per call).
 
 The call run ahead (`Ahead`) is landed, its tokens read and delivered, before anything that rewrites the page
 table (admission, a slot reset, a prefill: the host's lengths would be one call behind the device's) and before
