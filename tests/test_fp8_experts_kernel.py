@@ -4,55 +4,29 @@ expert stack is never dequantized whole); under the reference they dequantize ne
 same logits (decode tiles and, with a long chunk, 64-row prefill tiles); the decode step lowers for cuda and rocm.
 
 The model is a tiny random one quantized as a base (``"fp8"``) checkpoint is: FP8 dense linears and FP8 experts
-with 128 x 128 blocks (`quantize_model(..., "fp8")`), in OCP E4M3 and in FNUZ (MI300's format, doubled scales).
+with 128 x 128 blocks (`quantize_model(..., "fp8")`), in OCP E4M3 and in FNUZ (MI300's format, doubled scales);
+`tests/fp8_models.py` builds it and probes its steps.
 """
 
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
+from fp8_models import CFG, FP8, decode_step_text, fp8_converts, pool_spec, quantized, step_eqns, step_logits
 
-import ds4jax
-from ds4jax.model import params as P
-from ds4jax.model.config import AttentionType, MlpType
-from ds4jax.model.handle import Model
 from ds4jax.model.layers import moe
-from ds4jax.model.quantize import quantize_model
 from ds4jax.model.quantized import Format, QuantizedWeight
-from ds4jax.runtime import pools, routed_experts, steps
+from ds4jax.runtime import routed_experts
 from ds4jax.runtime.kernels import Impl
-from ds4jax.runtime.pool_spec import PoolSpec
 
-CFG = ds4jax.tiny(num_layers=3, attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
-                  mlp_types=(MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
-FP8 = {"ocp": jnp.float8_e4m3fn, "fnuz": jnp.float8_e4m3fnuz}
-is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-
-
-@functools.cache
-def quantized(fmt: str) -> Model:
-    return quantize_model(Model(CFG, P.init(CFG, jax.random.key(0))), "fp8", fp8_dtype=FP8[fmt])
-
-
-def _spec():
-    return PoolSpec.for_role(CFG, role=ds4jax.Role.TARGET, max_slots=2, max_context=160, page_size=16,
-                             dtype="float32")
-
-
-def _eqns(jaxpr, inside_kernels=False):
-    """(equation, inside a pallas_call) of a jaxpr and its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        yield eqn, inside_kernels
-        for sub in jaxprs_in_params(eqn.params):
-            yield from _eqns(sub, inside_kernels or eqn.primitive.name == "pallas_call")
+MAX_CONTEXT = 160
+is_q = lambda x: isinstance(x, QuantizedWeight)
 
 
 def test_fp8_quantize_makes_fp8_experts():
-    for name, w in quantized("ocp").params["layers"][1]["ffn"]["experts"].items():
+    for name, w in quantized("fp8", "ocp").params["layers"][1]["ffn"]["experts"].items():
         assert is_q(w) and w.format is Format.FP8 and w.values.dtype == jnp.float8_e4m3fn, name
         assert w.values.shape[0] == CFG.num_routed_experts and w.block == (128, 128)
 
@@ -62,23 +36,16 @@ def test_dispatch_runs_the_fp8_grouped_kernel(fmt):
     """pallas_interpret: the decode step launches `grouped_matmul_fp8` (gate + up, then down, per MoE layer body)
     and neither the bf16 grouped matmul nor any FP8 -> float conversion outside a kernel (so no expert stack is
     dequantized); reference: no FP8 grouped kernel, the FP8 experts are converted (dequantize + dot)."""
-    model = quantized(fmt)
-    spec = _spec()
-    batch = steps.StepBatch(jnp.zeros((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32))
+    model = quantized("fp8", fmt)
     for impl in (Impl.PALLAS_INTERPRET, Impl.REFERENCE):
-        step = functools.partial(steps._step, cfg=CFG, spec=spec, role=ds4jax.Role.TARGET, logits=steps.Logits.LAST,
-                                 kernels=impl)
-        closed = jax.make_jaxpr(lambda p, pool, b, step=step: step(p, pool, b, None))(
-            model.params, pools.zeros(spec), batch)
-        eqns = list(_eqns(closed.jaxpr))
+        eqns = step_eqns(model, pool_spec(MAX_CONTEXT), impl)
         names = [e.params.get("name") for e, _ in eqns if e.primitive.name == "pallas_call"]
-        fp8_converts = [e for e, inside in eqns if not inside and e.primitive.name == "convert_element_type"
-                        and e.invars[0].aval.dtype == FP8[fmt]]
+        converts = fp8_converts(eqns, FP8[fmt])
         if impl is Impl.PALLAS_INTERPRET:
             assert names.count("grouped_matmul_fp8") >= 2 and "grouped_matmul" not in names, names
-            assert fp8_converts == []
+            assert converts == []
         else:
-            assert "grouped_matmul_fp8" not in names and fp8_converts
+            assert "grouped_matmul_fp8" not in names and converts
 
 
 def test_fp8_experts_call_the_kernel(monkeypatch):
@@ -87,7 +54,7 @@ def test_fp8_experts_call_the_kernel(monkeypatch):
     real = routed_experts.pallas_kernels.grouped_matmul_fp8
     monkeypatch.setattr(routed_experts.pallas_kernels, "grouped_matmul_fp8",
                         lambda x, ws, tg, **kw: seen.append([v.dtype for v, _ in ws]) or real(x, ws, tg, **kw))
-    experts = quantized("ocp").params["layers"][1]["ffn"]["experts"]
+    experts = quantized("fp8", "ocp").params["layers"][1]["ffn"]["experts"]
     experts = jax.tree.map(lambda a: a[0] if a.ndim > 3 else a, experts)  # a stacked layer group: its first layer
     x = jax.random.normal(jax.random.key(2), (3, CFG.hidden_size), jnp.float32)
     ids = jnp.asarray([[0, 5], [5, 7], [1, 0]], jnp.int32)
@@ -98,37 +65,16 @@ def test_fp8_experts_call_the_kernel(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def _logits(model: Model, impl: Impl, ids: np.ndarray, chunk: int) -> np.ndarray:
-    """Prefill two rows in chunks of `chunk` tokens, then one decode step (2 rows); every logit."""
-    spec = _spec()
-    book = pools.PoolBook(spec, CFG.vocab_size)
-    slots = [book.admit(1), book.admit(0)]
-    for s in slots:
-        book.reserve(s, ids.shape[1] + 1)
-    pool = book.sync(pools.poisoned(spec))
-    out = []
-    for start in range(0, ids.shape[1], chunk):
-        tok = ids[:, start:start + chunk]
-        n = [tok.shape[1]] * 2
-        book.check_extend(slots, tok, n)
-        batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(tok), jnp.asarray(n, jnp.int32))
-        o, pool = steps.prefill(model.params, pool, batch, cfg=CFG, spec=spec, all_logits=True, kernels=impl)
-        book.commit(slots, n)
-        out.append(np.asarray(o.logits))
-    batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(ids[:, -1:]), jnp.ones((2,), jnp.int32))
-    o, _ = steps.decode(model.params, pool, batch, cfg=CFG, spec=spec, kernels=impl)
-    return np.concatenate(out + [np.asarray(o.logits)[:, None]], axis=1)
-
-
 def test_fp8_expert_model_logits_match_the_reference():
     """A 72-token chunk of 2 rows is 288 selections (> 256: 64-row prefill tiles), then the decode step runs decode
     tiles (one prefill chunk: a second, shorter one would compile two more programs for tiles the decode step
     covers). OCP only (each impl compiles its steps); the kernel tests check FNUZ against the reference."""
-    model = quantized("ocp")
+    model = quantized("fp8", "ocp")
     ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 72), 0, CFG.vocab_size))
     assert 2 * 72 * CFG.num_experts_per_tok > routed_experts.PREFILL_ABOVE
-    ref = _logits(model, Impl.REFERENCE, ids, chunk=72)
-    got = _logits(model, Impl.PALLAS_INTERPRET, ids, chunk=72)
+    spec = pool_spec(MAX_CONTEXT)
+    ref = step_logits(model, spec, Impl.REFERENCE, ids, chunk=72)
+    got = step_logits(model, spec, Impl.PALLAS_INTERPRET, ids, chunk=72)
     assert np.isfinite(ref).all()
     # the same products in f32; sums reassociated (k splits, tiles) and the other kernels' own tolerance
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
@@ -138,13 +84,6 @@ def test_fp8_expert_model_logits_match_the_reference():
 def test_fp8_expert_decode_step_lowers_for_gpu(platform, fmt):
     """The decode step with the compiled kernels lowers for a GPU with the FP8 grouped kernel among its Triton
     calls (Pallas' Triton rules, inside the layer scan with stacked FP8 experts)."""
-    model = quantized(fmt)
-    spec = _spec()
-    s = jax.ShapeDtypeStruct
-    batch = steps.StepBatch(s((2,), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
-    step = functools.partial(steps._step, streams_in=None, cfg=CFG, spec=spec, role=ds4jax.Role.TARGET,
-                             logits=steps.Logits.LAST, kernels=Impl.PALLAS)
-    text = jax.jit(step).trace(model.params, pools.abstract(spec), batch).lower(
-        lowering_platforms=(platform,)).as_text()
+    text = decode_step_text(quantized("fp8", fmt), pool_spec(MAX_CONTEXT), platform)
     assert len(re.findall(r"call @grouped_matmul_fp8(?:_\d+)?\(", text)) >= 2
     assert not re.findall(r"call @grouped_matmul(?:_\d+)?\(", text)  # no bf16 grouped matmul on dequantized experts
