@@ -24,3 +24,13 @@ def grouped_matmul_reference(x, ws, tile_group, *, block_sizes=None, interpret=F
         y = jnp.einsum("tmk,tkn->tmn", xt.astype(jnp.float32), wt.astype(jnp.float32), precision="highest")
         out.append(jnp.where(live[:, None, None], y, 0.0).reshape(x.shape[0], -1))
     return tuple(out)
+
+
+def grouped_matmul_dequantized(x, ws, tile_group, dequantize):
+    """`grouped_matmul_reference` over quantized experts: each weight of `ws` is (values [g, ...], scales [g, ...]),
+    and every tile multiplies by `dequantize(values[e], scales[e])` of its own expert e (a gather first: unused
+    experts' bytes are never read). The spec of the grouped kernels that read FP4 / FP8 weights as stored."""
+    groups = jnp.maximum(tile_group, 0)
+    per_tile = jnp.where(tile_group >= 0, jnp.arange(tile_group.shape[0], dtype=jnp.int32), -1)
+    return tuple(grouped_matmul_reference(x, (dequantize(values[groups], scales[groups]),), per_tile)[0]
+                 for values, scales in ws)

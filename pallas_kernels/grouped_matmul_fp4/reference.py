@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels._mxfp4 import dequantize_fp4
-from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_dequantized
 
 
 def grouped_matmul_fp4_reference(x, ws, tile_group, *, block_sizes=None, interpret=False):
@@ -18,12 +18,5 @@ def grouped_matmul_fp4_reference(x, ws, tile_group, *, block_sizes=None, interpr
 
     Only the tiles' own experts are dequantized (a gather first), so unused experts' bytes are never read."""
     del block_sizes, interpret
-    tiles = tile_group.shape[0]
-    groups = jnp.maximum(tile_group, 0)
-    per_tile = jnp.arange(tiles, dtype=jnp.int32)
-    out = []
-    for packed, scales in ws:
-        w = dequantize_fp4(packed[groups], scales[groups], jnp.float32)  # [tiles, k, n]
-        (y,) = grouped_matmul_reference(x.astype(jnp.float32), (w,), jnp.where(tile_group >= 0, per_tile, -1))
-        out.append(y)
-    return tuple(out)
+    return grouped_matmul_dequantized(x.astype(jnp.float32), ws, tile_group,
+                                      lambda packed, scales: dequantize_fp4(packed, scales, jnp.float32))

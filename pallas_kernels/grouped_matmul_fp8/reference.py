@@ -8,10 +8,8 @@ to x's dtype before the matmul (what a dequantize-then-dot computes; `fp8_matmul
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from pallas_kernels.fp8_matmul.reference import dequantize_fp8
-from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_dequantized
 
 
 def grouped_matmul_fp8_reference(x, ws, tile_group, *, block=(128, 128), block_sizes=None, interpret=False):
@@ -20,12 +18,5 @@ def grouped_matmul_fp8_reference(x, ws, tile_group, *, block=(128, 128), block_s
 
     Only the tiles' own experts are dequantized (a gather first), so unused experts' bytes are never read."""
     del block_sizes, interpret
-    tiles = tile_group.shape[0]
-    groups = jnp.maximum(tile_group, 0)
-    per_tile = jnp.arange(tiles, dtype=jnp.int32)
-    out = []
-    for values, scales in ws:
-        w = dequantize_fp8(values[groups], scales[groups], tuple(block), x.dtype)  # [tiles, k, n]
-        (y,) = grouped_matmul_reference(x, (w,), jnp.where(tile_group >= 0, per_tile, -1))
-        out.append(y)
-    return tuple(out)
+    return grouped_matmul_dequantized(x, ws, tile_group,
+                                      lambda values, scales: dequantize_fp8(values, scales, tuple(block), x.dtype))
