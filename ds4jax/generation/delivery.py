@@ -136,7 +136,7 @@ class Delivery:
                 if events is not None:
                     events.extend(evs)
                 if on_tokens is not None:
-                    self._hand(lv, on_tokens, evs)
+                    self._call(lv, "on_tokens", on_tokens, evs)
             return
         out, on_token, stop_strings, budget = res.tokens, q.on_token, q.stop_strings, q.budget is not None
         bulk: list[TokenEvent] | None = [] if on_tokens is not None else None  # for on_tokens, after the loop
@@ -157,36 +157,30 @@ class Delivery:
                 events.append(ev)
             if bulk is not None:
                 bulk.append(ev)
-            if on_token is not None:
-                try:
-                    keep = on_token(ev)
-                except Exception as exc:  # noqa: BLE001 - the callback's failure cancels its own request only
-                    self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"on_token raised {exc!r}")
-                    return
-                if keep is False:
-                    self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, "on_token returned False")
-                    return
+            if on_token is not None and not self._call(lv, "on_token", on_token, ev):
+                return
             if stop_strings:
                 text = self.tokenizer.decode(out)
                 hit = [text.index(s) for s in stop_strings if s and s in text]
                 if hit:
                     stopped = text[: min(hit)]
                     break
-        if bulk and not self._hand(lv, on_tokens, bulk):
+        if bulk and not self._call(lv, "on_tokens", on_tokens, bulk):
             return
         if stopped is not None:
             self.finish(lv, FinishReason.STOP)
             lv.result.text = stopped
 
-    def _hand(self, lv: Live, on_tokens, events: list[TokenEvent]) -> bool:
-        """`on_tokens(events)`; False when it cancelled the request (it returned False or raised)."""
+    def _call(self, lv: Live, name: str, callback, arg) -> bool:
+        """A user callback of `lv`'s request (`on_token(event)` / `on_tokens(events)`); False when it cancelled the
+        request (it returned False or raised: its failure cancels its own request only)."""
         try:
-            keep = on_tokens(events)
+            keep = callback(arg)
         except Exception as exc:  # noqa: BLE001 - the callback's failure cancels its own request only
-            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"on_tokens raised {exc!r}")
+            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"{name} raised {exc!r}")
             return False
         if keep is False:
-            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, "on_tokens returned False")
+            self.finish(lv, FinishReason.CANCELLED, ErrorCode.CANCELLED, f"{name} returned False")
             return False
         return True
 
