@@ -19,7 +19,7 @@ from typing import Callable
 from ds4jax.errors import ArgumentError, DeviceMemoryError, RuntimeFailure
 from ds4jax.generation import buckets
 from ds4jax.generation.engine import Engine, bucket, default_page_size, pool_dtype  # noqa: F401 (re-exported)
-from ds4jax.generation.requests import ErrorCode, GenerateResult, Request
+from ds4jax.generation.requests import ErrorCode, GenerateResult, Request, row_seed  # noqa: F401 (re-exported)
 from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
 from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
@@ -98,12 +98,6 @@ def _as_prompts(prompt_ids) -> list[list[int]]:
     if len(arr) and isinstance(arr[0], (int, np.integer)):
         return [list(arr)]
     return [list(p) for p in arr]
-
-
-def row_seed(seed: int, row: int) -> int:
-    """Independent per-row seed of a batch call (rows of one call never share a sample stream)."""
-    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, row]).generate_state(2, np.uint32).view(np.uint64)[0]
-    return int(state) & 0x7FFFFFFFFFFFFFFF  # a non-negative int64 (Request.seed's range)
 
 
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,

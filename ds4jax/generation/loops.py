@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ds4jax.generation import requests
 from ds4jax.generation.sampling import TokenLogprobs, sample, token_keys, token_logprobs
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
@@ -33,7 +34,7 @@ from ds4jax.runtime.roles import Role
 from ds4jax.runtime.executable_cache import cached_jit
 
 MAX_STOP_IDS = 8
-MAX_FORCED = 8  # most tokens the host can force into a row at once (a thinking budget's close ids)
+MAX_FORCED = requests.MAX_FORCED  # most tokens the host can force into a row at once (requests.py says why there)
 NO_LIMIT = 1 << 30
 
 

@@ -10,6 +10,18 @@ import dataclasses
 import enum
 from typing import Callable, Sequence
 
+import numpy as np
+
+# Here rather than in the JAX modules that use them, so that `ds4jax serve`'s HTTP front end (another process than
+# the engine's with --engine-process) checks requests without importing JAX.
+MAX_FORCED = 8  # most tokens the host can force into a row at once (a thinking budget's close ids)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """Independent per-row seed of a batch call (rows of one call never share a sample stream)."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, row]).generate_state(2, np.uint32).view(np.uint64)[0]
+    return int(state) & 0x7FFFFFFFFFFFFFFF  # a non-negative int64 (Request.seed's range)
+
 
 class ErrorCode(str, enum.Enum):
     """Why a request failed. The value is the stable string written to batch outputs."""

@@ -25,8 +25,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ds4jax.generation.loops import MAX_FORCED
-from ds4jax.generation.requests import Budget, ErrorCode, Request
+from ds4jax.generation.requests import MAX_FORCED, Budget, ErrorCode, Request
 from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull

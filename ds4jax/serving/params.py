@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 
-from ds4jax.generation.generate import row_seed
+from ds4jax.generation.requests import row_seed
 from ds4jax.serving import chat
 from ds4jax.serving.errors import APIError, ServerCode, invalid
 
