@@ -5,6 +5,7 @@ free 127.0.0.1 port."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -20,17 +21,22 @@ from ds4jax.io.tokenizer import ByteTokenizer
 from ds4jax.serving.app import Server
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.server import free_port, uvicorn_server
-from small_engine import one_layer_model, small_engine
+from small_engine import build_small_engine, one_layer_model, small_engine
 
 LOGPROBS = 5
 READY_TIMEOUT_S = 600  # warm-up compiles the engine's programs (seconds on an idle CPU; minutes on a busy one)
 
 
 @contextlib.contextmanager
-def live_server(config: ServerConfig = ServerConfig(), engine=None):
-    """Yields (Server, base URL) once /health is 200; stops it (and checks it stopped) afterwards."""
-    engine = engine or small_engine(one_layer_model(), logprobs=LOGPROBS)
-    server = Server(engine, ByteTokenizer(), config)
+def live_server(config: ServerConfig = ServerConfig(), engine=None, engine_process: bool = False):
+    """Yields (Server, base URL) once /health is 200; stops it (and checks it stopped) afterwards. engine_process:
+    the same engine, built in an engine process of its own (`ds4jax serve --engine-process`)."""
+    if engine_process:
+        from ds4jax.serving.engine_process import build_server
+
+        server = build_server(functools.partial(build_small_engine, logprobs=LOGPROBS), config)
+    else:
+        server = Server(engine or small_engine(one_layer_model(), logprobs=LOGPROBS), ByteTokenizer(), config)
     port = free_port()
     uv = uvicorn_server(server, "127.0.0.1", port, log_level="warning")
     thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)

@@ -24,3 +24,9 @@ def small_engine(model: Model, logprobs: int = 0) -> Engine:
     """Four slots of MAX_CONTEXT tokens, speculative k=1, one prefill width and one row bucket."""
     return Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=1, prefill_chunk=8,
                   row_buckets=(4,), steps_per_call=4, tokenizer=ByteTokenizer(), snapshot_bytes=0, logprobs=logprobs)
+
+
+def build_small_engine(logprobs: int = 0, seed: int = 3) -> Engine:
+    """`small_engine(one_layer_model(seed), logprobs)`, module-level so that an engine process can be given it
+    (ds4jax/serving/engine_process.py pickles the builder)."""
+    return small_engine(one_layer_model(seed), logprobs=logprobs)

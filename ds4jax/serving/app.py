@@ -48,12 +48,14 @@ PING = (-1, "ping", None)  # an inbox item: send a keep-alive comment
 class Server:
     """The app's state: engine driver, limits, metrics. `app` is the ASGI application."""
 
-    def __init__(self, engine, tokenizer, config: ServerConfig = ServerConfig()):
+    def __init__(self, engine, tokenizer, config: ServerConfig = ServerConfig(), driver=Driver):
+        """driver(engine, max_queue=, metrics=, batch=): `Driver` runs the engine on a thread of this process;
+        `engine_process.RemoteDriver.factory(...)` in an engine process (`engine` is then its `EngineView`)."""
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.metrics = ServerMetrics()
         self.metrics.slots.set(engine.tspec.max_slots)
         self.handoff = Handoff()  # the driver's items to the event loop
-        self.driver = Driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch)
+        self.driver = driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch)
         self.limits = params_mod.Limits(
             model=config.model_name, max_context=engine.tspec.max_context,
             spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,

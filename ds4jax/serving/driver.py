@@ -56,6 +56,7 @@ class Job:
     first_token: float = 0.0  # when its first tokens were handed over
     last_token: float = 0.0  # when its latest tokens were handed over
     result: GenerateResult | None = None
+    key: int = -1  # its id between the front end and the engine process (engine_process.py)
 
 
 class Driver:
@@ -124,7 +125,7 @@ class Driver:
         with self._cv:
             self._accepting = False
             if self.state == "ready":
-                self.state = "draining"
+                self._set_state("draining")
             if self._inflight is None:
                 self._inflight = list(self._waiting) + list(self._running)
 
@@ -159,17 +160,18 @@ class Driver:
     def _main(self) -> None:
         try:
             if self._warmup:
-                self.state = "warming"
+                self._set_state("warming")
                 self.warmup_report = self.engine.warmup()
                 log.info("warm-up done: %d programs, %d compilations",
                          len(self.warmup_report.programs), self.warmup_report.compiles)
             with self._cv:
-                self.state = "ready" if self._accepting else "draining"
+                self._set_state("ready" if self._accepting else "draining")
             self._serve()
         except Exception as exc:  # noqa: BLE001 - a dead engine must show in /health, not kill the process silently
             log.exception("the engine thread failed")
-            self.error, self.state = repr(exc), "failed"
+            self.error = repr(exc)
             with self._cv:
+                self._set_state("failed")
                 self._accepting = False
                 for job in list(self._waiting) + list(self._running):
                     self._done(job, GenerateResult(error=ErrorCode.INTERNAL, message=f"engine failed: {exc!r}"))
@@ -177,7 +179,7 @@ class Driver:
                 self._running.clear()
                 self._cv.notify_all()
             return
-        self.state = "stopped"
+        self._set_state("stopped")
 
     def _serve(self) -> None:
         while True:
@@ -193,10 +195,18 @@ class Driver:
                                                 feed=lambda: self._feed(run), waiting=self._has_waiting):
                     if self._batch:  # once per engine iteration, after it delivered all its tokens
                         self._flush()
+                    self._after_iteration()
             finally:
+                self._after_iteration()  # the results of the stream's last iteration
                 with self._cv:
                     self._streaming = False
                     self._cv.notify_all()
+
+    def _after_iteration(self) -> None:
+        """Once per engine iteration, after its hand-over (the engine process's driver sends one message then)."""
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
 
     def _feed(self, run: list[Job]) -> list[Request]:
         """Before every engine iteration: sample the engine's stats, hand it as many waiting jobs as slots are
