@@ -42,6 +42,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="take requests at once (the first ones compile)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", dest="engine_process", action="store_true", default=d.engine_process,
+                       help="run the engine in a process of its own and HTTP in this one, so that the two do not "
+                            "share one interpreter lock (less HTTP overhead with many streams)" +
+                            (" (the default)" if d.engine_process else ""))
+    where.add_argument("--in-process", dest="engine_process", action="store_false",
+                       help="run the engine on a thread of the HTTP server's process" +
+                            ("" if d.engine_process else " (the default)"))
     p.set_defaults(steps_per_call=4)  # tokens reach clients every 4 steps (engine default 8): smoother streams
     return p
 
@@ -52,17 +60,37 @@ def build(args, model=None, tokenizer=None):
     from ds4jax.serving.app import Server
     from ds4jax.serving.config import API_KEY_ENV, ServerConfig
 
-    if model is None:
-        from ds4jax.cli import _load
-
-        model, tokenizer = _load(args)
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                else "ds4jax-default")
     config = ServerConfig(model_name=name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                           max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
                           default_max_tokens=args.default_max_tokens, max_n=args.max_n, max_queue=args.max_queue,
-                          warmup=args.warmup, shutdown_grace_s=args.shutdown_grace)
+                          warmup=args.warmup, shutdown_grace_s=args.shutdown_grace,
+                          engine_process=args.engine_process)
+    if config.engine_process:
+        import functools
+        import logging
+
+        from ds4jax.serving.engine_process import build_server
+
+        level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+        return build_server(functools.partial(engine_from_args, args), config, log_level=level), args.host, args.port
+    if model is None:
+        from ds4jax.cli import _load
+
+        model, tokenizer = _load(args)
     return Server(build_engine(model, args, tokenizer), tokenizer, config), args.host, args.port
+
+
+def engine_from_args(args):
+    """The engine process's engine (--engine-process): the model and engine that `args` describe, with the
+    compilation cache on as in one process."""
+    from ds4jax.cli import _load, enable_compilation_cache
+    from ds4jax.commands.engine_options import build_engine
+
+    enable_compilation_cache()
+    model, tokenizer = _load(args)
+    return build_engine(model, args, tokenizer)
 
 
 def run(args) -> int:
@@ -85,7 +113,8 @@ def run(args) -> int:
         raise UsageError("runs in one process (its HTTP requests are not shared with other processes): serve a mesh "
                          "of this process's devices with --mesh, without ds4jax launch / a multi-process job",
                          name="serve")
-    enable_compilation_cache()  # the warm-up loads what an earlier run (or `ds4jax warmup`) compiled
+    if not args.engine_process:  # else the engine process does (its front end loads no JAX)
+        enable_compilation_cache()  # the warm-up loads what an earlier run (or `ds4jax warmup`) compiled
     server, host, port = build(args)
     if host not in ("127.0.0.1", "localhost", "::1") and server.config.api_key is None:
         logging.getLogger("ds4jax.serve").warning("binding %s without --api-key: anyone who can reach it can use it",

@@ -195,6 +195,8 @@ class EngineHost:
                 threading.Thread(target=self._drain, args=(message[1],), name="ds4jax-drain", daemon=True).start()
             elif kind == "call":
                 threading.Thread(target=self._call, args=message[1:], name="ds4jax-call", daemon=True).start()
+            elif kind == "exit":
+                return
 
     def _submit(self, items) -> None:
         jobs = []
@@ -289,9 +291,11 @@ class EngineProcess:
         return self.proc.pid
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close the pipe (the engine process exits when it sees that) and wait for it; kill it if it lingers."""
-        with contextlib.suppress(OSError):
-            self.conn.close()
+        """Tell the engine process to exit and wait for it (its end of the pipe closes: a thread reading ours sees
+        the end); kill it if it lingers. (Closing our end first would not do: a thread blocked reading it keeps the
+        socket open.)"""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(("exit",))
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
@@ -396,6 +400,8 @@ class RemoteDriver:
         self.process.close()
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
+        with contextlib.suppress(OSError):
+            self.conn.close()
         cancelled = {j.label for j in inflight if j.result is None or not j.result.ok}
         return sorted({j.label for j in inflight} - cancelled), sorted(cancelled)
 
