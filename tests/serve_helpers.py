@@ -28,13 +28,14 @@ READY_TIMEOUT_S = 600  # warm-up compiles the engine's programs (seconds on an i
 
 
 @contextlib.contextmanager
-def live_server(config: ServerConfig = ServerConfig(), engine=None, engine_process: bool = False):
+def live_server(config: ServerConfig = ServerConfig(), engine=None, engine_process: bool = False, build=None):
     """Yields (Server, base URL) once /health is 200; stops it (and checks it stopped) afterwards. engine_process:
-    the same engine, built in an engine process of its own (`ds4jax serve --engine-process`)."""
-    if engine_process:
+    the same engine, built in an engine process of its own (`ds4jax serve --engine-process`); build: what that
+    process builds instead (picklable)."""
+    if engine_process or build is not None:
         from ds4jax.serving.engine_process import build_server
 
-        server = build_server(functools.partial(build_small_engine, logprobs=LOGPROBS), config)
+        server = build_server(build or functools.partial(build_small_engine, logprobs=LOGPROBS), config)
     else:
         server = Server(engine or small_engine(one_layer_model(), logprobs=LOGPROBS), ByteTokenizer(), config)
     port = free_port()
