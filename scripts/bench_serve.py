@@ -54,7 +54,7 @@ def pct(xs, q):
 
 
 def prompts_for(tokenizer, n: int, length: int, path: str) -> list[list[int]]:
-    """n distinct prompts: held-out windows (16 of 515 tokens of `path`) at several offsets, else shifted text."""
+    """n distinct prompts: held-out windows (16 of 515 tokens of `path`) at several offsets, else numbered text."""
     if os.path.exists(path) and tokenizer.__class__.__name__ != "ByteTokenizer":
         windows = np.load(path)
         per = max((windows.shape[1] - 1) // length, 1)
@@ -62,7 +62,7 @@ def prompts_for(tokenizer, n: int, length: int, path: str) -> list[list[int]]:
         return [[int(t) for t in windows[i % len(windows)][(i // len(windows)) * length:][:length]]
                 for i in range(n)]
     text = "import os\nimport sys\n\ndef main(argv):\n    return 0\n" * (length // 8 + 1)
-    return [tokenizer.encode(text[i:], add_bos=True)[:length] for i in range(n)]
+    return [tokenizer.encode(f"# {i}\n{text}", add_bos=True)[:length] for i in range(n)]  # distinct for any n
 
 
 def parted(got: list[int], ref_tokens: list[int], ref_logprobs) -> str | None:

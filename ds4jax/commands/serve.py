@@ -67,7 +67,7 @@ def build(args, model=None, tokenizer=None):
                           default_max_tokens=args.default_max_tokens, max_n=args.max_n, max_queue=args.max_queue,
                           warmup=args.warmup, shutdown_grace_s=args.shutdown_grace,
                           engine_process=args.engine_process)
-    if config.engine_process:
+    if config.engine_process and model is None:  # (a model given here is the tests': it stays in this process)
         import functools
         import logging
 
@@ -113,7 +113,7 @@ def run(args) -> int:
         raise UsageError("runs in one process (its HTTP requests are not shared with other processes): serve a mesh "
                          "of this process's devices with --mesh, without ds4jax launch / a multi-process job",
                          name="serve")
-    if not args.engine_process:  # else the engine process does (its front end loads no JAX)
+    if not args.engine_process:  # else the engine process does (the front end loads no JAX)
         enable_compilation_cache()  # the warm-up loads what an earlier run (or `ds4jax warmup`) compiled
     server, host, port = build(args)
     if host not in ("127.0.0.1", "localhost", "::1") and server.config.api_key is None:

@@ -21,6 +21,7 @@ class ServerConfig:
     warmup: bool = True  # compile every engine program before /health says ready
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
     ping_s: float = 15.0  # open streams get a ": ping" comment this often (proxies drop idle connections); 0: never
-    # the engine in a process of its own, the HTTP front end in this one (serving/engine_process.py): the engine's
-    # interpreter does not share its GIL with the event loop. False: the engine runs on a thread of this process
-    engine_process: bool = False
+    # how `ds4jax serve` runs the engine (commands/serve.build reads it; a `Server` built directly runs the driver
+    # it is given): in a process of its own, the HTTP front end in this one (serving/engine_process.py), so the
+    # engine's interpreter does not share its GIL with the event loop; False (--in-process): on a thread of this one
+    engine_process: bool = True
