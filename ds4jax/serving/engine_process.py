@@ -137,38 +137,41 @@ class EngineHost:
 
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
-        self._lock = threading.RLock()  # one message at a time, in the order of the outbox
+        # Two locks, so that no thread waits on a send while holding what the pipe-reading main thread needs (it
+        # must keep reading, or both processes could block on full pipes): the outbox's (held briefly: the
+        # driver's hand-overs, a cancelled job's result) and the pipe's (one message at a time, in outbox order).
+        self._outbox_lock = threading.Lock()
+        self._send_lock = threading.RLock()
         self._outbox: list = []
         self._sent_depth = (0, 0)
         self.jobs: dict[int, Job] = {}
         self.driver = _HostDriver(engine, self)
 
     def send(self, message) -> None:
-        with self._lock:
+        with self._send_lock:
             with contextlib.suppress(OSError, ValueError):  # the front end is gone: the main thread exits
                 self.conn.send(message)
 
     def send_batch(self) -> None:
         """The outbox (and the queue depth, when it changed) as one message."""
         d = self.driver
-        with self._lock:
-            depth = (len(d._waiting), len(d._running))
-            if not self._outbox and depth == self._sent_depth:
-                return
-            items, self._outbox, self._sent_depth = self._outbox, [], depth
+        with self._send_lock:
+            with self._outbox_lock:
+                depth = (len(d._waiting), len(d._running))
+                if not self._outbox and depth == self._sent_depth:
+                    return
+                items, self._outbox, self._sent_depth = self._outbox, [], depth
             stats = self.engine.stats
             self.send(("batch", [(key, kind, pack_events(value) if kind == "tokens" else value)
                                  for key, kind, value in items], *depth,
                        (stats.compiles_after_warmup, stats.spec_rounds)))
 
     def _sink(self, key: int) -> Callable[[str, object], None]:
-        outbox_of = self  # the outbox list is swapped per message: look it up at each call
-
         def sink(kind: str, value) -> None:
-            with outbox_of._lock:
-                outbox_of._outbox.append((key, kind, value))
+            with self._outbox_lock:
+                self._outbox.append((key, kind, value))
                 if kind == "done":
-                    outbox_of.jobs.pop(key, None)
+                    self.jobs.pop(key, None)
 
         return sink
 
@@ -316,7 +319,9 @@ class RemoteDriver:
         self.process, self.conn = process, process.conn
         self.engine = engine or EngineView(process.info)  # the server's: the stats it reports are the engine's
         self.max_queue, self.metrics, self._batch_context = max_queue, metrics, batch
-        self._lock = threading.RLock()  # its state, and one message at a time
+        # its state (held briefly, never while sending: the receiving thread must keep reading, or both processes
+        # could block on full pipes), and one message at a time
+        self._lock, self._send_lock = threading.RLock(), threading.RLock()
         self._jobs: dict[int, Job] = {}  # in flight, by key
         self._keys = itertools.count()
         self._running = 0  # as the engine last reported
@@ -353,24 +358,27 @@ class RemoteDriver:
         return None
 
     def submit(self, jobs: list[Job]) -> None:
-        with self._lock:
-            if not self._accepting or self.state != "ready":
-                raise NotAccepting(self.state)
-            waiting = self._depth()[0]
-            if waiting + len(jobs) > self.max_queue:
-                raise QueueFull(waiting)
-            items = []
-            for job in jobs:
-                job.key = next(self._keys)
-                self._jobs[job.key] = job
-                items.append((job.key, job.label, request_fields(job.request)))
+        with self._send_lock:  # (a cancel of these jobs is sent after them)
+            with self._lock:
+                if not self._accepting or self.state != "ready":
+                    raise NotAccepting(self.state)
+                waiting = self._depth()[0]
+                if waiting + len(jobs) > self.max_queue:
+                    raise QueueFull(waiting)
+                items = []
+                for job in jobs:
+                    job.key = next(self._keys)
+                    self._jobs[job.key] = job
+                    items.append((job.key, job.label, request_fields(job.request)))
+                self._gauges()
             self._send(("submit", items))
-            self._gauges()
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
-        with self._lock:
-            if job.key in self._jobs:
+        with self._send_lock:
+            with self._lock:
+                known = job.key in self._jobs
+            if known:
                 self._send(("cancel", job.key))
 
     def depth(self) -> tuple[int, int]:
@@ -385,7 +393,7 @@ class RemoteDriver:
                 self.state = "draining"
             if self._inflight is None:
                 self._inflight = list(self._jobs.values())
-            self._send(("stop",))
+        self._send(("stop",))
 
     def drain(self, grace_s: float) -> tuple[list[str], list[str]]:
         """As `Driver.drain`, run by the engine process; then the engine process is closed."""
@@ -469,10 +477,9 @@ class RemoteDriver:
                         self._sink(job, "tokens", events)
                     else:
                         self._finish(job, value)
-        except RuntimeError:  # the handlers' loop is closed: nobody reads these jobs any more
-            for job, _, _ in got:
-                if job.result is None:
-                    self.cancel(job)
+        except RuntimeError:  # the handlers' loop is closed: nobody reads these jobs any more (the drain ends them;
+            for job, _, _ in got:  # this thread sends nothing: see _lock)
+                job.cancelled = True
         finally:
             if metrics is not None:
                 if tokens:
@@ -483,8 +490,7 @@ class RemoteDriver:
         try:
             job.sink(kind, value)
         except Exception:  # noqa: BLE001 - a handler that went away must not stop the others
-            if kind == "tokens":
-                self.cancel(job)
+            job.cancelled = True
 
     def _finish(self, job: Job, result: GenerateResult) -> None:
         job.result = result
@@ -544,7 +550,7 @@ class RemoteDriver:
             self.metrics.depth(*self._depth())
 
     def _send(self, message) -> bool:
-        with self._lock:
+        with self._send_lock:
             try:
                 self.conn.send(message)
                 return True
