@@ -6,6 +6,7 @@
     text.py       incremental detokenization with stop strings (what is streamed is what is returned)
     driver.py     the one thread that owns the engine: a bounded submission queue, cancellation, shutdown
     handoff.py    the engine thread's items to the event loop, one wake-up per burst
+    engine_process.py  the engine in a process of its own (the default): its messages, `RemoteDriver` for the app
     responses.py  OpenAI JSON for completions and chat (whole responses and stream chunks)
     metrics.py    Prometheus metrics
     errors.py     OpenAI's error shape with ds4jax's codes

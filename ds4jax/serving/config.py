@@ -22,6 +22,8 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
     ping_s: float = 15.0  # open streams get a ": ping" comment this often (proxies drop idle connections); 0: never
     # how `ds4jax serve` runs the engine (commands/serve.build reads it; a `Server` built directly runs the driver
-    # it is given): in a process of its own, the HTTP front end in this one (serving/engine_process.py), so the
-    # engine's interpreter does not share its GIL with the event loop; False (--in-process): on a thread of this one
-    engine_process: bool = True
+    # it is given): True (--engine-process) in a process of its own, the HTTP front end in this one
+    # (serving/engine_process.py), so the engine's interpreter does not share its GIL with the event loop; False
+    # (--in-process) on a thread of this one. Off by default until it measures better: the 2-core CPU could not
+    # tell the two apart (docs/benchmarks/serve_engine_process_cpu.md); the H200 run is to come
+    engine_process: bool = False
