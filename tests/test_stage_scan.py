@@ -121,3 +121,7 @@ def test_scanned_stages_equal_unrolled(models):
     np.testing.assert_array_equal(ta, tb)
     for name in pa:
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-5, equal_nan=True, err_msg=name)
+    # the cache-free forward on the split (`layer_split`: a stage's LayerStack run at its model layer offset)
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, CFG.vocab_size, (1, 12)), jnp.int32)
+    np.testing.assert_allclose(layout.forward_logits(scanned, ids), layout.forward_logits(unrolled, ids),
+                               rtol=1e-5, atol=1e-5)
