@@ -172,13 +172,21 @@ class LayerStack:
         return f"LayerStack({len(self)} layers, segments {[(s.start, s.period, s.repeats) for s in self.segments]})"
 
 
+def stacked_sharding(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """A stacked leaf's sharding: the per-layer one behind a replicated leading axis, in the canonical form (no
+    trailing unsharded axes, as jit outputs carry it: else equal placements compare unequal)."""
+    spec = [None, *sharding.spec]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def _stack_leaves(*xs):
     """Stack one leaf of every repetition; a leaf placed on a mesh keeps its sharding (leading axis replicated)."""
     first = xs[0]
     sharding = getattr(first, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
-        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
-        return jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
+        return jax.jit(lambda *a: jnp.stack(a), out_shardings=stacked_sharding(sharding))(*xs)
     return jnp.stack(xs)
 
 

@@ -98,7 +98,8 @@ class MeshLayout:
         if params is not None and "mtp" not in params:
             tree.pop("mtp", None)
         if layer_stack.is_stacked(params):  # the stacked axis (layers of one segment member) stays whole
-            tree["layers"] = layer_stack.stack_like(params["layers"], tree["layers"], combine=_with_stacked_axis)
+            tree["layers"] = layer_stack.stack_like(params["layers"], tree["layers"],
+                                                    combine=lambda first, *_: layer_stack.stacked_sharding(first))
         return tree
 
     def place(self, params: Any, cfg: Config) -> Any:
@@ -282,7 +283,3 @@ def place_model(model, layout: MeshLayout):
         return Model(cfg, params, layout, scan_layers=model.scan_layers)
     return Model(cfg, layout.place(params, cfg), layout, scan_layers=model.scan_layers)
 
-
-def _with_stacked_axis(first: NamedSharding, *_same) -> NamedSharding:
-    """The sharding of a stacked leaf: the per-layer sharding behind a replicated leading axis."""
-    return NamedSharding(first.mesh, P(None, *first.spec))
