@@ -368,9 +368,9 @@ def render_md(data: dict) -> str:
                 "(before `lax.scan`), scanned = one body per layer kind. `cpu` = CPU time of the process (all threads).", ""]
         staged = sorted({(r["stage"], r["stages"]) for r in comp if r.get("stages")})
         if staged:
-            out += ["Layer split: the step of stage " + ", ".join(f"{s} of {n}" for s, n in staged) + " (its "
-                    "layers, layers " + ", ".join(str(r["stage_layers"]) for r in comp[:1]) + ", with stage-local "
-                    "pools; stacked by stage when scanned).", ""]
+            out += ["Layer split: the step of stage " + ", ".join(f"{s} of {n}" for s, n in staged) + " equal "
+                    "stages (its layers [lo, hi) in the first column, stage-local pools; scanned = stacked by stage, "
+                    "`layer_stack.plan_stages`: a stage whose unit repeats fewer than 3 times stays unrolled).", ""]
     for program in PROGRAMS:
         rows = [r for r in comp if r["what"] == program]
         if not rows:
@@ -392,7 +392,9 @@ def render_md(data: dict) -> str:
             u, s = by.get(("unrolled", n)), by.get(("scanned", n))
             ratio = (f"{s['seconds'] / u['seconds']:.2f}" if u and s and u["status"] == s["status"] == "ok" else "-")
             nb = "/".join(str(r.get("layer_bodies", "?")) if r else "-" for r in (u, s))
-            out.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
+            span = next((f" [{r['stage_layers'][0]}, {r['stage_layers'][1]})" for r in (u, s)
+                         if r and r.get("stage_layers")), "")
+            out.append(f"| {n}{span} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
         for layout in ("unrolled", "scanned"):  # the Target: 43 layers <= 2x the 4-layer figure
             a, b = by.get((layout, 4)), by.get((layout, max(r["n_layers"] for r in rows)))
             if a and b and b is not a and a["status"] == b["status"] == "ok":

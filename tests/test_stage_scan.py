@@ -46,6 +46,18 @@ def _count(jaxpr, name: str) -> int:
                for e in jaxpr.eqns)
 
 
+def test_flash_on_four_stages_scans_in_every_stage():
+    """Flash's 43 layers in 4 stages: each stage's plan (3-repetition rule) has one scanned segment of its own."""
+    from ds4jax.model.config import flash
+    from ds4jax.runtime.mesh import split_ranges
+
+    ranges = split_ranges(4, 43, 4)
+    segs = layer_stack.plan_stages(layer_stack.kinds(flash()), ranges, min_reps=3)
+    scanned = [(s.start, s.period, s.repeats) for s in segs if s.repeats > 1]
+    assert scanned == [(3, 2, 4), (11, 2, 5), (22, 2, 5), (32, 2, 5)], segs
+    assert all(lo <= s.start and s.stop <= hi for s in segs for lo, hi in ranges if lo <= s.start < hi)
+
+
 def test_stage_params_are_stacked_per_stage(models):
     scanned, unrolled, layout = models
     stack = scanned.params["layers"]

@@ -165,8 +165,8 @@ class LayerStack:
         inside = [s for s, seg in enumerate(self.segments) if lo <= seg.start and seg.stop <= hi]
         if not inside or self.segments[inside[0]].start != lo or self.segments[inside[-1]].stop != hi:
             return None  # (segments are contiguous: those inside cover [lo, hi) when the ends match)
-        return LayerStack(tuple(dataclasses.replace(self.segments[s], start=self.segments[s].start - lo) for s in inside),
-                          tuple(self.groups[s] for s in inside))
+        segments = tuple(dataclasses.replace(self.segments[s], start=self.segments[s].start - lo) for s in inside)
+        return LayerStack(segments, tuple(self.groups[s] for s in inside))
 
     def __repr__(self) -> str:
         return f"LayerStack({len(self)} layers, segments {[(s.start, s.period, s.repeats) for s in self.segments]})"

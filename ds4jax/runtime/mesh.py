@@ -270,16 +270,17 @@ def place_model(model, layout: MeshLayout):
     """A copy of `model` with its params placed on `layout` (the public calls then run on the mesh)."""
     from ds4jax.model.handle import Model
 
-    cfg = model.config
-    ranges = layer_stack.stage_ranges(cfg, layout)  # (fails early on a bad split)
-    params = model.params
-    if layer_stack.is_stacked(params) and params["layers"].segments != layer_stack.plan_stages(layer_stack.kinds(cfg),
-                                                                                             ranges):
+    cfg, params = model.config, model.params
+    layout.stage_ranges(cfg.num_layers)  # fail early on a bad split
+    ranges = layer_stack.stage_ranges(cfg, layout)
+    if layer_stack.is_stacked(params) and \
+            params["layers"].segments != layer_stack.plan_stages(layer_stack.kinds(cfg), ranges):
         # stacked for another split (e.g. one stage): per-layer copies placed, then stacked on each stage's devices
         # consuming them (restacking before placing would build the whole new stack on the model's device)
         placed = layout.place(layer_stack.unstacked_params(params), cfg)
         params = {**placed, "layers": layer_stack.stack(cfg, placed["layers"], combine=layer_stack.stack_consuming,
                                                         ranges=ranges)}
-        return Model(cfg, params, layout, scan_layers=model.scan_layers)
-    return Model(cfg, layout.place(params, cfg), layout, scan_layers=model.scan_layers)
+    else:
+        params = layout.place(params, cfg)
+    return Model(cfg, params, layout, scan_layers=model.scan_layers)
 
