@@ -8,6 +8,9 @@ Three parts, each a list of records (`--parts compile,engine,cli`):
   machine), AOT ``jax.jit(...).trace().lower().compile()``, per layer layout: ``unrolled`` (one traced body per
   layer, the "before") and ``scanned`` (`layer_stack`: one body per layer kind, the "after"). Every compilation
   cache is off and JAX's in-memory caches are cleared before each program, so each figure is a full compile.
+  ``--stages N --stage I`` compiles stage I's step of a layer split into N equal stages instead (its layers as
+  `mesh_steps.stage_step` runs them, with its stage-local pools, on one device: the program each stage's devices
+  compile, less the sharding), scanned = stacked by stage (`layer_stack.plan_stages`).
 * ``engine``: ``Engine(model, max_slots=8, max_context=512).warmup()`` in a NEW process against a fresh on-disk
   cache directory (``DS4JAX_COMPILATION_CACHE``): once cold (empty directory), once cached (a second process),
   for the trained default model and/or `flash_slice(4)` with random bf16 weights (the GPU; ~55 GB of weights).
@@ -21,6 +24,8 @@ the JSON (`--render-only` regenerates them, merging several JSON files if given)
 
     python scripts/bench_compile.py --layers 2,4,8 --layouts unrolled,scanned --kernels reference \\
         --parts compile --out docs/benchmarks/compile_cpu.json
+    python scripts/bench_compile.py --layers 16 --stages 2 --programs decode --kernels reference \
+        --parts compile --out docs/benchmarks/compile_stage_cpu.json
     python scripts/bench_compile.py --render-only --out docs/benchmarks/compile.json a.json b.json
 """
 
@@ -105,21 +110,47 @@ def abstract_inputs(cfg, layout: str, program: str, args):
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=args.rows, max_context=args.max_context,
                              draft_tokens=k)
     params = P.abstract(cfg, jnp.dtype(args.dtype))
-    if layout == "scanned":  # the layout `Model` keeps by default: leaves stacked per segment member
+    ranges = stage_ranges(cfg, args)
+    if layout == "scanned":  # the layout `Model` keeps by default: leaves stacked per segment member (by stage)
         params = {**params, "layers": layer_stack.stack(
-            cfg, params["layers"], combine=lambda *xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype))}
+            cfg, params["layers"], combine=lambda *xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype),
+            ranges=ranges)}
     elif layout != "unrolled":
         raise ValueError(f"layout {layout!r}: expected unrolled or scanned")
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     batch = steps.StepBatch(slots=i32(rows), token_ids=i32(rows, chunk), n_tokens=i32(rows))
-    return (params, pools.abstract(spec), batch), dict(cfg=cfg, spec=spec, role=Role.TARGET, logits=logits)
+    x = None
+    if ranges is not None:  # one stage's step, as `mesh_steps.MeshSteps` calls it
+        from ds4jax.runtime.mesh_steps import stage_config, stage_spec
+
+        s = args.stage % len(ranges)
+        lo, hi = ranges[s]
+        first, last = s == 0, s == len(ranges) - 1
+        keys = (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())
+        params = {**{k: params[k] for k in keys}, "layers": layer_stack.layer_range(params["layers"], lo, hi)}
+        cfg = stage_config(cfg, lo, hi)
+        spec, logits = stage_spec(spec, cfg), logits if last else steps.Logits.NONE
+        x = None if first else jax.ShapeDtypeStruct((rows, chunk, cfg.hc_mult, cfg.hidden_size), jnp.dtype(args.dtype))
+    return (params, pools.abstract(spec), batch, x), dict(cfg=cfg, spec=spec, role=Role.TARGET, logits=logits)
 
 
-def bodies(cfg, layout: str) -> int:
-    """Traced layer bodies in the program: one per layer unrolled, one per segment member scanned."""
+def stage_ranges(cfg, args):
+    """The layer ranges of `--stages` equal stages (None: one stage)."""
+    if args.stages <= 1:
+        return None
+    from ds4jax.runtime.mesh import split_ranges
+
+    return split_ranges(args.stages, cfg.num_layers, args.stages)
+
+
+def bodies(cfg, layout: str, args) -> int:
+    """Traced layer bodies in the program (of its stage): one per layer unrolled, one per segment member scanned."""
     from ds4jax.model import layer_stack
 
-    return cfg.num_layers if layout == "unrolled" else sum(s.period for s in layer_stack.plan(layer_stack.kinds(cfg)))
+    ranges = stage_ranges(cfg, args)
+    lo, hi = (0, cfg.num_layers) if ranges is None else ranges[args.stage % len(ranges)]
+    return hi - lo if layout == "unrolled" else sum(
+        s.period for s in layer_stack.plan_stages(layer_stack.kinds(cfg), ranges) if lo <= s.start < hi)
 
 
 def compile_seconds(cfg, layout: str, program: str, impl, args) -> dict:
@@ -129,7 +160,7 @@ def compile_seconds(cfg, layout: str, program: str, impl, args) -> dict:
 
     jax.clear_caches()  # inner jits traced by an earlier program would otherwise be reused
     inputs, static = abstract_inputs(cfg, layout, program, args)
-    fn = jax.jit(lambda params, pool, batch: steps.step(params, pool, batch, None, kernels=impl, **static),
+    fn = jax.jit(lambda params, pool, batch, x: steps.step(params, pool, batch, x, kernels=impl, **static),
                  donate_argnums=1)  # as the engine's programs: the pool is donated
     c0, t0 = time.process_time(), time.perf_counter()
     lowered = fn.trace(*inputs).lower()
@@ -283,7 +314,12 @@ def run_parts(args, run: Run) -> None:
                             "kernels": impl.value, "config": f"{args.config}({n})", "rows": 1 if program ==
                             "prefill" else args.rows, "tokens": {"decode": 1, "prefill": args.chunk,
                                                                  "verify": args.k + 1}[program]}
-                    base["layer_bodies"] = bodies(cfg, layout)
+                    if args.stages > 1:
+                        stage = args.stage % args.stages
+                        base.update(stages=args.stages, stage=stage,
+                                    config=f"{args.config}({n}) stage {stage} of {args.stages}",
+                                    stage_layers=list(stage_ranges(cfg, args)[stage]))
+                    base["layer_bodies"] = bodies(cfg, layout, args)
                     run.measure(base, lambda: compile_seconds(cfg, layout, program, impl, args))
     if "engine" in args.parts:
         for model_name in args.engine_models:
@@ -330,6 +366,11 @@ def render_md(data: dict) -> str:
         out += ["Compile: AOT `trace().lower()` then `compile()` of one target step of `flash_slice(n)` with "
                 "abstract parameters and pools, every compilation cache off; unrolled = one traced body per layer "
                 "(before `lax.scan`), scanned = one body per layer kind. `cpu` = CPU time of the process (all threads).", ""]
+        staged = sorted({(r["stage"], r["stages"]) for r in comp if r.get("stages")})
+        if staged:
+            out += ["Layer split: the step of stage " + ", ".join(f"{s} of {n}" for s, n in staged) + " equal "
+                    "stages (its layers [lo, hi) in the first column, stage-local pools; scanned = stacked by stage, "
+                    "`layer_stack.plan_stages`: a stage whose unit repeats fewer than 3 times stays unrolled).", ""]
     for program in PROGRAMS:
         rows = [r for r in comp if r["what"] == program]
         if not rows:
@@ -351,7 +392,9 @@ def render_md(data: dict) -> str:
             u, s = by.get(("unrolled", n)), by.get(("scanned", n))
             ratio = (f"{s['seconds'] / u['seconds']:.2f}" if u and s and u["status"] == s["status"] == "ok" else "-")
             nb = "/".join(str(r.get("layer_bodies", "?")) if r else "-" for r in (u, s))
-            out.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
+            span = next((f" [{r['stage_layers'][0]}, {r['stage_layers'][1]})" for r in (u, s)
+                         if r and r.get("stage_layers")), "")
+            out.append(f"| {n}{span} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
         for layout in ("unrolled", "scanned"):  # the Target: 43 layers <= 2x the 4-layer figure
             a, b = by.get((layout, 4)), by.get((layout, max(r["n_layers"] for r in rows)))
             if a and b and b is not a and a["status"] == b["status"] == "ok":
@@ -445,6 +488,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens (one row)")
     ap.add_argument("--k", type=int, default=3, help="verify scores k+1 positions per row")
     ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--stages", type=int, default=1, help="compile one stage's step of a split into this many stages")
+    ap.add_argument("--stage", type=int, default=-1, help="which stage (with --stages; default: the last)")
     ap.add_argument("--engine-models", default="default,flash_slice4")
     ap.add_argument("--engine-layouts", default="scanned")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")

@@ -19,8 +19,9 @@ class Model:
 
     ``params["layers"]`` is a `layer_stack.LayerStack` (layers of one kind stacked, run under `lax.scan`: compile
     time flat in depth) unless `scan_layers` is False, which keeps a list of per-layer dicts run unrolled (for
-    debugging; the outputs are the same; ``DS4JAX_SCAN_LAYERS=0`` makes that the default). A layer split (a layout with several stages) keeps the list: its
-    stages slice it. Either layout given is converted on construction.
+    debugging; the outputs are the same; ``DS4JAX_SCAN_LAYERS=0`` makes that the default). On a layer split (a
+    layout with several stages) the stack is planned stage by stage (`layer_stack.plan_stages`): each stage's
+    program scans its own repeated segments. Either layout given is converted on construction.
     """
 
     config: Config
@@ -29,9 +30,9 @@ class Model:
     scan_layers: bool = dataclasses.field(default_factory=layer_stack.scan_by_default, kw_only=True)
 
     def __post_init__(self):
-        split = self.layout is not None and getattr(self.layout, "num_stages", 1) > 1
-        if self.scan_layers and not split:
-            params = layer_stack.stacked_params(self.config, self.params)
+        if self.scan_layers:
+            params = layer_stack.stacked_params(self.config, self.params,
+                                                layer_stack.stage_ranges(self.config, self.layout))
         else:
             params = layer_stack.unstacked_params(self.params)
         object.__setattr__(self, "params", params)

@@ -14,8 +14,13 @@ one layer's params (a copy: for inspection and tests). `run` iterates any layout
 dicts runs unrolled (the debugging path, `Model(..., scan_layers=False)`), a `LayerStack` runs scanned; the
 body sees the same `LayerAt` either way, so both paths trace the same per-layer code.
 
+A layer split (pipeline stages on disjoint devices) stacks by stage: `plan_stages` plans each stage's layers as
+a model of their own (`mesh_steps.stage_config`), so no segment crosses a stage boundary, and `layer_range` hands
+a stage its segments as a `LayerStack` of its own (sharing the arrays): each stage's program scans its repeated
+segments by the same `min_repeats` rule as a one-stage model (a shallow stage stays unrolled).
+
 The KV pools need no restacking: their arrays are already per layer kind (`pool_layout`), and a scanned body
-finds its rows through `LayerAt.rank`, which is affine in the scan index.
+finds its rows through `LayerAt.rank`, which is affine in the scan index (stage-local on a stage's pool).
 """
 
 from __future__ import annotations
@@ -95,6 +100,16 @@ def plan(schedule: Sequence[LayerKind], min_reps: int | None = None) -> tuple[Se
     return tuple(segments)
 
 
+def plan_stages(schedule: Sequence[LayerKind], ranges: Sequence[tuple[int, int]] | None = None,
+                min_reps: int | None = None) -> tuple[Segment, ...]:
+    """`plan` of each stage's layers [lo, hi) on its own (None: one stage), in model layer numbers: the segments of
+    a layer split, none crossing a stage boundary."""
+    schedule = tuple(schedule)
+    ranges = ((0, len(schedule)),) if ranges is None else tuple(ranges)
+    return tuple(dataclasses.replace(seg, start=seg.start + lo)
+                 for lo, hi in ranges for seg in plan(schedule[lo:hi], min_reps))
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class LayerStack:
     """Per-layer parameter trees stacked by segment (see the module docstring). Behaves as a read-only
@@ -144,8 +159,26 @@ class LayerStack:
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(len(self)))
 
+    def sub(self, lo: int, hi: int) -> "LayerStack | None":
+        """Layers [lo, hi) as a `LayerStack` of their own (the same arrays, layers renumbered from 0), or None when a
+        segment crosses lo or hi (the stack was planned for another split)."""
+        inside = [s for s, seg in enumerate(self.segments) if lo <= seg.start and seg.stop <= hi]
+        if not inside or self.segments[inside[0]].start != lo or self.segments[inside[-1]].stop != hi:
+            return None  # (segments are contiguous: those inside cover [lo, hi) when the ends match)
+        segments = tuple(dataclasses.replace(self.segments[s], start=self.segments[s].start - lo) for s in inside)
+        return LayerStack(segments, tuple(self.groups[s] for s in inside))
+
     def __repr__(self) -> str:
         return f"LayerStack({len(self)} layers, segments {[(s.start, s.period, s.repeats) for s in self.segments]})"
+
+
+def stacked_sharding(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """A stacked leaf's sharding: the per-layer one behind a replicated leading axis, in the canonical form (no
+    trailing unsharded axes, as jit outputs carry it: else equal placements compare unequal)."""
+    spec = [None, *sharding.spec]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _stack_leaves(*xs):
@@ -153,12 +186,11 @@ def _stack_leaves(*xs):
     first = xs[0]
     sharding = getattr(first, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
-        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
-        return jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
+        return jax.jit(lambda *a: jnp.stack(a), out_shardings=stacked_sharding(sharding))(*xs)
     return jnp.stack(xs)
 
 
-def _stack_consuming(*xs):
+def stack_consuming(*xs):
     """`_stack_leaves`, then free the per-layer device arrays (a loader's own copies: peak memory stays one
     stacked leaf above the model instead of doubling)."""
     out = _stack_leaves(*xs)
@@ -168,14 +200,26 @@ def _stack_consuming(*xs):
     return out
 
 
-def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leaves) -> LayerStack:
+def stack(cfg: Config, layers: Sequence[Any], *, combine: Callable = _stack_leaves,
+          ranges: Sequence[tuple[int, int]] | None = None) -> LayerStack:
     """Per-layer trees (params, or any tree shaped like them: shardings, ParamInfo) -> a `LayerStack`.
-    `combine(*leaves)` merges one leaf of every repetition of a segment member (default: `jnp.stack`)."""
+    `combine(*leaves)` merges one leaf of every repetition of a segment member (default: `jnp.stack`).
+    `ranges`: a layer split's stage ranges (`plan_stages`; None: one stage)."""
     if isinstance(layers, LayerStack):
         return layers
     if len(layers) != cfg.num_layers:
         raise ValueError(f"{len(layers)} layer trees for a config of {cfg.num_layers} layers")
-    segments = plan(kinds(cfg))
+    return _stack_on(plan_stages(kinds(cfg), ranges), layers, combine)
+
+
+def stack_like(like: LayerStack, layers: Sequence[Any], *, combine: Callable = _stack_leaves) -> LayerStack:
+    """Per-layer trees stacked on `like`'s segments (e.g. the shardings or specs of a stack's leaves)."""
+    if len(layers) != len(like):
+        raise ValueError(f"{len(layers)} layer trees for a stack of {len(like)} layers")
+    return _stack_on(like.segments, layers, combine)
+
+
+def _stack_on(segments: tuple[Segment, ...], layers: Sequence[Any], combine: Callable) -> LayerStack:
     groups = tuple(
         tuple(jax.tree.map(combine, *[layers[seg.layer(r, u)] for r in range(seg.repeats)])
               for u in range(seg.period))
@@ -194,10 +238,14 @@ def unstacked_host(params: dict) -> dict:
 
 
 def layer_range(layers: Any, lo: int, hi: int) -> Any:
-    """Layers [lo, hi) for a stage's program: all of a `LayerStack` as is (a one-stage mesh runs it scanned),
-    else a list (a layer split's model keeps per-layer params, so a stage's slice copies nothing)."""
+    """Layers [lo, hi) for a stage's program: a `LayerStack` of that stage's segments (the same arrays, layers
+    numbered from 0, scanned like a model of its own), a list slice of per-layer params (unrolled), or, for a stack
+    planned for another split (a segment crossing lo or hi), the layers' per-layer copies."""
     if isinstance(layers, LayerStack):
-        return layers if (lo, hi) == (0, len(layers)) else [layers.layer(i) for i in range(lo, hi)]
+        if (lo, hi) == (0, len(layers)):
+            return layers
+        sub = layers.sub(lo, hi)
+        return sub if sub is not None else [layers.layer(i) for i in range(lo, hi)]
     return layers[lo:hi]
 
 
@@ -205,16 +253,32 @@ def is_stacked(params: Any) -> bool:
     return isinstance(params, dict) and isinstance(params.get("layers"), LayerStack)
 
 
-def stacked_params(cfg: Config, params: dict) -> dict:
-    return params if is_stacked(params) or "layers" not in params else {**params, "layers": stack(cfg, params["layers"])}
+def stage_ranges(cfg: Config, layout: Any = None) -> tuple[tuple[int, int], ...] | None:
+    """A layout's stage ranges when it splits layers across stages, else None (one stage)."""
+    if layout is None or getattr(layout, "num_stages", 1) <= 1:
+        return None
+    return tuple(layout.stage_ranges(cfg.num_layers))
+
+
+def stacked_params(cfg: Config, params: dict, ranges: Sequence[tuple[int, int]] | None = None) -> dict:
+    """Params with their layers stacked for a split into stage `ranges` (None: one stage); a stack planned
+    otherwise (e.g. a one-stage model placed on a layer split) is restacked (its per-layer copies consumed)."""
+    if "layers" not in params:
+        return params
+    want = plan_stages(kinds(cfg), ranges)
+    if is_stacked(params):
+        if params["layers"].segments == want:
+            return params
+        return {**params, "layers": _stack_on(want, unstack(params["layers"]), stack_consuming)}
+    return {**params, "layers": _stack_on(want, params["layers"], _stack_leaves)}
 
 
 def for_loader(cfg: Config, params: dict, layout: Any = None) -> dict:
-    """A loader's freshly read params in the layout `Model` keeps for `layout`: stacked (consuming the per-layer
-    arrays, which nothing else references) unless the layout splits layers across stages."""
-    if layout is not None and getattr(layout, "num_stages", 1) > 1 or is_stacked(params) or not scan_by_default():
+    """A loader's freshly read params in the layout `Model` keeps for `layout`: stacked by stage (consuming the
+    per-layer arrays, which nothing else references; `plan_stages`) unless ``DS4JAX_SCAN_LAYERS=0``."""
+    if is_stacked(params) or not scan_by_default():
         return params
-    return {**params, "layers": stack(cfg, params["layers"], combine=_stack_consuming)}
+    return {**params, "layers": stack(cfg, params["layers"], combine=stack_consuming, ranges=stage_ranges(cfg, layout))}
 
 
 def unstacked_params(params: dict) -> dict:
@@ -257,8 +321,9 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
     """Fold `body(carry, layer_params, at) -> (carry, out)` over the layers in order.
 
     `layers` is a list (unrolled: one traced body per layer) or a `LayerStack` (a `lax.scan` per repeated
-    segment). `offset` is the model layer of ``layers[0]`` when they are a stage's slice (list only). Returns the
-    final carry and the per-layer outputs as a list in layer order (scan outputs unstacked)."""
+    segment). `offset` is the model layer of ``layers[0]`` when they are a stage's slice of `cfg`'s layers (a
+    stage run with its own `stage_config` has offset 0). Returns the final carry and the per-layer outputs as a
+    list in layer order (scan outputs unstacked)."""
     schedule = kinds(cfg)
     if not isinstance(layers, LayerStack):
         outs = []
@@ -269,13 +334,11 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
                 carry, out = body(carry, p, at)
             outs.append(out)
         return carry, outs
-    if offset:
-        raise ValueError("a LayerStack holds every layer of its model (offset must be 0)")
     outs: list = [None] * len(layers)
     for seg, group in zip(layers.segments, layers.groups):
         if seg.repeats == 1:  # nothing to share: run the unit unrolled on the squeezed params
             for u, p in enumerate(group):
-                at = LayerAt(*seg.unit[u], first=seg.layer(0, u), schedule=schedule)
+                at = LayerAt(*seg.unit[u], first=offset + seg.layer(0, u), schedule=schedule)
                 with jax.named_scope(at.name):
                     carry, outs[seg.layer(0, u)] = body(carry, jax.tree.map(lambda a: a[0], p), at)
             continue
@@ -284,7 +347,7 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
             rep, members = xs
             ys = []
             for u, p in enumerate(members):
-                at = LayerAt(*seg.unit[u], first=seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)
+                at = LayerAt(*seg.unit[u], first=offset + seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)
                 with jax.named_scope(at.name):
                     c, y = body(c, p, at)
                 ys.append(y)

@@ -96,7 +96,8 @@ def _param_specs(params: dict, cfg: Config, rules) -> dict:
 
     specs = {k: jax.tree.map(one, decl[k], is_leaf=lambda v: isinstance(v, params_lib.ParamInfo)) for k in params}
     if layer_stack.is_stacked(params):  # a stacked leaf: the per-layer spec behind its (unsharded) layer axis
-        specs["layers"] = layer_stack.stack(cfg, specs["layers"], combine=lambda first, *_: P(None, *first))
+        specs["layers"] = layer_stack.stack_like(params["layers"], specs["layers"],
+                                                 combine=lambda first, *_: P(None, *first))
     return specs
 
 

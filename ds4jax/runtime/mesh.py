@@ -98,7 +98,8 @@ class MeshLayout:
         if params is not None and "mtp" not in params:
             tree.pop("mtp", None)
         if layer_stack.is_stacked(params):  # the stacked axis (layers of one segment member) stays whole
-            tree["layers"] = layer_stack.stack(cfg, tree["layers"], combine=_with_stacked_axis)
+            tree["layers"] = layer_stack.stack_like(params["layers"], tree["layers"],
+                                                    combine=lambda first, *_: layer_stack.stacked_sharding(first))
         return tree
 
     def place(self, params: Any, cfg: Config) -> Any:
@@ -269,11 +270,17 @@ def place_model(model, layout: MeshLayout):
     """A copy of `model` with its params placed on `layout` (the public calls then run on the mesh)."""
     from ds4jax.model.handle import Model
 
-    layout.stage_ranges(model.config.num_layers)  # fail early on a bad split
-    params = layer_stack.unstacked_params(model.params) if layout.num_stages > 1 else model.params
-    return Model(model.config, layout.place(params, model.config), layout, scan_layers=model.scan_layers)
+    cfg, params = model.config, model.params
+    layout.stage_ranges(cfg.num_layers)  # fail early on a bad split
+    ranges = layer_stack.stage_ranges(cfg, layout)
+    if layer_stack.is_stacked(params) and \
+            params["layers"].segments != layer_stack.plan_stages(layer_stack.kinds(cfg), ranges):
+        # stacked for another split (e.g. one stage): per-layer copies placed, then stacked on each stage's devices
+        # consuming them (restacking before placing would build the whole new stack on the model's device)
+        placed = layout.place(layer_stack.unstacked_params(params), cfg)
+        params = {**placed, "layers": layer_stack.stack(cfg, placed["layers"], combine=layer_stack.stack_consuming,
+                                                        ranges=ranges)}
+    else:
+        params = layout.place(params, cfg)
+    return Model(cfg, params, layout, scan_layers=model.scan_layers)
 
-
-def _with_stacked_axis(first: NamedSharding, *_same) -> NamedSharding:
-    """The sharding of a stacked leaf: the per-layer sharding behind a replicated leading axis."""
-    return NamedSharding(first.mesh, P(None, *first.spec))

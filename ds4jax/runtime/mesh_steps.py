@@ -100,6 +100,8 @@ class _AllFree(list):
 def stage_step(params, pool, batch, x, *, cfg, spec, rules, logits, kernels):
     """The layers of one stage (`cfg` = `stage_config`; params: their ``layers``, plus ``embed`` on the first stage
     and the head on the last) as `steps.step`: embeds when `x` is None; logits NONE on all but the last stage.
+    ``layers`` is `layer_stack.layer_range` of the model's: a `LayerStack` of the stage's own segments (its repeated
+    units run under `lax.scan`, pool rows by stage-local rank) or, unrolled, a list.
     Data parallelism comes from the context mesh (`data_parallel`). Returns (StepOutput, pool)."""
     with nn.logical_axis_rules(rules):
         return steps_lib.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET, logits=logits,
