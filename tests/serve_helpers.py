@@ -25,6 +25,22 @@ from small_engine import build_small_engine, one_layer_model, small_engine
 
 LOGPROBS = 5
 READY_TIMEOUT_S = 600  # warm-up compiles the engine's programs (seconds on an idle CPU; minutes on a busy one)
+GUARD_S = 300  # deadlock guards, not timing thresholds: a loaded CI machine may take minutes where an idle one takes ms
+
+
+def holding_first_token(deliver, job, held: threading.Event):
+    """An `on_tokens` callback around `deliver` that, at the job's first token, sets `held` and holds the engine
+    thread until the job is cancelled (or GUARD_S pass): a client can leave mid-stream at a known point."""
+
+    def slow(events):
+        if events[0].index == 0:
+            held.set()
+            deadline = time.monotonic() + GUARD_S
+            while not job.cancelled and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return deliver(events)
+
+    return slow
 
 
 @contextlib.contextmanager

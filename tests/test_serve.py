@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai", reason="the test extra is not installed")
 
 from ds4jax.io.tokenizer import ByteTokenizer
 from ds4jax.serving.config import ServerConfig
-from serve_helpers import LOGPROBS, live_server, metric
+from serve_helpers import GUARD_S, LOGPROBS, holding_first_token, live_server, metric
 from small_engine import MAX_CONTEXT
 
 
@@ -230,7 +230,6 @@ def test_greedy_server_equals_generate(served, capsys, monkeypatch):
     assert printable(r.json()["choices"][0]["text"]) + "\n" == out
 
 
-GUARD_S = 300  # deadlock guards, not timing thresholds: a loaded CI machine may take minutes where an idle one takes ms
 
 
 def _driver_state(server) -> str:
@@ -259,17 +258,8 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
     jobs = []
 
     def on_tokens(job):
-        deliver = make(job)
         jobs.append(job)
-
-        def slow(events):
-            if events[0].index == 0:
-                held.set()
-                deadline = time.monotonic() + GUARD_S
-                while not job.cancelled and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            return deliver(events)
-        return slow
+        return holding_first_token(make(job), job, held)
 
     def ended_without_a_token() -> bool:  # e.g. the request failed: say how, at once, rather than wait GUARD_S
         return bool(jobs) and jobs[0].result is not None and not held.is_set()

@@ -26,9 +26,8 @@ from ds4jax.serving import engine_process
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.driver import Job, NotAccepting, QueueFull
 from fake_engine import FakeEngine
-from serve_helpers import live_server, metric
+from serve_helpers import GUARD_S, holding_first_token, live_server, metric
 
-GUARD_S = 300  # deadlock guards, not timing thresholds
 TOK = ByteTokenizer()
 
 
@@ -51,16 +50,7 @@ def _hold_first_tokens(host) -> None:
     make = type(host.driver).on_tokens
 
     def on_tokens(job):
-        deliver = make(host.driver, job)
-
-        def slow(events):
-            if events[0].index == 0:
-                held.set()
-                deadline = time.monotonic() + GUARD_S
-                while not job.cancelled and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            return deliver(events)
-        return slow
+        return holding_first_token(make(host.driver, job), job, held)
 
     host.driver.on_tokens = on_tokens
 
