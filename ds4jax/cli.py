@@ -98,14 +98,11 @@ def enable_compilation_cache() -> None:
     cache under it, which also skips tracing and lowering (``DS4JAX_EXECUTABLE_CACHE=off`` keeps JAX's only; so does a
     multi-process job)."""
     from ds4jax import compilation_cache
-    from ds4jax.runtime import executable_cache
-
-    from ds4jax.runtime.distributed import launched
 
     where = compilation_cache.ensure_compilation_cache()
     # a multi-process job keeps to JAX's cache: its executables span processes, which ours does not serialize
-    if where is not None and os.environ.get("DS4JAX_EXECUTABLE_CACHE") != "off" and not launched():
-        executable_cache.enable(os.path.join(where, "executables"))
+    if where is not None:
+        compilation_cache.enable_executable_cache(where)
 
 
 # ---- errors --------------------------------------------------------------------------------------------------------

@@ -51,6 +51,25 @@ def test_the_default_directory(fresh, tmp_path):
     assert compilation_cache.ensure_compilation_cache() == str(tmp_path / "ds4jax" / "jax")
 
 
+@pytest.mark.parametrize("setting", ["on", None, "off"])
+def test_the_executable_cache_is_opt_in_for_the_api(fresh, tmp_path, setting):
+    """DS4JAX_EXECUTABLE_CACHE=on adds ours under JAX's directory for every entry point; unset or off, the API keeps
+    to JAX's cache (the CLI turns ours on itself unless off: `cli.enable_compilation_cache`)."""
+    from ds4jax.runtime import executable_cache
+
+    fresh.setenv("DS4JAX_COMPILATION_CACHE", str(tmp_path / "cache"))
+    if setting is None:
+        fresh.delenv("DS4JAX_EXECUTABLE_CACHE", raising=False)
+    else:
+        fresh.setenv("DS4JAX_EXECUTABLE_CACHE", setting)
+    try:
+        where = compilation_cache.ensure_compilation_cache()
+        assert executable_cache.enabled() == (setting == "on")
+        assert compilation_cache.enable_executable_cache(where) == (setting != "off")  # the CLI's call
+    finally:
+        executable_cache.enable(None)
+
+
 def test_off(fresh):
     fresh.setenv("DS4JAX_COMPILATION_CACHE", "off")
     assert compilation_cache.ensure_compilation_cache() is None

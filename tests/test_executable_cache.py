@@ -65,6 +65,33 @@ def test_key_covers_static_args_shapes_and_dtypes(cache_dir):
     assert len(TRACES) == 4 and len(list(cache_dir.rglob("*.exe"))) == 4
 
 
+def test_key_covers_the_trace_context(cache_dir):
+    """A context a caller traces under (matmul precision, x64, a default device) is part of the key, as in JAX's
+    own jit cache: the same call under another context compiles its own program, never loads the other one."""
+    x = jnp.ones(4)
+    _step(x, jnp.ones(4), scale=1.0)
+    with jax.default_matmul_precision("bfloat16"):  # (the suite's own default is "highest")
+        _step(x, jnp.ones(4), scale=1.0)
+    with jax.default_device(jax.devices()[-1]):
+        _step(x, jnp.ones(4), scale=1.0)
+    _step(x, jnp.ones(4), scale=1.0)  # back in the first context: in memory
+    assert TRACES == [1.0] * 3 and len(list(cache_dir.rglob("*.exe"))) == 3
+    executable_cache.enable(str(cache_dir))  # a new process: each context loads its own entry from disk
+    with jax.default_matmul_precision("bfloat16"):
+        _step(x, jnp.ones(4), scale=1.0)
+    assert TRACES == [1.0] * 3
+
+
+def test_a_context_without_a_stable_name_runs_uncached(cache_dir, monkeypatch):
+    class Opaque:  # its repr names an address: no two processes would agree on it
+        pass
+
+    monkeypatch.setattr(executable_cache, "_trace_context", lambda: (Opaque(),))
+    out, _ = _step(jnp.ones(2), jnp.ones(2), scale=1.0)
+    np.testing.assert_array_equal(out, [2, 2])
+    assert TRACES == [] and not list(cache_dir.rglob("*.exe"))
+
+
 def test_corrupt_entry_is_a_miss(cache_dir):
     _step(jnp.ones(2), jnp.ones(2), scale=1.0)
     (entry,) = cache_dir.rglob("*.exe")

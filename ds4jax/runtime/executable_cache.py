@@ -7,12 +7,14 @@ what determines the program instead: the function, its static arguments, the sha
 dynamic ones, and a fingerprint of everything else that can change the trace (ds4jax's and pallas_kernels'
 source, the jax / jaxlib versions, the devices, ``DS4JAX_*`` / ``JAX_*`` / ``XLA_FLAGS`` variables, x64).
 
-Off unless `enable(directory)` was called. Only the CLI does (under JAX's cache directory, see
-`ds4jax.cli.enable_compilation_cache`); the Python API, the Engine and notebooks use JAX's own persistent cache
-alone (`ds4jax.compilation_cache`), whose key is the lowered program itself and so cannot be fooled by anything
-that changes a trace: a library caller may trace under contexts (a default device, a mesh, a matmul precision
-set in a ``with`` block, monkeypatched code) that this fingerprint does not see. A CLI process controls all of
-that. Kept there because it saves what JAX's cache cannot, tracing and lowering: a cached ``ds4jax generate
+Off unless `enable(directory)` was called. The CLI does (under JAX's cache directory, see
+`ds4jax.cli.enable_compilation_cache`); the Python API, the Engine and notebooks do with
+``DS4JAX_EXECUTABLE_CACHE=on`` (`ds4jax.compilation_cache`), and otherwise use JAX's own persistent cache alone,
+whose key is the lowered program itself and so cannot be fooled by anything that changes a trace. The contexts a
+library caller may trace under (a default device, a mesh, a matmul precision or x64 set in a ``with`` block) are
+part of every key here: JAX's trace context (`jax._src.config.trace_context`, what its own in-memory jit cache
+keys on), rendered stably, and a call whose context has no stable rendering runs uncached. Code monkeypatched at
+run time is the one thing no key sees (the source files are fingerprinted, not the objects): hence opt-in. Kept there because it saves what JAX's cache cannot, tracing and lowering: a cached ``ds4jax generate
 --max-new-tokens 32`` on the default model took 3.50 s of CPU to its first token with it and 5.06 s with JAX's
 cache alone (4.86 vs 8.23 s for the whole run; docs/benchmarks/cli_startup.md, "The executable cache, kept for
 the CLI").
@@ -32,6 +34,7 @@ import tempfile
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 _directory: str | None = None
 _FRESH = {"xla_embed_ir_in_executable": False}  # see _fresh_compile
@@ -93,10 +96,46 @@ def _signature(args: tuple, static: dict) -> str:
 
 def _fast_signature(args: tuple, static: dict) -> tuple:
     """What `_signature` renders, as a hashable tuple: building it costs a tree flatten, where the rendered key
-    (reprs of every leaf's type and sharding, then sha256) costs milliseconds per call on a model's params."""
+    (reprs of every leaf's type and sharding, then sha256) costs milliseconds per call on a model's params. With
+    the trace context (a tuple of interned values: hashing it is cheap)."""
     leaves, treedef = jax.tree.flatten(args)
     return (treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "sharding", None),
-                            getattr(x, "weak_type", False)) for x in leaves), tuple(sorted(static.items())))
+                            getattr(x, "weak_type", False)) for x in leaves), tuple(sorted(static.items())),
+            _trace_context())
+
+
+def _trace_context() -> tuple:
+    from jax._src import config
+
+    return config.trace_context()
+
+
+def _stable(value) -> str | None:
+    """A rendering of one trace-context value that is the same in every process, or None (then nothing is cached):
+    plain values as themselves, JAX's axis environment by its names and sizes, anything whose repr names a memory
+    address refused."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list, frozenset)):
+        parts = [_stable(v) for v in (sorted(value, key=repr) if isinstance(value, frozenset) else value)]
+        return None if None in parts else f"{type(value).__name__}({', '.join(parts)})"
+    if type(value).__name__ == "AxisEnv":  # outside shard_map / pmap: empty
+        return repr(("AxisEnv", sorted(map(repr, value.axis_sizes.items())), sorted(map(repr, value.spmd_axis_names)),
+                     sorted(map(repr, value.explicit_mesh_axis_names))))
+    text = repr(value)
+    if " at 0x" in text:
+        return None
+    try:  # a concrete mesh: its repr names its shape, not which devices (an abstract one has none)
+        ids = getattr(value, "device_ids", None)
+    except ValueError:
+        ids = None
+    return f"{type(value).__name__}:{text}" + ("" if ids is None else f":{np.asarray(ids).tolist()}")
+
+
+def _context_key() -> str | None:
+    """The trace context rendered for a disk key, or None when a value of it has no stable rendering."""
+    parts = [_stable(v) for v in _trace_context()]
+    return None if None in parts else "|".join(parts)
 
 
 def cached_jit(jitted: Callable) -> "CachedJit":
@@ -123,14 +162,19 @@ class CachedJit:
         compiled = _by_signature.get(fast)
         if compiled is None:
             key = self._key(args, static)
+            if key is None:  # a context no key can name: JAX's own caches only
+                return self.uncached(*args, **static)
             compiled = _memory.get(key)
             if compiled is None:
                 compiled = _memory[key] = _load(key) or _compile_and_store(self.uncached, key, args, static)
             _by_signature[fast] = compiled
         return compiled(*args)
 
-    def _key(self, args: tuple, static: dict) -> str:
-        return hashlib.sha256(f"{self._name}|{_fingerprint()}|{_signature(args, static)}".encode()).hexdigest()
+    def _key(self, args: tuple, static: dict) -> str | None:
+        context = _context_key()
+        if context is None:
+            return None
+        return hashlib.sha256(f"{self._name}|{_fingerprint()}|{context}|{_signature(args, static)}".encode()).hexdigest()
 
     def _job(self, args: tuple, static: dict):
         """The compile this call needs, with tracing and lowering done now (on the caller's thread)."""
@@ -140,6 +184,8 @@ class CachedJit:
             lowered = self.uncached.trace(*args, **static).lower()
             return Job(self._name, lowered.compile)
         key = self._key(args, static)
+        if key is None:  # a context no key can name: compiled by JAX, as the call will be
+            return Job(self._name, self.uncached.trace(*args, **static).lower().compile)
         if key in _memory:
             return Job(self._name, None)
         loaded = _load(key)
