@@ -32,6 +32,7 @@ the JSON (`--render-only` regenerates them, merging several JSON files if given)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -215,18 +216,24 @@ def child_engine(model_name: str, layout: str) -> None:
                       "kernels": engine.kernels.value, "n_layers": model.config.num_layers}), flush=True)
 
 
-def child_env(cache: str) -> dict:
+def child_env(cache: str, caches: str = "executables") -> dict:
+    """caches: "executables" (JAX's cache and ours, as the CLI sets them up) or "jax" (JAX's alone: the Python API's
+    default)."""
     env = {k: v for k, v in ENV0.items() if k not in ("DS4JAX_EXECUTABLE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env["DS4JAX_COMPILATION_CACHE"] = cache
+    if caches == "jax":
+        env["DS4JAX_EXECUTABLE_CACHE"] = "off"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
-def engine_record(model_name: str, layout: str, phase: str, cache: str, timeout: float) -> dict:
+def engine_record(model_name: str, layout: str, phase: str, cache: str, timeout: float,
+                  caches: str = "executables") -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child-engine", model_name, "--layouts", layout]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, env=child_env(cache), timeout=timeout, cwd=REPO)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=child_env(cache, caches), timeout=timeout,
+                              cwd=REPO)
     except subprocess.TimeoutExpired as e:  # the child is killed; keep what it said
         tail = (e.stderr or b"")[-1500:]
         raise RuntimeError(f"{phase} warm-up not finished after {timeout:.0f} s (--deadline-s); child stderr: "
@@ -268,7 +275,7 @@ class Run:
 
     def measure(self, base: dict, fn) -> dict:
         rec = {**base, **{k: self.meta[k] for k in ("backend", "device_kind", "jax_version", "commit")}}
-        name = " ".join(str(base[k]) for k in ("part", "what", "layout", "n_layers", "phase") if base.get(k))
+        name = " ".join(str(base[k]) for k in ("part", "what", "layout", "caches", "n_layers", "phase") if base.get(k))
         if self.left() is not None and self.left() <= 0:
             rec.update(status="error", error="not run: --deadline-s reached")
             log(f"{name}: NOT RUN (deadline)")
@@ -322,16 +329,17 @@ def run_parts(args, run: Run) -> None:
                     base["layer_bodies"] = bodies(cfg, layout, args)
                     run.measure(base, lambda: compile_seconds(cfg, layout, program, impl, args))
     if "engine" in args.parts:
-        for model_name in args.engine_models:
-            for layout in args.engine_layouts:
-                cache = tempfile.mkdtemp(prefix="ds4jax-compile-bench-")
-                for phase in ("cold", "cached"):  # cached: a second new process on the cache the cold one filled
-                    base = {"part": "engine", "what": f"warmup {model_name}", "layout": layout, "phase": phase,
-                            "kernels": impl.value, "config": model_name, "max_slots": 8, "max_context": 512}
-                    rec = run.measure(base, lambda: engine_record(model_name, layout, phase, cache,
-                                                                  timeout=_timeout(run)))
-                    if rec.get("n_layers") is None:
-                        rec["n_layers"] = 4 if model_name == "flash_slice4" else None
+        for model_name, layout, caches in itertools.product(args.engine_models, args.engine_layouts,
+                                                             args.engine_caches):
+            cache = tempfile.mkdtemp(prefix="ds4jax-compile-bench-")
+            for phase in ("cold", "cached"):  # cached: a second new process on the cache the cold one filled
+                base = {"part": "engine", "what": f"warmup {model_name}", "layout": layout, "phase": phase,
+                        "kernels": impl.value, "config": model_name, "max_slots": 8, "max_context": 512,
+                        "caches": caches}
+                rec = run.measure(base, lambda: engine_record(model_name, layout, phase, cache,
+                                                              timeout=_timeout(run), caches=caches))
+                if rec.get("n_layers") is None:
+                    rec["n_layers"] = 4 if model_name == "flash_slice4" else None
     if "cli" in args.parts:
         cache, cold = tempfile.mkdtemp(prefix="ds4jax-compile-bench-cli-"), None
         for phase in ("cold", "cached"):
@@ -405,13 +413,16 @@ def render_md(data: dict) -> str:
     if eng:
         out += ["## Engine warm-up in a new process (`Engine(model, max_slots=8, max_context=512).warmup()`)", "",
                 "cold = empty on-disk cache, cached = a second process on the cache the first filled.", "",
-                "| model | layout | cache | warmup() | programs | model load | whole process |",
-                "|---|---|---|---|---|---|---|"]
+                "Caches: jax = JAX's persistent cache alone (the Python API's default), executables = ours too (the "
+                "CLI's default, `DS4JAX_EXECUTABLE_CACHE=on` for the API: no tracing or lowering).", "",
+                "| model | layout | caches | cache | warmup() | programs | model load | whole process |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in eng:
+            caches = r.get("caches", "executables")  # (records before the option: the CLI's setup)
             if r["status"] != "ok":
-                out.append(f"| {r['config']} | {r['layout']} | {r['phase']} | error | | | |")
+                out.append(f"| {r['config']} | {r['layout']} | {caches} | {r['phase']} | error | | | |")
                 continue
-            out.append(f"| {r['config']} | {r['layout']} | {r['phase']} | **{_fmt(r['seconds'])}** | "
+            out.append(f"| {r['config']} | {r['layout']} | {caches} | {r['phase']} | **{_fmt(r['seconds'])}** | "
                        f"{r.get('programs')} | {_fmt(r.get('load_s'))} | {_fmt(r.get('process_s'))} |")
         out.append("")
     cli = [r for r in recs if r["part"] == "cli"]
@@ -492,13 +503,15 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", type=int, default=-1, help="which stage (with --stages; default: the last)")
     ap.add_argument("--engine-models", default="default,flash_slice4")
     ap.add_argument("--engine-layouts", default="scanned")
+    ap.add_argument("--engine-caches", default="executables",
+                    help="comma list of executables (JAX's cache and ours, as the CLI) and jax (JAX's alone, the API)")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
     ap.add_argument("--out", default="docs/benchmarks/compile.json")
     ap.add_argument("--render-only", nargs="*", metavar="JSON", default=None,
                     help="only regenerate the md and png of --out (from these JSON files merged, if given)")
     ap.add_argument("--child-engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name in ("parts", "layouts", "programs", "engine_models", "engine_layouts"):
+    for name in ("parts", "layouts", "programs", "engine_models", "engine_layouts", "engine_caches"):
         setattr(args, name, [s for s in getattr(args, name).split(",") if s])
     args.layers = [int(n) for n in args.layers.split(",") if n]
     if args.child_engine:
@@ -516,7 +529,7 @@ def main(argv=None) -> int:
             data["records"] += part["records"]
         # a measurement re-run in a later file (e.g. one cut by a deadline) supersedes its error record
         key = lambda r: tuple(str(r.get(k)) for k in ("part", "what", "layout", "n_layers", "phase", "kernels",
-                                                       "backend", "device_kind"))
+                                                       "caches", "backend", "device_kind"))
         ok = {key(r) for r in data["records"] if r["status"] == "ok"}
         kept = [r for r in data["records"] if r["status"] == "ok" or key(r) not in ok]
         dropped = len(data["records"]) - len(kept)
