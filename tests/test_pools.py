@@ -80,6 +80,16 @@ def test_reset_slots_clears_rings_tables_and_lengths_of_those_slots_only():
     assert after["lengths"].tolist() == [0, 11, 0]
 
 
+def test_reset_slots_writes_in_place():
+    """The pool is donated: the reset's rings are the old rings' memory (no second copy of every slot's rings)."""
+    pool = pools.poisoned(SPEC)
+    where = {name: arr.unsafe_buffer_pointer() for name, arr in vars(pool).items() if arr.size}
+    reset = pools.reset_slots(pool, [1])
+    assert pool.swa_kv.is_deleted() and pool.c4_kv.is_deleted()
+    moved = [name for name, ptr in where.items() if getattr(reset, name).unsafe_buffer_pointer() != ptr]
+    assert not moved, moved
+
+
 def test_sync_copies_host_tables():
     book = PoolBook(SPEC, V)
     book.admit(1)

@@ -19,6 +19,7 @@ before anything runs (JAX would otherwise clamp gathers and drop scatters silent
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Sequence
 
 import jax
@@ -86,9 +87,11 @@ def check_pool(pool: KVPool, spec: PoolSpec, what: str) -> None:
                 f"{what}: pool.{name} has {arr.dtype}{list(arr.shape)}, the pool spec requires {dtype}{list(shape)}")
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _reset(pool: KVPool, mask: jax.Array) -> KVPool:
-    """Zero every per-slot array of the slots in `mask` [slots] and forget their pages and lengths."""
+    """Zero every per-slot array of the slots in `mask` [slots] and forget their pages and lengths. The pool is
+    donated, as to the steps: the reset writes in place (undonated, every per-slot array of every slot, the SWA and
+    state rings, was written to a second copy: a transient second pool of rings at every admission after a release)."""
     def per_slot(a, axis):
         shape = [1] * a.ndim
         shape[axis] = mask.shape[0]
@@ -106,6 +109,7 @@ def _reset(pool: KVPool, mask: jax.Array) -> KVPool:
 
 
 def reset_slots(pool: KVPool, slots: Iterable[int]) -> KVPool:
+    """`pool` with `slots` emptied; `pool` is donated (use the returned pool only)."""
     mask = np.zeros(pool.lengths.shape[0], bool)
     mask[list(slots)] = True
     return _reset(pool, jnp.asarray(mask))
