@@ -16,6 +16,12 @@ def validate_grouped_matmul_static(x, ws, tile_group) -> None:
             raise ValueError(f"ws[{i}] must be [groups, k={x.shape[1]}, n] like ws[0], got shape {w.shape}")
         if w.dtype != x.dtype:
             raise ValueError(f"ws[{i}] dtype {w.dtype} must equal x dtype {x.dtype}")
+    validate_tiles(x, tile_group)
+
+
+def validate_tiles(x, tile_group) -> None:
+    """The tile table of every grouped matmul (bf16, FP4, FP8 weights): [tiles] int32, x rows a whole number of
+    tiles."""
     if tile_group.ndim != 1 or tile_group.dtype != jnp.int32:
         raise ValueError(f"tile_group must be [tiles] int32, got {tile_group.dtype}{list(tile_group.shape)}")
     if tile_group.shape[0] == 0 or x.shape[0] % tile_group.shape[0]:

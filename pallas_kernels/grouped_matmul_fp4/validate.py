@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul.validate import validate_tiles
+
 FP4_GROUP = 32  # inputs per E8M0 scale
 
 
@@ -24,7 +26,4 @@ def validate_grouped_matmul_fp4_static(x, ws, tile_group) -> None:
         if scales.dtype != jnp.uint8 or scales.shape != (groups, k // FP4_GROUP, n):
             raise ValueError(f"ws[{i}] scales must be uint8 E8M0 [groups, k/32={k // FP4_GROUP}, n={n}], got "
                              f"{scales.dtype}{list(scales.shape)}")
-    if tile_group.ndim != 1 or tile_group.dtype != jnp.int32:
-        raise ValueError(f"tile_group must be [tiles] int32, got {tile_group.dtype}{list(tile_group.shape)}")
-    if tile_group.shape[0] == 0 or x.shape[0] % tile_group.shape[0]:
-        raise ValueError(f"x rows ({x.shape[0]}) must be a whole number of tiles ({tile_group.shape[0]})")
+    validate_tiles(x, tile_group)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._fp8 import is_fp8
 from pallas_kernels._util import cdiv
+from pallas_kernels.grouped_matmul.validate import validate_tiles
 
 
 def validate_grouped_matmul_fp8_static(x, ws, tile_group, block) -> None:
@@ -27,7 +28,4 @@ def validate_grouped_matmul_fp8_static(x, ws, tile_group, block) -> None:
         if scales.dtype != jnp.float32 or tuple(scales.shape) != want:
             raise ValueError(f"ws[{i}] scales must be f32 {list(want)} (one per {tuple(block)} block of values), got "
                              f"{scales.dtype}{list(scales.shape)}")
-    if tile_group.ndim != 1 or tile_group.dtype != jnp.int32:
-        raise ValueError(f"tile_group must be [tiles] int32, got {tile_group.dtype}{list(tile_group.shape)}")
-    if tile_group.shape[0] == 0 or x.shape[0] % tile_group.shape[0]:
-        raise ValueError(f"x rows ({x.shape[0]}) must be a whole number of tiles ({tile_group.shape[0]})")
+    validate_tiles(x, tile_group)
