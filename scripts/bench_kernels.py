@@ -532,7 +532,7 @@ def main(argv=None):
         )
         print(f"[bench] {op} b={batch} ctx={ctx} {rec['block_sizes']}: {status}", flush=True)
 
-    bad = [(r, failed(r)) for r in records if failed(r)]
+    bad = [(r, why) for r in records if (why := failed(r))]
     unchecked = sum("check" not in r and "error" not in r for r in records)
     print(f"[bench] wrote {out}.json/.md: {len(records)} configs, {len(bad)} failed, {unchecked} unchecked", flush=True)
     for r, why in bad:

@@ -94,3 +94,12 @@ def step_logits(model: Model, spec: PoolSpec, impl: Impl, ids: np.ndarray, chunk
     batch = steps.StepBatch(jnp.asarray(slots, jnp.int32), jnp.asarray(ids[:, -1:]), jnp.ones((2,), jnp.int32))
     o, _ = steps.decode(model.params, pool, batch, cfg=CFG, spec=spec, kernels=impl)
     return np.concatenate(out + [np.asarray(o.logits)[:, None]], axis=1)
+
+
+def assert_kernels_give_the_reference_logits(model: Model, spec: PoolSpec, ids: np.ndarray, chunk: int) -> None:
+    """`step_logits` under the interpreted Pallas kernels equals the reference kernels': the same products in f32,
+    sums reassociated (k splits, tiles) and the other kernels' own tolerance."""
+    ref = step_logits(model, spec, Impl.REFERENCE, ids, chunk=chunk)
+    got = step_logits(model, spec, Impl.PALLAS_INTERPRET, ids, chunk=chunk)
+    assert np.isfinite(ref).all()
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
