@@ -4,6 +4,11 @@ FP4 E2M1 codes (4 bits: sign, 2 exponent bits, 1 mantissa bit; values 0, 0.5, 1,
 negatives) are decoded with integer arithmetic, no table lookup (a kernel has no gather from constants), and E8M0
 scale bytes b by building the float32 bit pattern b << 23 = 2^(b - 127). No FP4 hardware is assumed (MI300 has
 none): everything runs in the registers as int32 / float32 ops.
+
+Two decoders of a code times its scale: `e2m1_to_float(c) * scale` (the specification: value arithmetic, with two
+int -> float conversions per value) and `fp4_times_scale` (the kernels': the magnitude's float bits built with a
+shift and an add, one min for the two small codes, one multiply by the scale, the sign OR-ed in; no conversion),
+bitwise equal for every code and scale byte (`tests/kernels/test_mxfp4_decode.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,25 @@ def e2m1_to_float(codes):
     normal = (m + 2.0) * lax.shift_left(jnp.ones_like(e), e).astype(jnp.float32) * 0.25  # (1 + m/2) * 2^(e-1)
     magnitude = jnp.where(e == 0, m * 0.5, normal)
     return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+E2M1_BIAS_BITS = 126 << 23  # float32 bits of 0.5: magnitude code c (e = c >> 1, m = c & 1) at bits 22..24 lands
+# as exponent field 126 + e and top mantissa bit m: 2^(e - 1) (1 + m/2), the E2M1 value of every normal code
+
+
+def fp4_times_scale(codes, scale):
+    """int32 codes in [0, 16) times float32 `scale` (broadcast) -> float32, bitwise equal to
+    `e2m1_to_float(codes) * scale` on the same platform (the same float multiply: a scale byte 0's subnormal 2^-127
+    and subnormal products behave as there, flushed or not; overflow gives inf as there).
+
+    The magnitude c & 7 is placed into the float bits as 2^(e - 1) (1 + m/2) (exact for e > 0); the two codes with
+    e = 0 come out 0.5 and 0.75 instead of 0 and 0.5, which is 2v - 1: min(v, 2v - 1) picks that for v < 1 and v
+    itself otherwise (both exact). The sign goes on last, by OR: the product is >= +0 before, so code 8 gives -0.0
+    and a flushed negative product -0.0, as the reference's signed multiply does."""
+    v = lax.bitcast_convert_type(((codes & 7) << 22) + E2M1_BIAS_BITS, jnp.float32)
+    magnitude = jnp.minimum(v, v * 2.0 - 1.0)
+    bits = lax.bitcast_convert_type(magnitude * scale, jnp.int32) | ((codes & 8) << 28)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def e8m0_to_float(b):
