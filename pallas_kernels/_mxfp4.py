@@ -53,6 +53,13 @@ def e8m0_to_float(b):
     return jnp.where(b == 0, jnp.float32(E8M0_ZERO), lax.bitcast_convert_type(b << 23, jnp.float32))
 
 
+def e8m0_to_float_max(b):
+    """`e8m0_to_float` as a max instead of a compare and select (for kernels that convert a scale per weight): b << 23
+    is 2^(b - 127) for b >= 1 and +0 for b = 0, which max(., 2^-127) lifts to byte 0's value (platforms that treat
+    subnormal inputs as zero give +0 there, as they treat the constant: the products agree bitwise, tested)."""
+    return jnp.maximum(lax.bitcast_convert_type(b.astype(jnp.int32) << 23, jnp.float32), jnp.float32(E8M0_ZERO))
+
+
 def unpack_fp4(packed):
     """uint8 [..., j, n] -> (even, odd) int32 codes [..., j, n]: inputs 2j (low nibble) and 2j + 1 (high)."""
     u = packed.astype(jnp.int32)

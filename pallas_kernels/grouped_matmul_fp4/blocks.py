@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+DOTS = ("tile", "group")
+DECODES = ("bits", "arith")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockSizes:
@@ -21,6 +24,13 @@ class BlockSizes:
     k_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    dots: str = "tile"
+    decode: str = "bits"
+
+    def validate(self) -> None:
+        if self.dots not in DOTS or self.decode not in DECODES:
+            raise ValueError(f"dots must be one of {DOTS} and decode one of {DECODES}, got {self.dots!r}, "
+                             f"{self.decode!r}")
 
     @classmethod
     def get_default(cls, dtype=None, tile_m: int = 16, arch: str | None = None) -> "BlockSizes":

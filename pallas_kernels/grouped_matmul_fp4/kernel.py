@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
-from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, unpack_fp4
+from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale, unpack_fp4
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
 from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
@@ -29,31 +29,58 @@ from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_f
 ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale: the depth of each dot
 
 
-def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, precision):
+def _scale_rows(s_ref, g, j0, block_j: int, n0, block_n: int):
+    """The E8M0 scales of packed rows j0 .. j0 + block_j as float32 [block_j, block_n], each scale row repeated over
+    its 16 packed rows: loaded so (row index j // 16 per element) rather than broadcast and reshaped in registers,
+    which Triton lowers through shared memory after a synchronous load (not software-pipelined); this load is a plain
+    [block_j, block_n] tile to it, streamed ahead like the packed one (the repeated rows are cache hits)."""
+    rows = j0 // ROWS_PER_SCALE + lax.broadcasted_iota(jnp.int32, (block_j, block_n), 0) // ROWS_PER_SCALE
+    cols = n0 + lax.broadcasted_iota(jnp.int32, (block_j, block_n), 1)
+    return e8m0_to_float_max(s_ref[g, rows, cols])
+
+
+def _decode(packed, scale, dtype, decode: str):
+    """Packed [j, n] uint8 and float32 scales (broadcast to it) -> the even and odd inputs' weights in `dtype`."""
+    even, odd = unpack_fp4(packed)
+    if decode == "bits":
+        return fp4_times_scale(even, scale).astype(dtype), fp4_times_scale(odd, scale).astype(dtype)
+    return (e2m1_to_float(even) * scale).astype(dtype), (e2m1_to_float(odd) * scale).astype(dtype)
+
+
+def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, dots: str, decode: str,
+            precision):
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
     block_n = o_refs[0].shape[1]
     g = group_ref[0]
     n0 = pl.program_id(1) * block_n
     j_base = pl.program_id(2) * j_per_split
     dtype = xe_ref.dtype
+    dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
 
-    def body(i, accs):
+    def body_tile(i, accs):  # the step's whole packed tile decoded at once: one block_j-deep dot per nibble
+        j0 = pl.multiple_of(j_base + i * block_j, block_j)
+        xe, xo = xe_ref[:, pl.ds(j0, block_j)], xo_ref[:, pl.ds(j0, block_j)]
+        accs = list(accs)
+        for w, (p_ref, s_ref) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
+            scale = _scale_rows(s_ref, g, j0, block_j, n0, block_n)
+            lo, hi = _decode(p_ref[g, pl.ds(j0, block_j), pl.ds(n0, block_n)], scale, dtype, decode)
+            accs[w] = accs[w] + dot(xe, lo) + dot(xo, hi)
+        return tuple(accs)
+
+    def body_group(i, accs):  # one 16-deep dot pair per scale group of 32 inputs (the first version)
         j0 = pl.multiple_of(j_base + i * block_j, block_j)
         accs = list(accs)
-        for c in range(block_j // ROWS_PER_SCALE):  # one scale group of 32 inputs per dot pair
+        for c in range(block_j // ROWS_PER_SCALE):
             j = j0 + c * ROWS_PER_SCALE
             xe = xe_ref[:, pl.ds(j, ROWS_PER_SCALE)]
             xo = xo_ref[:, pl.ds(j, ROWS_PER_SCALE)]
             for w, (p_ref, s_ref) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
-                even, odd = unpack_fp4(p_ref[g, pl.ds(j, ROWS_PER_SCALE), pl.ds(n0, block_n)])
                 scale = e8m0_to_float(s_ref[g, pl.ds(j // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
-                lo = (e2m1_to_float(even) * scale).astype(dtype)
-                hi = (e2m1_to_float(odd) * scale).astype(dtype)
-                accs[w] = (accs[w] + lax.dot(xe, lo, precision=precision, preferred_element_type=jnp.float32)
-                           + lax.dot(xo, hi, precision=precision, preferred_element_type=jnp.float32))
+                lo, hi = _decode(p_ref[g, pl.ds(j, ROWS_PER_SCALE), pl.ds(n0, block_n)], scale, dtype, decode)
+                accs[w] = accs[w] + dot(xe, lo) + dot(xo, hi)
         return tuple(accs)
 
-    write_tile(g, o_refs, j_per_split // block_j, body)
+    write_tile(g, o_refs, j_per_split // block_j, body_tile if dots == "tile" else body_group)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -74,6 +101,7 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     tiles = tile_group.shape[0]
     tile_m = rows // tiles
     bs = block_sizes or BlockSizes.get_default(x.dtype, tile_m)
+    bs.validate()
     block_n = min(bs.block_n, n)
     block_j = max(ROWS_PER_SCALE, min(bs.block_j, kk) // ROWS_PER_SCALE * ROWS_PER_SCALE)
     if n % block_n or kk % block_j:
@@ -86,8 +114,8 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     flat_ws = [a for pair in ws for a in pair]
     out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits,
-                          precision=_backend.dot_precision(x.dtype)),
+        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits, dots=bs.dots,
+                          decode=bs.decode, precision=_backend.dot_precision(x.dtype)),
         grid=(tiles, n_blocks, k_splits),
         in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
         out_specs=out_specs,

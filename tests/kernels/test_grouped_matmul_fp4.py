@@ -8,6 +8,8 @@ dequantization (`ds4jax.io.quant_formats`, validated against ml_dtypes).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +27,15 @@ CASES = [
          n_w=1, block_sizes=BlockSizes(block_n=32, block_j=32, k_splits=1)),
     Case("bf16_default_blocks", groups=4, k=128, n=64, tile_m=16, tile_group=(3, 0), live_rows=(3, 16),
          dtype="bfloat16"),
+    # a step of 4 scale groups in one dot per nibble: each scale row must reach its own 16 packed rows only
+    Case("tile_dots_4_groups", groups=4, k=256, n=32, tile_m=16, tile_group=(1, -1, 3), live_rows=(5, 0, 16),
+         block_sizes=BlockSizes(block_n=16, block_j=64, k_splits=2)),
 ]
+# the first kernel's per-group dots and value-arithmetic decode stay selectable (timed against the defaults)
+CASES += [dataclasses.replace(c, name=f"{c.name}_{dots}_{decode}",
+                              block_sizes=dataclasses.replace(c.block_sizes or BlockSizes(), dots=dots, decode=decode))
+          for c in (CASES[0], CASES[2], CASES[4]) for dots, decode in (("group", "bits"), ("group", "arith"),
+                                                                      ("tile", "arith"))]
 
 
 def make_inputs(case: Case):
@@ -97,3 +107,6 @@ def test_validation_names_the_argument():
         grouped_matmul_fp4(jnp.zeros((16, 48)), ((packed, scales),), jnp.zeros((1,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="scales"):
         grouped_matmul_fp4(x, ((packed, scales[:, :1]),), jnp.zeros((1,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="dots must be one of"):
+        grouped_matmul_fp4(x, ((packed, scales),), jnp.zeros((1,), jnp.int32), interpret=True,
+                           block_sizes=BlockSizes(dots="rows"))

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._mxfp4 import dequantize_fp4, e2m1_to_float, e8m0_to_float, fp4_times_scale, unpack_fp4
+from pallas_kernels._mxfp4 import (dequantize_fp4, e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale,
+                                   unpack_fp4)
 
 CODES = np.arange(16, dtype=np.int32)[:, None]  # [16, 1]
 BYTES = np.arange(255, dtype=np.uint8)[None, :]  # [1, 255]: 255 is E8M0 NaN, refused at load
@@ -22,6 +23,9 @@ def bits(a) -> np.ndarray:
 def test_every_code_and_scale_byte_decodes_bitwise_as_the_specification():
     spec = jax.jit(lambda c, b: e2m1_to_float(c) * e8m0_to_float(b))(CODES, BYTES)
     got = jax.jit(lambda c, b: fp4_times_scale(c, e8m0_to_float(b)))(CODES, BYTES)
+    np.testing.assert_array_equal(bits(got), bits(spec))
+    # the tile kernel converts a scale per weight with a max instead of compare + select: the same products
+    got = jax.jit(lambda c, b: fp4_times_scale(c, e8m0_to_float_max(b)))(CODES, BYTES)
     np.testing.assert_array_equal(bits(got), bits(spec))
     # the table is not trivial: both signs, zeros, infinities and the plain powers of two all occur
     assert np.isinf(spec).sum() > 0 and (bits(spec) == 0x80000000).sum() > 0 and np.isfinite(spec).sum() > 3000

@@ -7,13 +7,15 @@ kernel alone, decode (6 one-row tiles, gate + up) and prefill (448 tiles of 64 r
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 from lone_kernel import compile_alone
 
 from ds4jax.rocm_check.targets import TARGETS
-from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4
+from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_matmul_fp4
 
 S = jax.ShapeDtypeStruct
 
@@ -28,5 +30,8 @@ CASES = {"decode_gate_up": _args(96, 6, 2, 4096, 2048), "prefill_down": _args(44
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fp4_kernel_compiles_within_limits(case, target):
-    compile_alone(grouped_matmul_fp4, CASES[case], target)
+@pytest.mark.parametrize("dots", ["tile", "group"])  # the default and the first kernel's per-group dots
+def test_fp4_kernel_compiles_within_limits(case, target, dots):
+    fn = grouped_matmul_fp4 if dots == "tile" else functools.partial(grouped_matmul_fp4,
+                                                                     block_sizes=BlockSizes(dots=dots, decode="arith"))
+    compile_alone(fn, CASES[case], target)
