@@ -6,6 +6,12 @@ Decode shapes at Flash dims (one query per request): for batch B and context L,
   indexer:    hi=64, di=128, c=L/4 entries per request, k=512
   sinkhorn:   the mHC projection (m=4, 20 rounds) of B tokens (ctx unused; also a 16384-token prefill), against
               its XLA `fori_loop` reference (`mhc.sinkhorn`): launch-bound, so timed per call, not per byte
+  fp4_gate_up, fp4_down, bf16_gate_up, bf16_down: one MoE layer's routed-expert grouped matmuls for B tokens
+              (ctx unused; also a 2048-token prefill) x top-6 of 256 experts, hidden 4096, expert width 2048: the
+              FP4 kernel (packed E2M1 + E8M0, `grouped_matmul_fp4`) and the bf16 one on the same routing. Weights
+              read = the selected experts' bytes. The check is the jnp reference one tile at a time (lax.map: a
+              prefill's 448 tiles would gather 15 GB of f32 weights at once); its time is not taken. The FP4
+              kernel's first version (BlockSizes dots="group", decode="arith") and the two mixes are in SWEEP
 Roofline: bytes the op must move (gathered rows, queries, indices, output) / bandwidth, both the nominal
 4.8 TB/s of an H200 and the bandwidth of a large on-device copy measured here (same timing method).
 
@@ -43,10 +49,16 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from ds4jax.runtime.routed_experts import sort_into_tiles, tile_rows
 from pallas_kernels import (
+    GroupedMatmulFp4BlockSizes,
     IndexerTopkBlockSizes,
     SparseAttentionBlockSizes,
     indexer_topk,
+    grouped_matmul,
+    grouped_matmul_fp4,
+    grouped_matmul_fp4_reference,
+    grouped_matmul_reference,
     indexer_topk_reference,
     sinkhorn,
     sinkhorn_reference,
@@ -67,7 +79,14 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         IndexerTopkBlockSizes(num_warps=16, num_stages=1, prefetch=1),  # register prefetch
         IndexerTopkBlockSizes(max_split=8192, num_warps=16, num_stages=1, prefetch=1),
     ],
+    "fp4": [  # the default: dots="tile", decode="bits" (one block_j-deep dot per nibble, decoded from float bits)
+        GroupedMatmulFp4BlockSizes(dots="group", decode="arith"),  # the first version (16-deep dots, arithmetic)
+        GroupedMatmulFp4BlockSizes(dots="group"),
+        GroupedMatmulFp4BlockSizes(decode="arith"),
+    ],
 }
+GROUPED_OPS = ("fp4_gate_up", "fp4_down", "bf16_gate_up", "bf16_down")
+GROUPED_PREFILL_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +100,15 @@ class Dims:
     dtype: str = "bfloat16"
     hc: int = 4  # mHC streams (Sinkhorn matrices are hc x hc)
     sinkhorn_iters: int = 20
+    hidden: int = 4096  # routed experts (Flash): hidden -> expert width, experts, selected per token
+    expert_width: int = 2048
+    experts: int = 256
+    experts_per_token: int = 6
 
 
 SINKHORN_PREFILL_TOKENS = 16384
-TINY = Dims(h=8, d=64, window=16, topk=16, hi=8, di=32, dtype="float32")
+TINY = Dims(h=8, d=64, window=16, topk=16, hi=8, di=32, dtype="float32", hidden=64, expert_width=32, experts=8,
+            experts_per_token=2)
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -286,6 +310,57 @@ def _indexer_sets(key, dims, batch, c, n_sets):
     return sets
 
 
+def grouped_inputs(key, dims: Dims, op, tokens, n_sets):
+    """One set of expert weights (FP4: random packed bytes, every code, at scale bytes 2^-9 .. 2^-3; bf16: normal
+    * 0.02) and n_sets routings (top-k of random expert scores per token, sorted into tiles as the model does) with
+    their activations [rows, k]. bytes = the selected experts' weight bytes (mean over the sets) + x + outputs."""
+    fp4, gate_up = op.startswith("fp4"), op.endswith("gate_up")
+    k, n = (dims.hidden, dims.expert_width) if gate_up else (dims.expert_width, dims.hidden)
+    n_w = 2 if gate_up else 1
+    dt = jnp.dtype(dims.dtype)
+    keys = jax.random.split(key, 2 * n_w + 2 * n_sets)
+    if fp4:
+        ws = tuple((jax.random.bits(keys[2 * i], (dims.experts, k // 2, n), jnp.uint8),
+                    jax.random.randint(keys[2 * i + 1], (dims.experts, k // 32, n), 118, 125).astype(jnp.uint8))
+                   for i in range(n_w))
+        per_expert = k // 2 * n + k // 32 * n
+    else:
+        ws = tuple((jax.random.normal(keys[i], (dims.experts, k, n), jnp.float32) * 0.02).astype(dt)
+                   for i in range(n_w))
+        per_expert = k * n * dt.itemsize
+    sets, used = [], []
+    s = tokens * dims.experts_per_token
+    for i in range(n_sets):
+        scores = jax.random.uniform(keys[2 * n_w + 2 * i], (tokens, dims.experts))
+        experts = jnp.argsort(-scores, axis=1)[:, :dims.experts_per_token].reshape(-1).astype(jnp.int32)
+        _, tile_group = sort_into_tiles(experts, dims.experts, tile_rows(s))
+        rows = tile_group.shape[0] * tile_rows(s)
+        x = jax.random.normal(keys[2 * n_w + 2 * i + 1], (rows, k), jnp.float32).astype(dt)
+        sets.append((x, ws, tile_group))
+        used.append(len(set(np.asarray(experts).tolist())))
+    rows = sets[0][0].shape[0]
+    n_bytes = int(np.mean(used)) * per_expert * n_w + rows * k * dt.itemsize + n_w * rows * n * 4
+    shape = {"tokens": tokens, "selections": s, "rows": rows, "tile_m": tile_rows(s), "k": k, "n": n, "weights": n_w,
+             "experts_used": float(np.mean(used))}
+    return sets, n_bytes, shape
+
+
+@functools.cache
+def _tilewise(reference):
+    """`reference` (a grouped-matmul spec) one tile at a time (lax.map): memory of one tile's weights, not all."""
+    @jax.jit
+    def ref(x, ws, tile_group):
+        tiles = tile_group.shape[0]
+        xt = x.reshape(tiles, x.shape[0] // tiles, x.shape[1])
+        out = jax.lax.map(lambda a: reference(a[0], ws, a[1][None]), (xt, tile_group))
+        return tuple(o.reshape(x.shape[0], -1) for o in out)
+    return ref
+
+
+def check_grouped(out, ref):
+    return check_sparse(jnp.concatenate(out, axis=1), jnp.concatenate(ref, axis=1))
+
+
 @jax.jit
 def _sparse_errors(out, ref):
     out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
@@ -346,6 +421,13 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
                                      interpret=a.interpret)
             ref = functools.partial(_SINKHORN_REF, iters=dims.sinkhorn_iters, eps=1e-6)
             check = check_sparse
+        elif op in GROUPED_OPS:
+            sets, n_bytes, shape = grouped_inputs(key, dims, op, batch, n_sets)
+            fp4 = op.startswith("fp4")
+            kern = functools.partial(grouped_matmul_fp4 if fp4 else grouped_matmul, block_sizes=block_sizes,
+                                     interpret=a.interpret)
+            ref = _tilewise(grouped_matmul_fp4_reference if fp4 else grouped_matmul_reference)
+            check = check_grouped
         else:
             sets, n_bytes, shape = sparse_inputs(key, dims, batch, ctx, op == "sparse_hca", n_sets)
             scale = dims.d**-0.5
@@ -395,17 +477,32 @@ def short(bs):
     )
 
 
+VARIANT_CLASSES = {"sparse": SparseAttentionBlockSizes, "indexer": IndexerTopkBlockSizes,
+                   "fp4": GroupedMatmulFp4BlockSizes}
+
+
+def sweep_kind(op):
+    """The SWEEP / --variants key of an op (None: it has no tile sweep)."""
+    if op == "indexer":
+        return "indexer"
+    if op.startswith("sparse"):
+        return "sparse"
+    return "fp4" if op.startswith("fp4") else None
+
+
 def parse_variants(spec):
-    """'sparse:block_k=64,num_stages=2;indexer:num_warps=16' -> {'sparse': [BlockSizes], 'indexer': [...]}."""
-    out = {"sparse": [], "indexer": []}
+    """'sparse:block_k=64,num_stages=2;indexer:num_warps=16;fp4:dots=group,decode=arith' -> {'sparse': [BlockSizes],
+    'indexer': [...], 'fp4': [...]} (a value that is not an integer stays a string)."""
+    out = {kind: [] for kind in VARIANT_CLASSES}
     for item in filter(None, (x.strip() for x in (spec or "").split(";"))):
         kind, _, fields = item.partition(":")
-        cls = IndexerTopkBlockSizes if kind == "indexer" else SparseAttentionBlockSizes
+        kind = kind if kind in VARIANT_CLASSES else "sparse"
         kw = {}
         for f in filter(None, fields.split(",")):
             name, _, val = f.partition("=")
-            kw[name.strip()] = None if val.strip() == "None" else int(val)
-        out["indexer" if kind == "indexer" else "sparse"].append(cls(**kw))
+            val = val.strip()
+            kw[name.strip()] = None if val == "None" else int(val) if val.lstrip("-").isdigit() else val
+        out[kind].append(VARIANT_CLASSES[kind](**kw))
     return out
 
 
@@ -507,20 +604,31 @@ def main(argv=None):
             prefill = 1000 if a.interpret else SINKHORN_PREFILL_TOKENS
             jobs += [(op, tokens, 0, None) for tokens in batches + [prefill]]
             continue
+        if op in GROUPED_OPS:  # per token too: decode batches and one prefill chunk (tiles of 64 rows)
+            prefill = 200 if a.interpret else GROUPED_PREFILL_TOKENS
+            jobs += [(op, tokens, 0, None) for tokens in batches + [prefill]]
+            continue
         for batch in batches:
             for ctx in contexts:
                 jobs.append((op, batch, ctx, None))
     for op in ops:
-        if op == "sinkhorn":  # no tile sweep
+        kind = sweep_kind(op)
+        if kind is None:  # no tile sweep
             continue
-        kind = "indexer" if op == "indexer" else "sparse"
-        for batch, ctx in [sweep_at] if sweep_at else [(b, c) for b in batches for c in contexts]:
+        if op in GROUPED_OPS:
+            prefill = 200 if a.interpret else GROUPED_PREFILL_TOKENS
+            configs = [sweep_at] if sweep_at else [(b, 0) for b in batches + [prefill]]
+        else:
+            configs = [sweep_at] if sweep_at else [(b, c) for b in batches for c in contexts]
+        for batch, ctx in configs:
             for bs in (SWEEP[kind] if a.sweep else []) + extra[kind]:
                 jobs.append((op, batch, ctx, bs))
     out = pathlib.Path(a.out)
     records = []
     for op, batch, ctx, bs in jobs:
-        rec = run_config(op, batch, ctx, dims, a, bandwidth, bs, with_ref=not a.no_ref and bs is None)
+        # the grouped ops' reference (tile by tile) is a check, not a baseline: the bf16 kernel is theirs
+        with_ref = not a.no_ref and bs is None and op not in GROUPED_OPS
+        rec = run_config(op, batch, ctx, dims, a, bandwidth, bs, with_ref=with_ref)
         records.append(rec)
         records.sort(key=lambda r: (ops.index(r["op"]), r["batch"], r["ctx"], r["block_sizes"] != "default"))
         write_outputs(out, meta, records)  # after every config: a killed run keeps its results

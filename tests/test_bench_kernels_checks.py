@@ -49,3 +49,13 @@ def test_an_erroring_case_fails_the_run(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "sinkhorn", broken)
     code, records = _run(bench, tmp_path)
     assert code == 1 and all("no kernel today" in r["error"] for r in records), records
+
+
+def test_a_disagreeing_fp4_grouped_matmul_fails_the_run(bench, tmp_path, monkeypatch):
+    """The routed-expert cases are checked too (against the jnp reference, tile by tile)."""
+    real = bench.grouped_matmul_fp4
+    monkeypatch.setattr(bench, "grouped_matmul_fp4", lambda *a, **k: tuple(y * 1.01 for y in real(*a, **k)))
+    out = tmp_path / "kernels"
+    code = bench.main(["--interpret", "--ops", "fp4_down", "--batches", "1", "--iters", "1", "--out", str(out)])
+    records = json.loads(out.with_suffix(".json").read_text())["records"]
+    assert code == 1 and records and all(r["check"]["ok"] is False for r in records), records
