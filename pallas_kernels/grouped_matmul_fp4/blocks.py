@@ -12,11 +12,17 @@ DECODES = ("bits", "arith")
 class BlockSizes:
     """block_n: output columns per program; block_j: packed weight rows per step (2 * block_j inputs, a multiple
     of 16 so a step covers whole 32-input scale groups); k_splits: programs along the inputs (None = the
-    grouped matmul's heuristic); num_warps, num_stages: Triton launch parameters.
+    grouped matmul's heuristic); num_warps, num_stages: Triton launch parameters; dots: "tile" (one block_j-deep
+    dot per nibble and step, the scales loaded per packed row) or "group" (the first version: two 16-deep dots
+    per scale group); decode: "bits" (`fp4_times_scale`) or "arith" (`e2m1_to_float * scale`, the first version).
 
-    Shared memory per stage: 2 * tile_m * block_j * itemsize (x, even and odd inputs) + 2 * len(ws) * block_j *
-    block_n bytes (packed values, scale bytes): 20 KB at the defaults for gate + up (bf16, tile_m 16), far inside
-    MI300's 64 KB. The weights are decoded to x's dtype in registers; no FP4 instruction is used.
+    Shared memory per stage ("tile"): 2 * tile_m * block_j * itemsize (x, even and odd inputs) + 2 * len(ws) *
+    block_j * block_n bytes (packed values, and the scale byte of each packed row): Triton 3.6 gives 40 KB for
+    decode gate + up (bf16, tile_m 16, 3 stages) and 56 KB for prefill down (tile_m 64, 2 stages) on sm90, inside
+    MI300's 64 KB (`tests/rocm/test_fp4_kernel_compile.py`); block_n 128 would not fit (72 KB at decode). The
+    loop's instruction count per weight does not depend on block_n / block_j / num_warps (sm90 SASS: 12.9 a
+    nibble at 64 x 64, 64 x 32, 128 x 64 with 8 warps): the defaults stay, chosen for the LDS budget and for
+    enough programs at decode. The weights are decoded to x's dtype in registers; no FP4 instruction is used.
     """
 
     block_n: int = 64

@@ -2,12 +2,15 @@
 
 The routed-expert GEMM of an MoE layer reading the checkpoint's FP4 experts as they are: 0.53 bytes per weight
 (packed E2M1 + one E8M0 byte per 32 inputs) instead of bf16's 2. Program (tile, column block, k split) streams
-its expert's packed rows [16, block_n] and their scale row [1, block_n] and decodes them in registers (integer
-ops; no FP4 hardware assumed, which MI300 lacks) to x's dtype — exact, e2m1 times a power of two — then
-multiplies. Packed row j holds inputs 2j and 2j + 1, so x enters split into its even and odd columns (the
-wrapper's strided slices of the activations): y = x_even @ W_low + x_odd @ W_high, with one 16-deep dot per
-nibble and scale group. Empty tiles (group -1) read no weight; sorting, tiles and k splits are the bf16 grouped
-matmul's (`pallas_kernels.grouped_matmul`).
+its expert's packed rows [block_j, block_n] and each row's scale byte (row j // 16, loaded per packed row so the
+scale tile streams ahead like the packed one) and decodes them in registers (`fp4_times_scale`: float bits from
+integer ops, one min, the scale multiply; no FP4 hardware assumed, which MI300 lacks) to x's dtype — exact, e2m1
+times a power of two — then multiplies. Packed row j holds inputs 2j and 2j + 1, so x enters split into its even
+and odd columns (the wrapper's strided slices of the activations): y = x_even @ W_low + x_odd @ W_high, one
+block_j-deep dot per nibble and step. The kernel is ALU-bound (decoding), not bound by HBM: the decode is what
+was made cheap. `BlockSizes(dots="group", decode="arith")` is the first version (two 16-deep dots per 32-input
+scale group, value-arithmetic decode with int -> float conversions), kept to time against. Empty tiles (group -1)
+read no weight; sorting, tiles and k splits are the bf16 grouped matmul's (`pallas_kernels.grouped_matmul`).
 """
 
 from __future__ import annotations
