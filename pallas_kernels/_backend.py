@@ -88,7 +88,7 @@ def _tile_mask(starts, shape, bounds):
 
 
 def load_tile(ref, starts, shape, bounds, lead=()):
-    """ref[*lead, s0 : s0 + shape[0], s1 : s1 + shape[1]] of a (len(lead) + 2)-d ref, with the elements at or past
+    """ref[*lead, s0 : s0 + shape[0], s1 : s1 + shape[1], ...] of a (len(lead) + len(shape))-d ref, with the elements at or past
     `bounds` (per dim, an int, or None where the tile never crosses the edge) never read: they load as 0 (masked
     load; Triton can still stream the tile into shared memory with zero fill). `lead`: scalar indices of the
     leading dims (an expert of an [experts, k, n] weight), in the same indexer: the Triton lowering takes one."""
