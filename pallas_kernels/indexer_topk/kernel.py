@@ -80,9 +80,9 @@ def _score_select_kernel(
     row_id = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
     def ids_of(r):
-        j = begin + r * block_c + lax.broadcasted_iota(jnp.int32, (block_c,), 0)
-        visible = j < end
-        return _backend.load_1d(key_rows_ref, j, visible, 0), visible
+        first = begin + r * block_c
+        visible = first + lax.broadcasted_iota(jnp.int32, (block_c,), 0) < end
+        return _backend.load_range(key_rows_ref, first, block_c, visible, 0), visible
 
     def fetch(ids, visible):
         """Key rows [block_c, d] in q's dtype (invisible rows never read) and, for an FP8 pool, their scales."""
@@ -137,21 +137,22 @@ def _score_select_kernel(
     _backend.store_1d(j_out_ref, _exclusive_cumsum_2d(win), j2, win)
     slot = lax.broadcasted_iota(jnp.int32, (s_out_ref.shape[0],), 0)
     empty = slot >= want
-    _backend.store_1d(s_out_ref, slot, jnp.full(slot.shape, -jnp.inf, jnp.float32), empty)
-    _backend.store_1d(j_out_ref, slot, jnp.full(slot.shape, -1, jnp.int32), empty)
+    _backend.store_range(s_out_ref, 0, jnp.full(slot.shape, -jnp.inf, jnp.float32), empty)
+    _backend.store_range(j_out_ref, 0, jnp.full(slot.shape, -1, jnp.int32), empty)
 
 
 def _rank_kernel(s_ref, j_ref, out_ref, *, n: int, k: int, block: int, inner: int):
     """s_ref, j_ref [n]: one query's candidates (s = -inf: none). out_ref [k]: ids by rank, then -1."""
-    i = pl.program_id(1) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-    s_i = _backend.load_1d(s_ref, i, i < n, -jnp.inf)
-    j_i = _backend.load_1d(j_ref, i, i < n, -1)
+    first = pl.program_id(1) * block
+    i = first + lax.broadcasted_iota(jnp.int32, (block,), 0)
+    s_i = _backend.load_range(s_ref, first, block, i < n, -jnp.inf)
+    j_i = _backend.load_range(j_ref, first, block, i < n, -1)
 
     def body(b, carry):
         rank, n_cand = carry
         o = b * inner + lax.broadcasted_iota(jnp.int32, (inner,), 0)
-        s_o = _backend.load_1d(s_ref, o, o < n, -jnp.inf)
-        j_o = _backend.load_1d(j_ref, o, o < n, -1)
+        s_o = _backend.load_range(s_ref, b * inner, inner, o < n, -jnp.inf)
+        j_o = _backend.load_range(j_ref, b * inner, inner, o < n, -1)
         real = s_o > -jnp.inf
         beats = real[None, :] & (
             (s_o[None, :] > s_i[:, None]) | ((s_o[None, :] == s_i[:, None]) & (j_o[None, :] < j_i[:, None]))
@@ -162,7 +163,7 @@ def _rank_kernel(s_ref, j_ref, out_ref, *, n: int, k: int, block: int, inner: in
     win = (s_i > -jnp.inf) & (rank < k)
     _backend.store_1d(out_ref, rank, j_i, win)
     empty = (i >= jnp.minimum(n_cand, k)) & (i < k)  # this program's share of the unfilled slots
-    _backend.store_1d(out_ref, i, jnp.full(i.shape, -1, jnp.int32), empty)
+    _backend.store_range(out_ref, first, jnp.full(i.shape, -1, jnp.int32), empty)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_sizes", "interpret"))

@@ -12,8 +12,9 @@ _ROCM_ARCHS = ("gfx942", "gfx950")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockSizes:
-    """block_tokens: tokens per program, a power of two (one token per lane: each lane keeps its token's m*m
-    values in registers through all iterations; nothing crosses lanes); num_warps: Triton warps per program
+    """block_tokens: tokens per program, a power of two (sized for one token per lane: at 128 tokens and 4 warps
+    Triton keeps each token's m*m values in one thread's registers through all iterations; a small decode block
+    spreads a token over a few lanes, its column sums then shuffles); num_warps: Triton warps per program
     (fewer when the block is smaller than that many lanes); num_stages: Triton stages (no loop loads here).
 
     A decode step's few tokens (batch x 1) fit one program; a prefill chunk's thousands spread over

@@ -35,7 +35,7 @@ from pallas_kernels.sparse_attention.validate import validate_sparse_attention_s
 def _live_blocks(idx_ref, n: int, block_k: int):
     """Blocks of a row list up to its last valid slot (interior -1 slots are masked per block)."""
     slot = lax.broadcasted_iota(jnp.int32, (next_pow2(n),), 0)
-    ids = _backend.load_1d(idx_ref, slot, slot < n, -1)
+    ids = _backend.load_range(idx_ref, 0, next_pow2(n), slot < n, -1)
     live = jnp.max(jnp.where(ids >= 0, slot + 1, 0))
     return (live + block_k - 1) // block_k
 
@@ -100,7 +100,7 @@ def _sparse_attention_kernel(
         def ids_of(blk):
             slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             ok = (slot < n) & (blk < hi) if prefetch else slot < n  # (no prefetch: the loop bound is hi)
-            return _backend.load_1d(idx_ref, slot, ok, -1)  # [block_k]
+            return _backend.load_range(idx_ref, blk * block_k, block_k, ok, -1)  # [block_k]
 
         def fetch(ids):
             valid = ids >= 0

@@ -46,6 +46,9 @@ CASES = [
     Case("batch_dims", (3, 5, 4, 4), block_tokens=8),
     Case("m2", (13, 2, 2), block_tokens=4, poisoned=(12,)),
     Case("m8", (9, 8, 8), block_tokens=4),
+    # m not a power of two: the kernel pads its tile to 4 x 4 / 8 x 8 (masked); padding must not reach a sum
+    Case("m3_padded", (11, 3, 3), block_tokens=4, poisoned=(6,)),
+    Case("m5_padded", (6, 5, 5), block_tokens=8),
     Case("bf16_logits", (20, 4, 4), dtype="bfloat16"),
 ]
 
@@ -100,6 +103,13 @@ class TestSinkhornInterpret(SinkhornTestBase):
         got = sinkhorn(jnp.asarray(x), iters=iters, eps=EPS, block_sizes=BlockSizes(block_tokens=4), interpret=True)
         want = sinkhorn_reference(jnp.asarray(x), iters=iters, eps=EPS)
         chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+    @pytest.mark.parametrize("m", [3, 4])
+    def test_eps_zero(self, m):
+        """eps = 0: a padded row or column of the m = 3 tile sums to 0 (0 / 0 there must not reach a real entry)."""
+        x = make_logits(Case("eps0", (5, m, m)), scale=1.0)
+        got = sinkhorn(x, iters=ITERS, eps=0.0, block_sizes=BlockSizes(block_tokens=4), interpret=True)
+        chex.assert_trees_all_close(got, sinkhorn_reference(x, iters=ITERS, eps=0.0), rtol=RTOL, atol=ATOL)
 
     def test_reference_is_the_models_sinkhorn(self):
         """The kernel package may not import ds4jax, so its spec restates `mhc.sinkhorn`: they must agree."""

@@ -124,6 +124,7 @@ CASES = {
     "sinkhorn_decode": _sinkhorn(64),
     "sinkhorn_prefill_tail": _sinkhorn(16384 + 5),
     "sinkhorn_m8": _sinkhorn(100, m=8),
+    "sinkhorn_m3_padded": _sinkhorn(100, m=3),
 }
 
 
