@@ -22,7 +22,10 @@ _rng = np.random.default_rng(5)
 PROMPT = _rng.integers(3, 256, 19).tolist()  # three chunks of 8; a snapshot at 11 splits the second one
 OTHER = PROMPT[:11] + _rng.integers(3, 256, 6).tolist()  # shares an 11-token prefix with PROMPT
 NEW = 10
-ENGINE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, row_buckets=(2,),
+# test_engine.py's engine but for its row buckets: the same pool specs, so this one's prefill [4 rows x 8], decode and
+# speculative programs (4 rows x 4 steps / rounds) are that engine's 4-row programs, compiled once per run (the
+# other worker loads them from the run's cache, tests/run_cache.py; the same worker has them in memory)
+ENGINE = dict(max_slots=4, max_context=64, speculative=2, prefill_chunk=8, row_buckets=(4,),
               steps_per_call=4)
 
 
