@@ -1,22 +1,21 @@
 """A one-shot engine sizes its speculative pools for a bucket of the draft length (`buckets.draft_bucket`: k = 1..4
 all get pools for 4 drafts), so `speculative_generate` / `generate(speculative=k)` / ``ds4jax generate
 --speculative K`` with another k of the bucket reuse the prefill and decode programs: only the speculative program,
-static in k, is new. Counted per program with JAX's compile events (`compiles.program_compiles`), on the seeded
-random tiny model of the default architecture."""
+static in k, is new. Counted per program with JAX's compile events (`compiles.program_compiles`), on the cheapest
+model with an MTP block (small_engine.py: one sliding-window layer; its programs compile in seconds)."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 
 import ds4jax
 from ds4jax.errors import ArgumentError, PoolSpecError
 from ds4jax.generation.buckets import DRAFT_MIN, draft_bucket, one_shot
 from ds4jax.generation.compiles import program_compiles
-from ds4jax.io.default_model import random_config, random_model
+from ds4jax.io.default_model import random_config
 from ds4jax.runtime.pool_spec import PoolSpec, most_drafts
 from ds4jax.runtime.roles import Role
-from random_default import random_default  # noqa: F401 (autouse: the random tiny model, cache off)
+from small_engine import one_layer_model
 
 
 def shape(k: int, most: int | None = None) -> dict:
@@ -47,7 +46,7 @@ def test_most_drafts_is_what_the_pool_spec_accepts():
 
 
 def test_draft_lengths_are_checked():
-    model = random_model(jnp.float32)
+    model = one_layer_model()
     with pytest.raises(ArgumentError, match="draft_lengths"):
         ds4jax.Engine(model, max_slots=1, max_context=64, speculative=2, draft_lengths=(3,))
     with pytest.raises(ArgumentError, match="Adaptive.ks"):
@@ -55,7 +54,8 @@ def test_draft_lengths_are_checked():
 
 
 def test_another_k_of_the_bucket_compiles_only_its_speculative_program():
-    model = random_model(jnp.float32)
+    model = one_layer_model()
+    assert most_drafts(model.config) is None  # no compressor rings: the bucket is DRAFT_MIN
     prompts, params = [[3, 4, 5, 6, 7], [8, 9, 10]], ds4jax.SamplingParams(max_new_tokens=6)
     three = ds4jax.speculative_generate(model, prompts, params, k=3)
     before = program_compiles()
