@@ -94,8 +94,9 @@ SPEC_NEW = 20
 
 @pytest.fixture(scope="module")
 def prompts(heldout):
-    # 4 ragged prompts of <= 32 tokens: k = 4 then runs on the engine sizes notebooks/03 warms up (4 slots, 128-token
-    # context), whose compiled programs the run's shared cache hands to this test (tests/run_cache.py)
+    # 4 ragged prompts of <= 32 tokens: every k = 1..4 then runs on the engine sizes notebooks/03 warms up (4 slots,
+    # 128-token context, pools for 4 drafts: buckets.draft_bucket), so all four share one prefill program, which the
+    # run's shared cache hands to this test (tests/run_cache.py), as it does k = 4's rounds
     return [list(heldout[0, :20]), list(heldout[1, :13]), list(heldout[2, :27]), list(heldout[3, :9])]
 
 

@@ -6,6 +6,7 @@ check of `test_serving`, and the compile tripwire covers all of them: after `war
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -40,7 +41,10 @@ def requests(overrides: dict | None = None) -> list[Request]:
 
 @pytest.fixture(scope="module")
 def model():
-    return agreeable_model(tiny3(), seed=0, damp=0.3, stream_gain=2.0)
+    # committed to the device, as test_snapshots.py's engine (and a loaded checkpoint) is: jit keys its programs on
+    # the arguments' committed-ness, so the two files' equal programs are then one in a process
+    m = agreeable_model(tiny3(), seed=0, damp=0.3, stream_gain=2.0)
+    return ds4jax.Model(m.config, jax.device_put(m.params, jax.devices()[0]))
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_generation_scanned_equals_unrolled(models):
     run = lambda k: [r.tokens for r in engine.generate([Request(prompt=p, max_new_tokens=12, speculative=k)
                                                         for p in prompts])]  # noqa: E731
     assert run(0) == want  # plain decode steps
-    assert run(None) == want  # speculative rounds (the engine's k = 2)
+    assert run(None) == want  # speculative rounds (the engine's one program: k = 2)
 
 
 def _decode_jaxpr_size(cfg, scan: bool = True) -> int:

@@ -171,7 +171,8 @@ def test_engine_fused_loops_and_verification(speculative):
     from ds4jax import Request
 
     eng = engine()
-    assert eng.model.has_mtp and eng.tspec.draft_tokens == 3
+    # pools for the draft bucket of k=2 (buckets.draft_bucket: 4 drafts), rounds of the one program's 2 drafts
+    assert eng.model.has_mtp and eng.tspec.draft_tokens == 5 and eng.policy.ks == (2,)
     prompt = ids()[0, :PROMPT + DECODE - NEW].tolist()  # 39 tokens: chunks of 16, 16 and 7
     result = eng.generate([Request(prompt=prompt, max_new_tokens=NEW, speculative=speculative)])[0]
     assert result.ok and len(result.tokens) == NEW

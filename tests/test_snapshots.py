@@ -15,6 +15,7 @@ import ds4jax
 from ds4jax import Engine, ErrorCode, Request
 from ds4jax.runtime.pools import PoolError
 from ds4jax.generation import engine as engine_lib
+from ds4jax.generation.compiles import program_compiles
 from ds4jax.generation.snapshots import Snapshot, SnapshotStore
 from spec_helpers import agreeable_model, tiny3
 
@@ -22,7 +23,10 @@ _rng = np.random.default_rng(5)
 PROMPT = _rng.integers(3, 256, 19).tolist()  # three chunks of 8; a snapshot at 11 splits the second one
 OTHER = PROMPT[:11] + _rng.integers(3, 256, 6).tolist()  # shares an 11-token prefix with PROMPT
 NEW = 10
-ENGINE = dict(max_slots=2, max_context=64, speculative=2, prefill_chunk=8, row_buckets=(2,),
+# test_engine.py's engine but for its row buckets: the same pool specs, so this one's prefill [4 rows x 8], decode and
+# speculative programs (4 rows x 4 steps / rounds) are that engine's 4-row programs, compiled once per run (the
+# other worker loads them from the run's cache, tests/run_cache.py; the same worker has them in memory)
+ENGINE = dict(max_slots=4, max_context=64, speculative=2, prefill_chunk=8, row_buckets=(4,),
               steps_per_call=4)
 
 
@@ -248,8 +252,11 @@ def check_park(engine, fresh):
     kept = jax.tree.leaves(({k: v for k, v in params.items() if k != "mtp"}, engine.tpool, engine.slot_state))
     assert kept and not any(x.is_deleted() for x in kept), "parking the draft released the target's buffers"
     del kept  # (a reference would keep buffers alive that the steps below replace)
+    compiled = program_compiles()
     spec, plain = engine.generate([req(PROMPT), req(PROMPT, speculative=0)])
     assert spec.error is ErrorCode.MODEL_PARKED and plain.tokens == fresh["greedy"]
+    # (a prefill without the draft's extend is a program of its own; the plain decode steps are the warmed-up ones)
+    assert "jit(decode_loop)" not in program_compiles() - compiled
     engine.park("target")
     assert engine.parked == ("draft", "target") and start - live() >= mtp + dpool + target + tpool
     assert engine.generate([req(PROMPT, speculative=0)])[0].error is ErrorCode.MODEL_PARKED

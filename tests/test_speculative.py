@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ds4jax
 from ds4jax import SamplingParams, greedy_generate
 from ds4jax.errors import ArgumentError
+from ds4jax.generation import buckets
 from ds4jax.runtime.pool_spec import PoolSpecError
 from ds4jax.runtime.pools import PoolError
 from ds4jax.generation.sampling import filter_logits
@@ -40,6 +41,14 @@ _rng = np.random.default_rng(7)
 PROMPTS = [_rng.integers(0, 256, n).tolist() for n in (5, 11, 19)]
 # other prompts of PROMPTS' buckets (3-4 prompts -> 4 rows; longest + 32 + k + 1 <= 64) and chunk shapes
 OTHER_PROMPTS = [[_rng.integers(0, 256, n).tolist() for n in lengths] for lengths in ((14, 3, 9), (19, 7, 12, 1))]
+
+
+@pytest.fixture(autouse=True)
+def exact_rings(monkeypatch):
+    """Pools sized exactly for each k (swa_rows = window + k, the tightest ring: a verify's last write lands on the
+    row just before the oldest one its queries still read), not for the one-shot engines' bucket of k
+    (`buckets.draft_bucket`, tested in test_draft_bucket.py), which would give k = 1..3 one looser ring."""
+    monkeypatch.setattr(buckets, "draft_bucket", lambda k, most=None: k)
 
 
 @pytest.fixture(scope="module")

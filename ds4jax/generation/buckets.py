@@ -19,7 +19,9 @@ compiles each once; nothing compiles afterwards):
 * the snapshot restore: one program, on the widest prefill row bucket.
 
 `one_shot` sizes the engine of a `ds4jax.generate` call from buckets of the call's arguments, so a new prompt
-length or `max_new_tokens` within the same buckets reuses every compiled program.
+length or `max_new_tokens` within the same buckets reuses every compiled program. Its speculative pools are sized
+for a bucket of the draft length (`draft_bucket`: k = 1..4 all get pools for 4 drafts), so a call with another k of
+the same bucket reuses the prefill and decode programs and compiles only its speculative program.
 """
 
 from __future__ import annotations
@@ -35,9 +37,25 @@ ONE_SHOT_STEPS = 16  # steps (or rounds) per host call of a one-shot engine: fix
 # program (a call returns early when its rows finish; tokens reach on_token every <= 16 steps)
 
 
+DRAFT_MIN = 4  # the fewest drafts per round a one-shot engine's speculative pools are sized for (`draft_bucket`)
+
+
 def bucket(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def draft_bucket(k: int, most: int | None = None) -> int:
+    """The drafts per round a one-shot engine's pools are sized for when its rounds draft k: max(DRAFT_MIN,
+    bucket(k)), at most `most` (what the model's state rings take: `pool_spec.most_drafts`) but never below k;
+    0 for k = 0. The pools' size is static in every program that touches them, and pools sized for more drafts
+    serve shorter rounds unchanged (as the adaptive policy's shorter draft lengths run on the pools of its
+    longest), so runs whose k share a bucket share the prefill and decode programs. The cost: the rings and each
+    request's reserved window grow by at most DRAFT_MIN - 1 positions (k = 1: 3 SWA rows per layer and slot)."""
+    if not k:
+        return 0
+    top = max(DRAFT_MIN, bucket(k))
+    return top if most is None else max(k, min(top, most))
 
 
 ROW_BUCKET_FACTOR = 8  # ratio of consecutive default row buckets (see the module docstring)
@@ -116,18 +134,23 @@ def engine_buckets(slots: int, data: int, *, prefill_chunk: int, prefill_tokens:
 
 def one_shot(prompt_lengths: Sequence[int], max_new_tokens: int, *, speculative: int, data: int,
              max_position_embeddings: int, prefill_chunk: int | None = None,
-             steps_per_call: int | None = None) -> dict:
+             steps_per_call: int | None = None, most_drafts: int | None = None) -> dict:
     """Engine arguments for one batch call: slots, prompt width and context from power-of-two buckets (at least
     `ONE_SHOT_MIN`) of the prompts' count and length and of max_new_tokens, a fixed `ONE_SHOT_STEPS`. Two calls
     whose arguments fall in the same buckets build equal engines, so the second compiles nothing.
-    `prefill_chunk` (explicit) prefills every prompt in chunks of that many tokens."""
+    `prefill_chunk` (explicit) prefills every prompt in chunks of that many tokens.
+    speculative=k > 0: the engine's pools (and its `speculative`, the most drafts a request may ask for) are
+    sized for `draft_bucket(k, most_drafts)` drafts, and its one speculative program drafts k (`draft_lengths`),
+    so two calls whose k share a bucket differ only in that program."""
     prompt = bucket(max(max(prompt_lengths), ONE_SHOT_MIN))
     new = bucket(max(max_new_tokens, ONE_SHOT_MIN))
-    spec = speculative + 1 if speculative else 0
+    pools = draft_bucket(speculative, most_drafts)
+    spec = pools + 1 if pools else 0
     # the model's own limit caps the bucket (prompt + max_new_tokens were checked against it)
     context = min(bucket(prompt + new + spec), max(max_position_embeddings, max(prompt_lengths) + max_new_tokens + spec))
     slots = -(-bucket(len(prompt_lengths)) // data) * data  # data-parallel pools: slots split evenly over data
     width = prefill_chunk or prompt
-    return dict(max_slots=slots, max_context=context, speculative=speculative, prefill_chunk=width,
+    return dict(max_slots=slots, max_context=context, speculative=pools,
+                draft_lengths=(speculative,) if speculative else None, prefill_chunk=width,
                 prefill_tokens=width * slots, row_buckets=(slots,),
                 steps_per_call=steps_per_call or ONE_SHOT_STEPS)

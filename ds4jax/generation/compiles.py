@@ -3,10 +3,12 @@
 JAX reports each backend compile (a persistent-cache hit included: it is timed as a compile that returned
 early) and each persistent-cache hit separately, so a count minus its hits is the work the compiler really did.
 `CompileTotals` are cumulative; subtract two to measure a span (`Engine.warmup` does per program).
+`program_compiles` counts them per program name (``jit(prefill_call)``), for a test that says which recompiled.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 
@@ -29,6 +31,8 @@ class CompileTotals:
 
 _totals = [CompileTotals()]  # one cell: the listeners replace it (a frozen record per event)
 _thread = threading.local()  # the same per thread (compiles run on a pool during warm-up: runtime/precompile.py)
+_by_name: collections.Counter = collections.Counter()  # program name -> backend compiles (hits included)
+_names_lock = threading.Lock()
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
@@ -37,6 +41,8 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _totals[0] = dataclasses.replace(t, compiles=t.compiles + 1, seconds=t.seconds + duration)
         mine = thread_totals()
         _thread.totals = dataclasses.replace(mine, compiles=mine.compiles + 1, seconds=mine.seconds + duration)
+        with _names_lock:
+            _by_name[kwargs.get("fun_name", "?")] += 1
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -62,3 +68,10 @@ def thread_totals() -> CompileTotals:
 def compile_count() -> int:
     """XLA compilations in this process so far (every jitted program, ours or not)."""
     return _totals[0].compiles
+
+
+def program_compiles() -> collections.Counter:
+    """Backend compiles in this process so far per program name (JAX's, e.g. ``jit(decode_loop)``); subtract two
+    copies to see what a span compiled."""
+    with _names_lock:
+        return collections.Counter(_by_name)

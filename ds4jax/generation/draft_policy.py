@@ -66,15 +66,20 @@ class Adaptive:
     switch_gain: float = 0.1  # another option must promise this much more tokens/s to replace the last choice
 
     def draft_lengths(self, k: int) -> tuple[int, ...]:
-        ks = self.ks if self.ks is not None else (1, -(-k // 2), k)
-        out = tuple(sorted({int(x) for x in ks}))
-        if not out or out[0] < 1 or out[-1] > k:
-            raise ArgumentError(f"draft lengths must lie in 1..{k} (the engine's speculative=k)", name="Adaptive.ks",
-                                value=self.ks)
+        out = checked_lengths(self.ks if self.ks is not None else (1, -(-k // 2), k), k, "Adaptive.ks", self.ks)
         if self.costs is not None and any(x not in self.costs or not self.costs[x] > 0 for x in (0,) + out):
             raise ArgumentError(f"needs a positive cost for 0 (a plain step) and each of {out}",
                                 name="Adaptive.costs", value=self.costs)
         return out
+
+
+def checked_lengths(ks, k: int, name: str, value=None) -> tuple[int, ...]:
+    """Draft lengths `ks`, sorted and distinct, each in 1..k (`ArgumentError` naming `name` otherwise)."""
+    out = tuple(sorted({int(x) for x in ks}))
+    if not out or out[0] < 1 or out[-1] > k:
+        raise ArgumentError(f"draft lengths must lie in 1..{k} (the engine's speculative=k)", name=name,
+                            value=ks if value is None else value)
+    return out
 
 
 def tokens_per_round(a: float, k: int) -> float:
@@ -84,7 +89,8 @@ def tokens_per_round(a: float, k: int) -> float:
 
 class Fixed:
     """Every speculative-capable row speculates with the engine's k (each row up to its own cap; a call runs the
-    program of the fewest drafts in `ks` that serves its rows' caps)."""
+    program of the fewest drafts in `ks` that serves its rows' caps, else the longest). `ks` defaults to (k,);
+    `Engine(draft_lengths=...)` gives others (a one-shot engine: pools for a bucket of k, one program of its k)."""
 
     def __init__(self, k: int, ks: Sequence[int] | None = None):
         self.ks = tuple(ks) if ks is not None else ((k,) if k else ())
@@ -202,10 +208,18 @@ class AdaptivePolicy:
         return k
 
 
-def policy(k: int, adaptive) -> Fixed | AdaptivePolicy:
-    """The engine's policy: `adaptive` False (fixed k), True (default `Adaptive`) or an `Adaptive`."""
+def policy(k: int, adaptive, draft_lengths=None) -> Fixed | AdaptivePolicy:
+    """The engine's policy: `adaptive` False (fixed k; its programs' draft lengths `draft_lengths`, default
+    (k,)), True (default `Adaptive`) or an `Adaptive`."""
     if adaptive and not k:
         raise ArgumentError("needs speculative=k > 0 (the most drafts per round)", name="adaptive", value=adaptive)
+    if draft_lengths is not None:
+        if adaptive:
+            raise ArgumentError("is for a fixed draft length; an adaptive engine takes them as Adaptive.ks",
+                                name="draft_lengths", value=draft_lengths)
+        if not k:
+            raise ArgumentError("needs speculative=k > 0 (the most drafts per round)", name="draft_lengths",
+                                value=draft_lengths)
     if not adaptive:
-        return Fixed(k)
+        return Fixed(k, None if draft_lengths is None else checked_lengths(draft_lengths, k, "draft_lengths"))
     return AdaptivePolicy(adaptive if isinstance(adaptive, Adaptive) else Adaptive(), k)

@@ -82,6 +82,10 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
     tokens per round with the MTP block; requests may opt out (`Request.speculative=0`) or cap k.
     adaptive: True or an `Adaptive`: each call picks its draft length (0 = plain) from the live batch and the
     acceptance so far, up to k (`draft_policy`); False: always k.
+    draft_lengths (not adaptive): the draft lengths of the speculative programs, each in 1..k (default (k,)); a call
+    runs the shortest that serves its rows' caps, else the longest. The pools stay sized for k: a one-shot engine
+    (`buckets.one_shot`) sizes them for a bucket of its k and runs its k, so another k of that bucket shares its
+    prefill and decode programs.
     Pools: `max_slots` x `max_context` exactly, or sized from `memory_budget_bytes` (`configure`).
     steps_per_call: M, the most tokens (plain) or rounds (speculative) per host round trip (a layer split: per
     host loop of single steps).
@@ -102,7 +106,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
                  check_finite: bool = True, adaptive: bool | Adaptive = False, logprobs: int = 0,
-                 kv_dtype: str = "auto"):
+                 kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -115,7 +119,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
         self.model = Model(cfg, dict(model.params), self.layout, scan_layers=model.scan_layers)
         self.cfg, self.k, self.tokenizer = cfg, k, tokenizer
-        self.policy = draft_policy.policy(k, adaptive)  # the draft length of each call
+        self.policy = draft_policy.policy(k, adaptive, draft_lengths)  # the draft length of each call
         self.logprobs = int(logprobs)
         if not 0 <= self.logprobs <= cfg.vocab_size:
             raise PoolError(f"logprobs must be in [0, {cfg.vocab_size}] (the vocabulary), got {logprobs}")

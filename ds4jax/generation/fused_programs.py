@@ -36,6 +36,13 @@ def set_slot_rows(state: SlotState, slot, logits, stream) -> SlotState:
         last_stream=state.last_stream.at[slot].set(stream.astype(state.last_stream.dtype))))
 
 
+def target_params(params: dict) -> dict:
+    """The weights without the MTP block, which plain decode steps never read. Parking the draft leaves
+    params["mtp"] None, a different argument structure: with the block in the arguments, the plain decode program
+    compiled again (or was traced and loaded again) for the first call after `park("draft")`."""
+    return {k: v for k, v in params.items() if k != "mtp"}
+
+
 class FusedPrograms:
     """What `Engine` runs when a step fits one program: one device, or a mesh of one stage (`layout`)."""
 
@@ -140,8 +147,8 @@ class FusedPrograms:
         committed arrays: a call run ahead takes the previous call's outputs (committed), and a jitted program
         compiles apart for host and committed inputs."""
         with self.active():
-            return loops.decode_loop(params, tpool, self.committed(rows), cfg=self.cfg, spec=spec, kernels=kernels,
-                                     max_steps=max_steps, logprobs=self.logprobs)
+            return loops.decode_loop(target_params(params), tpool, self.committed(rows), cfg=self.cfg, spec=spec,
+                                     kernels=kernels, max_steps=max_steps, logprobs=self.logprobs)
 
     def speculate(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
                   dspec: PoolSpec, k: int, kernels, max_rounds: int):

@@ -24,6 +24,7 @@ from ds4jax.model.finite import nonfinite_error
 from ds4jax.model.handle import Model
 from ds4jax.model.inputs import INT64_MAX, INT64_MIN, check_int, check_real, check_token_ids, is_int
 from ds4jax.runtime import kv_quant
+from ds4jax.runtime.pool_spec import most_drafts
 from ds4jax.runtime.pools import PoolError
 
 
@@ -110,11 +111,12 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
     data = 1 if model.layout is None else model.layout.axis_sizes["data"]
     shape = buckets.one_shot([len(p) for p in prompts], params.max_new_tokens, speculative=k, data=data,
                              max_position_embeddings=model.config.max_position_embeddings,
-                             prefill_chunk=prefill_chunk, steps_per_call=steps_per_call)
+                             prefill_chunk=prefill_chunk, steps_per_call=steps_per_call,
+                             most_drafts=most_drafts(model.config))
     engine = Engine(model, **shape, check_finite=check_finite, kv_dtype=kv_dtype)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
-                        stop_ids=tuple(params.stop_ids),
+                        stop_ids=tuple(params.stop_ids), speculative=k or None,  # k: the pools may take more
                         on_token=None if on_token is None else (lambda ev, r=r: on_token(r, ev.token) and None))
                 for r, p in enumerate(prompts)]
     results = engine.generate(requests)

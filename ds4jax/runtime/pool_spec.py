@@ -83,6 +83,16 @@ def _state_rows(window: int, draft_tokens: int) -> int:
     return 2 * window if draft_tokens > 0 else window
 
 
+def most_drafts(cfg: Config) -> int | None:
+    """The most drafts per round (k = draft_tokens − 1) the speculating state rings of `cfg`'s compressed layers
+    take: the smallest `write_pad` of those rings, less one. None without compressed layers (the SWA ring grows
+    with any k)."""
+    pads = [write_pad(_state_rows(window, 1), window)
+            for kind, window in ((AttentionType.CSA, 2 * cfg.csa_ratio), (AttentionType.HCA, cfg.hca_ratio))
+            if cfg.layers_of(kind)]
+    return min(pads) - 1 if pads else None
+
+
 def _dtype_name(dtype: Any, field: str) -> str:
     try:
         return jnp.dtype(dtype).name
