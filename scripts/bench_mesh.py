@@ -222,8 +222,12 @@ def main(argv=None):
     cases = [("decode", b, 1) for b in decode_rows] + [("prefill", 2, c) for c in prefill_chunks]
     lays = layouts(devices)
     models = {}
+    # smoke: the params are generated once (on one device) and copied into each layout, the same values the real
+    # run generates in place per layout (`place_params`), without compiling the generator once per layout (the
+    # smoke run's largest programs); the real run's slices do not fit on one host
+    host = jax.tree.map(np.asarray, place_params(cfg, lays["1 device"], dtype)) if SMOKE else None
     for name, layout in tqdm(lays.items(), desc="layouts"):
-        models[name] = place_params(cfg, layout, dtype)
+        models[name] = jax.device_put(host, layout.param_shardings(cfg)) if SMOKE else place_params(cfg, layout, dtype)
         for kind, rows, chunk in tqdm(cases, desc=name, leave=False):
             key = f"{cfg.num_layers}L|{name}|{kind}|{rows}|{chunk}"
             if key in done:  # finished by an earlier (interrupted) run; its logits are not kept, so rerun 1 device
