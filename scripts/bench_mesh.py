@@ -162,7 +162,7 @@ def run_case(cfg, layout, params, *, rows, chunk, context, steps, dtype, trace):
     first = np.asarray(out.logits, np.float32)
     jax.block_until_ready(pool)
     t0 = time.perf_counter()
-    ctx = jax.profiler.trace(trace) if trace else _null()
+    ctx = jax.profiler.trace(trace, profiler_options=_trace_options()) if trace else _null()
     with ctx:
         for i in range(1, steps + 1):
             out, pool = step(i, pool)
@@ -170,6 +170,14 @@ def run_case(cfg, layout, params, *, rows, chunk, context, steps, dtype, trace):
     seconds = time.perf_counter() - t0
     return dict(logits=first, seconds=seconds, tokens_per_s=rows * chunk * steps / seconds,
                 memory=memory(layout, (params, pool)), collective_s=collective_seconds(trace) if trace else 0.0)
+
+
+def _trace_options():
+    """The trace without JAX's Python tracer (on by default): `collective_seconds` reads only XLA's op events,
+    and recording every Python call of the timed steps slowed them and cost the smoke run a quarter of its CPU."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return options
 
 
 class _null:
@@ -222,8 +230,12 @@ def main(argv=None):
     cases = [("decode", b, 1) for b in decode_rows] + [("prefill", 2, c) for c in prefill_chunks]
     lays = layouts(devices)
     models = {}
+    # smoke: the params are generated once (on one device) and copied into each layout, the same values the real
+    # run generates in place per layout (`place_params`), without compiling the generator once per layout (the
+    # smoke run's largest programs); the real run's slices do not fit on one host
+    host = jax.tree.map(np.asarray, place_params(cfg, lays["1 device"], dtype)) if SMOKE else None
     for name, layout in tqdm(lays.items(), desc="layouts"):
-        models[name] = place_params(cfg, layout, dtype)
+        models[name] = jax.device_put(host, layout.param_shardings(cfg)) if SMOKE else place_params(cfg, layout, dtype)
         for kind, rows, chunk in tqdm(cases, desc=name, leave=False):
             key = f"{cfg.num_layers}L|{name}|{kind}|{rows}|{chunk}"
             if key in done:  # finished by an earlier (interrupted) run; its logits are not kept, so rerun 1 device
