@@ -1,0 +1,89 @@
+"""A pytest plugin that says where the suite's compile time goes: per test and per program, the seconds JAX spent
+tracing, lowering and XLA-compiling (its `jax.monitoring` events) and the test's wall and CPU seconds.
+
+    PYTHONPATH=scripts python -m pytest -n 2 -p pytest_compile_profile [tests...]
+    python scripts/pytest_compile_profile.py /tmp/ds4jax-compile-profile   # the summary
+
+Each pytest process (xdist workers included) writes `<DS4JAX_COMPILE_PROFILE or /tmp/ds4jax-compile-profile>/
+<worker>.json` when it ends: {test id: {"wall", "cpu", "events": {event: seconds}, "programs": {name: [compiles,
+seconds]}}}. Subprocesses a test starts are not seen (their seconds show in the test's wall time only).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import sys
+import time
+
+_DIR = os.environ.get("DS4JAX_COMPILE_PROFILE", "/tmp/ds4jax-compile-profile")
+_current = ["<outside tests>"]
+_tests: dict = collections.defaultdict(lambda: {"wall": 0.0, "cpu": 0.0, "events": collections.Counter(),
+                                                 "programs": collections.defaultdict(lambda: [0, 0.0])})
+
+
+def _listener(event: str, duration: float, **kwargs) -> None:
+    record = _tests[_current[0]]
+    name = event.rsplit("/", 1)[-1]
+    record["events"][name] += duration
+    if name == "backend_compile_duration":  # cache hits are not compiles: JAX records them as another event
+        program = record["programs"][kwargs.get("fun_name", "?")]
+        program[0] += 1
+        program[1] += duration
+
+
+def pytest_configure(config):
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item.nodeid
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        return None  # let pytest run the test; timing ends in the teardown hook below
+    finally:
+        _tests[item.nodeid]["start"] = (wall, cpu)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    record = _tests[nodeid]
+    wall, cpu = record.pop("start", (time.perf_counter(), time.process_time()))
+    record["wall"] += time.perf_counter() - wall
+    record["cpu"] += time.process_time() - cpu
+    _current[0] = "<outside tests>"
+
+
+def pytest_unconfigure(config):
+    os.makedirs(_DIR, exist_ok=True)
+    with open(os.path.join(_DIR, os.environ.get("PYTEST_XDIST_WORKER", "main") + ".json"), "w") as f:
+        json.dump(_tests, f)
+
+
+def summary(directory: str, top: int = 25) -> str:
+    """The tests and the programs that cost the most compile seconds, from every worker's file."""
+    tests, programs = {}, collections.defaultdict(lambda: [0, 0.0])
+    for path in glob.glob(os.path.join(directory, "*.json")):
+        with open(path) as f:
+            for test, record in json.load(f).items():
+                tests[test] = record
+                for name, (n, seconds) in record["programs"].items():
+                    programs[name][0] += n
+                    programs[name][1] += seconds
+    lines = ["wall s | cpu s | XLA s | trace s | lower s | test"]
+    for test, r in sorted(tests.items(), key=lambda kv: -kv[1]["wall"])[:top]:
+        e = r["events"]
+        lines.append(f"{r['wall']:6.1f} | {r['cpu']:5.1f} | {e.get('backend_compile_duration', 0):5.1f} | "
+                     f"{e.get('jaxpr_trace_duration', 0):7.1f} | {e.get('jaxpr_to_mlir_module_duration', 0):7.1f} | "
+                     f"{test}")
+    lines += ["", "XLA s | compiles | program"]
+    for name, (n, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"{seconds:5.1f} | {n:8d} | {name}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summary(sys.argv[1] if len(sys.argv) > 1 else _DIR))

@@ -1,0 +1,25 @@
+"""scripts/pytest_compile_profile.py's summary: the workers' files merged, tests by wall time, programs by XLA time."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import pytest_compile_profile as profile  # noqa: E402
+
+
+def _record(wall, xla, programs):
+    return {"wall": wall, "cpu": wall, "events": {"backend_compile_duration": xla}, "programs": programs}
+
+
+def test_summary_merges_workers_and_orders_by_cost(tmp_path):
+    (tmp_path / "gw0.json").write_text(json.dumps({"t::fast": _record(1.0, 0.5, {"jit(decode_loop)": [1, 0.5]})}))
+    (tmp_path / "gw1.json").write_text(json.dumps({"t::slow": _record(9.0, 7.0, {"jit(decode_loop)": [2, 3.0],
+                                                                              "jit(prefill_call)": [1, 4.0]})}))
+    lines = profile.summary(str(tmp_path)).splitlines()
+    tests = [line.rsplit("| ", 1)[-1] for line in lines[1:3]]
+    assert tests == ["t::slow", "t::fast"]
+    programs = lines[lines.index("XLA s | compiles | program") + 1:]
+    assert programs[0].endswith("jit(prefill_call)")  # 4.0 s, ahead of decode's 3.5 s over both workers
+    decode = next(p for p in programs if p.endswith("jit(decode_loop)"))
+    assert decode.split("|")[1].strip() == "3" and decode.startswith("  3.5")  # both workers' compiles summed
