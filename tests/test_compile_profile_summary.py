@@ -5,7 +5,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import pytest_compile_profile as profile  # noqa: E402
+import pytest_compile_profile as profile
 
 
 def _record(wall, xla, programs):
