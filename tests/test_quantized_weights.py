@@ -177,3 +177,17 @@ def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, monkeypatch):
         monkeypatch.setattr(pallas_kernels, "grouped_matmul_fp4", lambda *a, **k: calls.append(1) or fp4(*a, **k))
     np.testing.assert_allclose(np.asarray(run(x, pq)), np.asarray(expected), rtol=1e-5, atol=1e-5)
     assert len(calls) == (2 if impl is kernels.Impl.PALLAS_INTERPRET else 0)  # gate + up, then down
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_quantizing_slice_by_slice_equals_the_whole_leaf(fmt):
+    """`quantize_model` quantizes a stacked leaf one leading slice at a time (bounded temporaries): the same
+    values and scales, the same leading axes, as the whole leaf at once."""
+    from ds4jax.model.quantize import by_slice, quantize_fp4, quantize_fp8
+
+    w = jax.random.normal(jax.random.key(3), (3, 2, 64, 48), jnp.float32) * jnp.logspace(-3, 2, 48)
+    quantize = quantize_fp4 if fmt == "fp4" else functools.partial(quantize_fp8, block=(32, 16))
+    whole, sliced = quantize(w), by_slice(quantize, w)
+    assert sliced.shape == whole.shape == w.shape and sliced.format == whole.format
+    for a, b in ((whole.values, sliced.values), (whole.scales, sliced.scales)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
