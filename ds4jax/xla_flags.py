@@ -1,13 +1,21 @@
 """XLA flags ds4jax sets before JAX starts a GPU backend: one switch for GPU command buffers (graphs).
 
-XLA:GPU records runs of kernels into command buffers (CUDA graphs / HIP graphs). On ROCm, graph replay of while-loop
-bodies has crashed (SIGSEGV in the HSA runtime on MI355 / gfx950 with ROCm 7.1, openxla/xla#46952), and AMD's notes
-give `--xla_gpu_enable_command_buffer=` (empty: no command buffers) as the workaround. ds4jax's speculative loop is a
-while loop, so on ROCm command buffers are off unless asked for:
+XLA:GPU records runs of kernels into command buffers (CUDA graphs / HIP graphs). Its default set leaves out `while`
+and `conditional`, so each iteration of a while loop -- ds4jax's decode and speculative calls are while loops of up
+to M steps / rounds -- costs a host round trip for its condition and a launch of the body's graph. With WHILE and
+CONDITIONAL added, a whole call replays as one graph: on an H100 the default model decoded 904 -> 1,159 tokens/s at
+batch 1 and 6,815 -> 9,199 at batch 8 (speculative k=3: 1,715 -> 2,001 and 10,070 -> 12,700; one run each,
+`scripts/gpu_command_buffers.sh`, docs/benchmarks/command_buffers_h100.md). Without command buffers at all the same
+decode ran at 332 tokens/s.
 
-    DS4JAX_COMMAND_BUFFERS=auto   (default) off on ROCm, XLA's default elsewhere
-    DS4JAX_COMMAND_BUFFERS=on     XLA's default everywhere
-    DS4JAX_COMMAND_BUFFERS=off    off everywhere
+On ROCm, graph replay of while-loop bodies has crashed (SIGSEGV in the HSA runtime on MI355 / gfx950 with ROCm 7.1,
+openxla/xla#46952), and AMD's notes give `--xla_gpu_enable_command_buffer=` (empty: no command buffers) as the
+workaround. So:
+
+    DS4JAX_COMMAND_BUFFERS=auto   (default) `loops` on CUDA, `off` on ROCm, nothing set otherwise (CPU)
+    DS4JAX_COMMAND_BUFFERS=loops  XLA's default set plus WHILE and CONDITIONAL
+    DS4JAX_COMMAND_BUFFERS=on     XLA's default set
+    DS4JAX_COMMAND_BUFFERS=off    no command buffers
 
 An explicit `--xla_gpu_enable_command_buffer` in XLA_FLAGS always wins. XLA reads XLA_FLAGS when the first backend
 starts, so `apply()` runs when `ds4jax` is imported; a backend started earlier keeps its flags (a warning says so).
@@ -21,11 +29,14 @@ import warnings
 
 ENV = "DS4JAX_COMMAND_BUFFERS"
 FLAG = "--xla_gpu_enable_command_buffer"
+MODES = ("auto", "loops", "on", "off")
+VALUES = {"loops": "+WHILE,+CONDITIONAL", "on": None, "off": ""}  # the flag's value per mode (None: not set)
 ROCM_PLUGINS = ("jax_rocm7_plugin", "jax_rocm60_plugin", "jax_plugins.xla_rocm7", "jax_plugins.xla_rocm60")
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
 
-def _rocm_installed() -> bool:
-    for name in ROCM_PLUGINS:
+def _installed(names) -> bool:
+    for name in names:
         try:
             if importlib.util.find_spec(name) is not None:
                 return True
@@ -34,38 +45,63 @@ def _rocm_installed() -> bool:
     return False
 
 
+def _rocm_installed() -> bool:
+    return _installed(ROCM_PLUGINS)
+
+
+def _cuda_installed() -> bool:
+    return _installed(CUDA_PLUGINS)
+
+
+def _allowed(environ, names: set[str]) -> bool:
+    """JAX_PLATFORMS (if set) lets JAX pick one of `names`."""
+    platforms = {p.strip() for p in environ.get("JAX_PLATFORMS", "").lower().split(",") if p.strip()}
+    return not platforms or bool(names & platforms)
+
+
 def rocm_expected(environ=os.environ) -> bool:
     """Will JAX pick a ROCm device? A ROCm plugin is installed and JAX_PLATFORMS (if set) allows it."""
-    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").lower().split(",") if p.strip()]
-    if platforms and not {"rocm", "gpu"} & set(platforms):
-        return False
-    return _rocm_installed()
+    return _allowed(environ, {"rocm", "gpu"}) and _rocm_installed()
+
+
+def cuda_expected(environ=os.environ) -> bool:
+    """Will JAX pick a CUDA device? A CUDA plugin is installed and JAX_PLATFORMS (if set) allows it."""
+    return _allowed(environ, {"cuda", "gpu"}) and _cuda_installed()
+
+
+def mode(environ=os.environ, rocm: bool | None = None, cuda: bool | None = None) -> str:
+    """The command-buffer mode in effect: `auto` resolved by the GPU JAX will start (ROCm first: it is the one that
+    crashes) to off / loops, or `on` (XLA's default: nothing to set) where neither is expected."""
+    chosen = environ.get(ENV, "auto").lower()
+    if chosen not in MODES:
+        raise ValueError(f"{ENV}={chosen!r}: expected one of {', '.join(MODES)}")
+    if chosen != "auto":
+        return chosen
+    if rocm_expected(environ) if rocm is None else rocm:
+        return "off"
+    return "loops" if (cuda_expected(environ) if cuda is None else cuda) else "on"
 
 
 def command_buffers_off(environ=os.environ, rocm: bool | None = None) -> bool:
-    mode = environ.get(ENV, "auto").lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV}={mode!r}: expected auto, on or off")
-    if mode == "auto":
-        return rocm_expected(environ) if rocm is None else rocm
-    return mode == "off"
+    return mode(environ, rocm=rocm, cuda=False) == "off"
 
 
-def flags_with_switch(xla_flags: str, off: bool) -> str:
-    """XLA_FLAGS with command buffers disabled when `off` (an explicit setting of the flag is left alone)."""
-    if not off or FLAG in xla_flags:
+def flags_with_mode(xla_flags: str, chosen: str) -> str:
+    """XLA_FLAGS with the command-buffer flag for mode `chosen` appended (an explicit setting is left alone)."""
+    value = VALUES[chosen]
+    if value is None or FLAG in xla_flags:
         return xla_flags
-    return f"{xla_flags} {FLAG}=".strip()
+    return f"{xla_flags} {FLAG}={value}".strip()
 
 
 def apply(environ=os.environ) -> None:
-    new = flags_with_switch(environ.get("XLA_FLAGS", ""), command_buffers_off(environ))
+    new = flags_with_mode(environ.get("XLA_FLAGS", ""), mode(environ))
     if new == environ.get("XLA_FLAGS", ""):
         return
     from jax._src import xla_bridge  # private: the only way to know whether backends already read XLA_FLAGS
 
     if xla_bridge.backends_are_initialized():
-        warnings.warn(f"ds4jax: a JAX backend started before ds4jax was imported; {FLAG}= is not applied "
-                      f"(set XLA_FLAGS yourself or import ds4jax first)", stacklevel=2)
+        warnings.warn(f"ds4jax: a JAX backend started before ds4jax was imported; {new.split()[-1]} is not "
+                      f"applied (set XLA_FLAGS yourself or import ds4jax first)", stacklevel=2)
         return
     environ["XLA_FLAGS"] = new

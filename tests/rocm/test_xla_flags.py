@@ -1,4 +1,4 @@
-"""DS4JAX_COMMAND_BUFFERS: one switch for XLA's GPU command buffers (off on ROCm by default)."""
+"""DS4JAX_COMMAND_BUFFERS: one switch for XLA's GPU command buffers (off on ROCm, loops included on CUDA by default)."""
 
 import pytest
 
@@ -21,12 +21,22 @@ def test_bad_value_is_named():
         xla_flags.command_buffers_off({xla_flags.ENV: "maybe"}, rocm=True)
 
 
+@pytest.mark.parametrize("mode, rocm, cuda, want", [
+    (None, False, True, "loops"), (None, True, True, "off"), (None, False, False, "on"), ("loops", True, False, "loops"),
+    ("on", False, True, "on"), ("Loops", False, False, "loops"),
+])
+def test_auto_resolves_by_the_gpu_jax_will_start(mode, rocm, cuda, want):
+    env = {} if mode is None else {xla_flags.ENV: mode}
+    assert xla_flags.mode(env, rocm=rocm, cuda=cuda) == want
+
+
 def test_flags_are_appended_once_and_explicit_flags_win():
-    assert xla_flags.flags_with_switch("", True) == OFF
-    assert xla_flags.flags_with_switch("--xla_foo=1", True) == f"--xla_foo=1 {OFF}"
-    assert xla_flags.flags_with_switch("--xla_foo=1", False) == "--xla_foo=1"
+    assert xla_flags.flags_with_mode("", "off") == OFF
+    assert xla_flags.flags_with_mode("--xla_foo=1", "off") == f"--xla_foo=1 {OFF}"
+    assert xla_flags.flags_with_mode("--xla_foo=1", "on") == "--xla_foo=1"
+    assert xla_flags.flags_with_mode("--xla_foo=1", "loops") == f"--xla_foo=1 {OFF}+WHILE,+CONDITIONAL"
     mine = "--xla_gpu_enable_command_buffer=FUSION"
-    assert xla_flags.flags_with_switch(mine, True) == mine
+    assert xla_flags.flags_with_mode(mine, "off") == mine and xla_flags.flags_with_mode(mine, "loops") == mine
 
 
 def test_jax_platforms_excluding_gpus_means_no_rocm(monkeypatch):
@@ -34,6 +44,14 @@ def test_jax_platforms_excluding_gpus_means_no_rocm(monkeypatch):
     assert not xla_flags.rocm_expected({"JAX_PLATFORMS": "cpu"})
     assert xla_flags.rocm_expected({"JAX_PLATFORMS": "rocm,cpu"})
     assert xla_flags.rocm_expected({})
+
+
+def test_jax_platforms_excluding_cuda_sets_nothing(monkeypatch):
+    """On a CUDA host running on the CPU (JAX_PLATFORMS=cpu, as the test suite does) XLA_FLAGS stay as they are."""
+    monkeypatch.setattr(xla_flags, "_cuda_installed", lambda: True)
+    monkeypatch.setattr(xla_flags, "_rocm_installed", lambda: False)
+    assert xla_flags.mode({"JAX_PLATFORMS": "cpu"}) == "on"
+    assert xla_flags.mode({"JAX_PLATFORMS": "cuda,cpu"}) == "loops" == xla_flags.mode({})
 
 
 def test_apply_sets_xla_flags_before_backends_start(monkeypatch):
