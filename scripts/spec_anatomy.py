@@ -1,0 +1,128 @@
+"""Where a speculative round's device time goes, against a plain decode step: one profiler trace each of the
+trained default model generating at batch 1 through a warmed-up `ds4jax.Engine` (plain, then fixed k), the
+device's kernels grouped by the op scope XLA records with them: the draft (`draft/...`), each target layer
+(`target/layer<i>_<kind>`), and the rest (sampling, acceptance, pool commits, the loop itself).
+
+Per plain decode step and per speculative round: device busy ms, kernels, and kernels / busy us per group; the
+wall ms per step / round of the same runs. Greedy speculative tokens must equal plain (fp32): exit 1 otherwise.
+
+    python scripts/spec_anatomy.py --out /tmp/anatomy            # writes spec_anatomy.{json,md}
+    python scripts/spec_anatomy.py --out /tmp/anatomy --smoke    # the tiny random model on CPU (no kernels)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import device_trace
+
+import ds4jax
+
+_GROUP = re.compile(r"(draft|target/layer\d+_[a-z]+)")
+
+
+def group_of(scope: str) -> str:
+    m = _GROUP.search(scope)
+    return m.group(1) if m else "other"
+
+
+def traced(run) -> tuple[list, float]:
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        t = time.perf_counter()
+        try:
+            run()
+        finally:
+            wall = time.perf_counter() - t
+            jax.profiler.stop_trace()
+        try:
+            return device_trace.gpu_events(log_dir), wall
+        except RuntimeError:  # CPU: no device stream lines
+            return [], wall
+
+
+def summary(events, units: int, wall: float) -> dict:
+    busy, count = collections.Counter(), collections.Counter()
+    for _, a, b, scope in events:
+        g = group_of(scope)
+        busy[g] += b - a
+        count[g] += 1
+    return {"units": units, "wall_ms": wall / units * 1e3,
+            "busy_ms": device_trace.busy_ns((a, b) for _, a, b, _ in events) / units / 1e6,
+            "kernels": len(events) / units,
+            "groups": {g: {"kernels": count[g] / units, "busy_us": busy[g] / units / 1e3}
+                       for g in sorted(count, key=lambda g: -busy[g])}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--new", type=int, default=129)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    from ds4jax.io.default_model import default_model
+
+    if args.smoke:
+        from ds4jax.model import params as params_lib
+        from ds4jax.model.handle import Model
+        cfg = ds4jax.tiny()
+        model = Model(cfg, params_lib.init(cfg, jax.random.key(0)))
+    else:
+        model = default_model()
+    engine = ds4jax.Engine(model, speculative=args.k, max_slots=1, max_context=256, row_buckets=(1,),
+                           prefill_chunk=64, snapshot_bytes=0, steps_per_call=16)
+    engine.warmup()
+    prompt = list(range(5, 69))
+    req = lambda k: [ds4jax.Request(prompt=prompt, max_new_tokens=args.new, speculative=k)]
+    plain_ref, spec_ref = engine.generate(req(0)), engine.generate(req(args.k))  # untimed: warm
+    box = {}
+    plain_events, plain_wall = traced(lambda: box.__setitem__("plain", engine.generate(req(0))))
+    spec_events, spec_wall = traced(lambda: box.__setitem__("spec", engine.generate(req(args.k))))
+    plain, spec = box["plain"][0], box["spec"][0]
+    rounds = len(spec.accepted_per_round or [])
+    res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "k": args.k, "new_tokens": args.new,
+           "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall),
+           "spec_round": summary(spec_events, max(rounds, 1), spec_wall),
+           "rounds": rounds, "mean_accepted": sum(spec.accepted_per_round or [0]) / max(rounds, 1),
+           "equal": plain.tokens == spec.tokens == plain_ref[0].tokens == spec_ref[0].tokens,
+           "compiles_after_warmup": engine.stats.compiles_after_warmup}
+    res["passed"] = bool(res["equal"] and plain.ok and spec.ok and res["compiles_after_warmup"] == 0)
+    with open(os.path.join(args.out, "spec_anatomy.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    p, s = res["plain_step"], res["spec_round"]
+    lines = [f"# A speculative round (k={args.k}) against a plain decode step ({res['device']}, jax {res['jax']})", "",
+             (f"`python scripts/spec_anatomy.py`: the default model at batch 1, {args.new} new tokens from a 64-token "
+             f"prompt, one traced run each after an untimed one; {rounds} rounds, mean accepted "
+             f"{res['mean_accepted']:.2f}."), "",
+             "| | wall ms | busy ms | kernels |", "|---|---|---|---|",
+             f"| plain step | {p['wall_ms']:.3f} | {p['busy_ms']:.3f} | {p['kernels']:.0f} |",
+             f"| speculative round | {s['wall_ms']:.3f} | {s['busy_ms']:.3f} | {s['kernels']:.0f} |", "",
+             "| group | step kernels | step busy us | round kernels | round busy us |", "|---|---|---|---|---|"]
+    for g in sorted(set(p["groups"]) | set(s["groups"]), key=lambda g: -s["groups"].get(g, {}).get("busy_us", 0)):
+        a, b = p["groups"].get(g, {}), s["groups"].get(g, {})
+        lines.append(f"| {g} | {a.get('kernels', 0):.1f} | {a.get('busy_us', 0):.1f} | {b.get('kernels', 0):.1f} | "
+                     f"{b.get('busy_us', 0):.1f} |")
+    lines += ["", "Check (speculative greedy tokens == plain, no compile after warm-up): "
+              + ("PASS" if res["passed"] else "FAIL"), ""]
+    with open(os.path.join(args.out, "spec_anatomy.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
