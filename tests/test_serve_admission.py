@@ -6,6 +6,7 @@ test (so only arrivals can end it) or short and merely has to end."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import httpx
@@ -30,12 +31,24 @@ def _job() -> Job:
 
 
 def _gather_in_thread(driver: Driver) -> threading.Thread:
+    """`driver._gather()` on a thread, returned once it waits (so what the test does next happens during the
+    wait, not before it)."""
+    waiting, wait = threading.Event(), driver._cv.wait
+
+    def watched(timeout=None):
+        waiting.set()
+        return wait(timeout)
+
     def gather():
         with driver._cv:
             driver._gather()
 
+    driver._cv.wait = watched
     thread = threading.Thread(target=gather, daemon=True)
     thread.start()
+    deadline = time.monotonic() + GUARD_S  # (a gather that does not wait ends at once)
+    while not waiting.wait(0.01) and thread.is_alive():
+        assert time.monotonic() < deadline
     return thread
 
 

@@ -251,7 +251,7 @@ class Server:
         event and four tasks per stream: about a fifth of the event loop's CPU per token, bench_serve --tiny at 32
         clients on the 2-core CPU.)"""
         pending = len(jobs)
-        traced = jobs[0].trace is not None
+        traced = self.config.trace
         self._open_stream(inbox)
         try:
             if p.chat:
