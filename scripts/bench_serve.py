@@ -17,6 +17,13 @@ tokens/s from the first request sent to the last stream's end, TTFT from send to
 events of one stream, p50 / p99, and tokens per SSE event: the server sends a choice's tokens that are ready
 together as one chunk).
 
+Every level runs as one wave (each client sends one request: the burst) and, with `--requests-per-client N`
+(default 4), sustained: each client sends N requests back to back (the next as its stream ends), against the
+engine alone running the same closed loop (N x clients requests, one joining as one finishes); both are
+reported. The server stamps each request on its way to the first token (`ServerConfig.trace`,
+`driver.TRACE_MARKS`); with the clients' send and first-arrival times (one CLOCK_MONOTONIC on Linux) the report
+gives each step's p50 / p99, the engine feeds that admitted the requests and how long receiving them took.
+
 Checks (any failure: exit status 1, the JSON lists them): every engine and server result has the reference's
 greedy tokens; every stream's text is exactly the decoded text of its tokens, its usage counts them, it ends
 with a finish reason and [DONE], one result per request; no compile after the warm-up. fp32 matmuls run at
