@@ -17,6 +17,13 @@ tokens/s from the first request sent to the last stream's end, TTFT from send to
 events of one stream, p50 / p99, and tokens per SSE event: the server sends a choice's tokens that are ready
 together as one chunk).
 
+Every level runs as one wave (each client sends one request: the burst) and, with `--requests-per-client N`
+(default 4), sustained: each client sends N requests back to back (the next as its stream ends), against the
+engine alone running the same closed loop (N x clients requests, one joining as one finishes); both are
+reported. The server stamps each request on its way to the first token (`ServerConfig.trace`,
+`driver.TRACE_MARKS`); with the clients' send and first-arrival times (one CLOCK_MONOTONIC on Linux) the report
+gives each step's p50 / p99, the engine feeds that admitted the requests and how long receiving them took.
+
 Checks (any failure: exit status 1, the JSON lists them): every engine and server result has the reference's
 greedy tokens; every stream's text is exactly the decoded text of its tokens, its usage counts them, it ends
 with a finish reason and [DONE], one result per request; no compile after the warm-up. fp32 matmuls run at
@@ -36,6 +43,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import multiprocessing
@@ -54,15 +62,21 @@ def pct(xs, q):
 
 
 def prompts_for(tokenizer, n: int, length: int, path: str) -> list[list[int]]:
-    """n distinct prompts: held-out windows (16 of 515 tokens of `path`) at several offsets, else numbered text."""
+    """n distinct prompts: held-out windows (16 of 515 tokens of `path`) at several offsets (the non-overlapping
+    ones first, then the same shifted by a half, a quarter and three quarters of a prompt), else numbered text."""
     if os.path.exists(path) and tokenizer.__class__.__name__ != "ByteTokenizer":
         windows = np.load(path)
-        per = max((windows.shape[1] - 1) // length, 1)
-        assert n <= len(windows) * per, f"only {len(windows) * per} distinct prompts of {length} tokens"
-        return [[int(t) for t in windows[i % len(windows)][(i // len(windows)) * length:][:length]]
-                for i in range(n)]
-    text = "import os\nimport sys\n\ndef main(argv):\n    return 0\n" * (length // 8 + 1)
-    return [tokenizer.encode(f"# {i}\n{text}", add_bos=True)[:length] for i in range(n)]  # distinct for any n
+        span, places = windows.shape[1] - 1, []
+        for phase in dict.fromkeys((0, length // 2, length // 4, 3 * length // 4)):
+            per = max(span // length, 1) if phase == 0 else max((span - phase) // length, 0)
+            places += [(w, phase + j * length) for j in range(per) for w in range(len(windows))]
+        assert n <= len(places), f"only {len(places)} distinct prompts of {length} tokens"
+        prompts = [[int(t) for t in windows[w][at:at + length]] for w, at in places[:n]]
+    else:
+        text = "import os\nimport sys\n\ndef main(argv):\n    return 0\n" * (length // 8 + 1)
+        prompts = [tokenizer.encode(f"# {i}\n{text}", add_bos=True)[:length] for i in range(n)]  # distinct for any n
+    assert len({tuple(p) for p in prompts}) == n, "prompts repeat: results are matched to requests by prompt"
+    return prompts
 
 
 def parted(got: list[int], ref_tokens: list[int], ref_logprobs) -> str | None:
@@ -150,11 +164,32 @@ def engine_facts(engine, driver) -> dict:
             "heldout": os.path.join(default_checkpoint(), "heldout_eval.npy")}
 
 
-def engine_pass(engine, driver, prompts, new: int, stop_ids, logprobs=None):
-    """`engine.generate` of the requests: (results, wall s, CPU s of this thread, engine counters' delta)."""
+def engine_pass(engine, driver, prompts, new: int, stop_ids, logprobs=None, concurrency=None):
+    """The requests through the engine alone: (results, wall s, CPU s of this thread, engine counters' delta).
+    concurrency=c (fewer than the requests): a closed loop of c clients, as the server's sustained mode runs
+    them: the first c requests at once, then one more as each finishes (`Engine.iterations` with a feed, so a
+    decode call ends at a finished row while requests are left)."""
+    reqs = requests_for(prompts, new, stop_ids, logprobs=logprobs)
     stats = dataclasses.asdict(engine.stats)
     start, cpu = time.perf_counter(), time.thread_time()
-    results = engine.generate(requests_for(prompts, new, stop_ids, logprobs=logprobs))
+    if concurrency is None or concurrency >= len(reqs):
+        results = engine.generate(reqs)
+    else:
+        left, freed = collections.deque(reqs[concurrency:]), [0]
+
+        def finished(i, result):
+            freed[0] += 1
+
+        def feed():
+            out = []
+            while freed[0] and left:
+                out.append(left.popleft())
+                freed[0] -= 1
+            return out
+
+        for _ in engine.iterations(reqs[:concurrency], on_result=finished, feed=feed, waiting=lambda: bool(left)):
+            pass
+        results = engine.last_results
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     return results, wall, cpu, stats_delta(dataclasses.asdict(engine.stats), stats)
 
@@ -192,8 +227,9 @@ class EngineSide:
         return self.run(engine_counters, self.remote)
 
 
-def engine_level(side: EngineSide, prompts, new: int, stop_ids, refs, checks: Checks, label: str) -> dict:
-    results, wall, cpu, stats = side.run(engine_pass, prompts, new, stop_ids)
+def engine_level(side: EngineSide, prompts, new: int, stop_ids, refs, checks: Checks, label: str,
+                 concurrency: int) -> dict:
+    results, wall, cpu, stats = side.run(engine_pass, prompts, new, stop_ids, None, concurrency)
     for i, (r, ref) in enumerate(zip(results, refs)):
         checks.expect(r.ok, f"{label} engine request {i}: {r.error} {r.message}")
         checks.tokens(f"{label} engine request {i}", r.tokens, ref)
@@ -234,7 +270,8 @@ async def one_stream(http, prompt, new: int) -> dict:
             elif line.startswith("data: [DONE]"):
                 done = True
                 break
-    return {"ttft": arrivals[0] - sent if arrivals else None, "gaps": np.diff(arrivals).tolist(),
+    return {"ttft": arrivals[0] - sent if arrivals else None, "first_at": arrivals[0] if arrivals else None,
+            "gaps": np.diff(arrivals).tolist(),
             "events": len(arrivals), "tokens": tokens, "text": text, "reasons": reasons, "done": done,
             "error": error, "sent": sent, "end": time.monotonic()}
 
@@ -251,8 +288,13 @@ async def open_connections(http, n: int) -> None:
     await asyncio.gather(*(one() for _ in range(n)))
 
 
-async def streams(http, prompts, new: int) -> list[dict]:
-    return await asyncio.gather(*(one_stream(http, p, new) for p in prompts))
+async def streams(http, sequences, new: int) -> list[list[dict]]:
+    """Concurrent clients, each sending its sequence of prompts one after another (the next as soon as the last
+    stream ended)."""
+    async def client(prompts):
+        return [await one_stream(http, p, new) for p in prompts]
+
+    return await asyncio.gather(*(client(seq) for seq in sequences))
 
 
 COMMANDS = {"open": open_connections, "run": streams}
@@ -313,13 +355,19 @@ class ClientPool:
         k = min(len(self.conns), n)
         self._each([("open", len(range(i, n, k))) for i in range(k)])
 
-    def run(self, prompts, new: int) -> tuple[list[dict], float]:
-        """-> (one result per prompt, in order; seconds from the first request sent to the last stream's end)."""
-        k = min(len(self.conns), len(prompts))
-        parts = self._each([("run", prompts[i::k], new) for i in range(k)])
-        runs: list = [None] * len(prompts)
+    def run(self, prompts, new: int, clients: int) -> tuple[list[dict], float]:
+        """`clients` concurrent clients, client j sending prompts j, j + clients, ... one after another (one wave
+        when there are as many prompts as clients). -> (one result per prompt, in order; seconds from the first
+        request sent to the last stream's end)."""
+        sequences = [prompts[j::clients] for j in range(clients)]
+        k = min(len(self.conns), clients)
+        parts = self._each([("run", sequences[i::k], new) for i in range(k)])
+        per_client: list = [None] * clients
         for i, part in enumerate(parts):
-            runs[i::k] = part
+            per_client[i::k] = part
+        runs: list = [None] * len(prompts)
+        for j, done in enumerate(per_client):
+            runs[j::clients] = done
         return runs, max(r["end"] for r in runs) - min(r["sent"] for r in runs)
 
     def close(self) -> None:
@@ -331,13 +379,47 @@ class ClientPool:
                 proc.terminate()
 
 
+def trace_phases(jobs, prompts, runs) -> dict:
+    """Where the time to first token went: the requests' stamps (`driver.TRACE_MARKS`, the server's, with the
+    client's send and first arrival) as the gaps between consecutive stamps, p50 / p99 in ms over the requests;
+    "admission_feeds": in how many engine-thread feeds the requests reached the engine (one for a wave that the
+    engine admits at once), "received_spread_ms": from the first request sent to the last one's handler start."""
+    from ds4jax.serving.driver import TRACE_MARKS
+
+    client = {tuple(p): r for p, r in zip(prompts, runs)}
+    gaps: dict[str, list[float]] = {}
+    handed, received, sent = set(), [], []
+    for job in jobs:
+        if job.trace is None:
+            continue
+        stamps = dict(job.trace)
+        run = client.get(tuple(job.request.prompt), {})
+        stamps.update({k: v for k, v in (("sent", run.get("sent")), ("first_arrival", run.get("first_at")))
+                       if v is not None})
+        present = [m for m in TRACE_MARKS if m in stamps]
+        for a, b in itertools.pairwise(present):
+            gaps.setdefault(f"{a}->{b}", []).append(stamps[b] - stamps[a])
+        if "handed" in stamps:
+            handed.add(stamps["handed"])
+        if "received" in stamps and "sent" in stamps:
+            received.append(stamps["received"])
+            sent.append(stamps["sent"])
+    order = {f"{a}->{b}": (TRACE_MARKS.index(a), TRACE_MARKS.index(b)) for a in TRACE_MARKS for b in TRACE_MARKS}
+    return {"phases_ms": {k: {"p50": round(1e3 * pct(v, 50), 3), "p99": round(1e3 * pct(v, 99), 3), "n": len(v)}
+                          for k, v in sorted(gaps.items(), key=lambda kv: order[kv[0]])},
+            "admission_feeds": len(handed),
+            "received_spread_ms": round(1e3 * (max(received) - min(sent)), 3) if received else None}
+
+
 def server_level(server, side: EngineSide, loop_thread: int, clients: ClientPool, tok, prompts, new: int, refs,
-                 checks: Checks, label: str) -> dict:
+                 checks: Checks, label: str, concurrency: int) -> dict:
     captured = collections.defaultdict(list)  # prompt -> the engine results the server got for it
     finished = server.metrics.finished
+    jobs = []
 
     def record(job, result):
         captured[tuple(job.request.prompt)].append(result)
+        jobs.append(job)
         finished(job, result)
 
     server.metrics.finished = record
@@ -346,7 +428,7 @@ def server_level(server, side: EngineSide, loop_thread: int, clients: ClientPool
     cpu = {name: thread_cpu(ident) for name, ident in threads.items()}
     before, front = side.counters(), time.process_time()
     try:
-        runs, wall = clients.run(prompts, new)
+        runs, wall = clients.run(prompts, new, concurrency)
     finally:
         server.metrics.finished = finished
     cpu = {name: thread_cpu(ident) - cpu[name] for name, ident in threads.items()}
@@ -378,7 +460,7 @@ def server_level(server, side: EngineSide, loop_thread: int, clients: ClientPool
             "inter_token_p99_s": pct(gaps, 99), "sse_events": events,
             "tokens_per_event": round(tokens / events, 2) if events else None,
             **{f"{name}_cpu_us_per_token": us_per_token(seconds, tokens) for name, seconds in cpu.items()},
-            "engine_stats": stats}
+            "engine_stats": stats, **trace_phases(jobs, prompts, runs)}
 
 
 def start_server(args):
@@ -389,7 +471,8 @@ def start_server(args):
     import httpx
 
     config = ServerConfig(model_name="bench", max_queue=4096, max_n=1, max_tokens_cap=1 << 16, warmup=False,
-                          engine_process=args.engine_process)
+                          engine_process=args.engine_process, trace=True,
+                          **({} if args.admit_quiet_ms is None else {"admit_quiet_ms": args.admit_quiet_ms}))
     if args.engine_process:
         from ds4jax.serving.engine_process import build_server
 
@@ -424,18 +507,19 @@ def render_md(doc: dict) -> str:
              f"logprobs {doc['max_logprobs']} (what `ds4jax serve` builds); matmul precision {doc['precision']}; "
              f"warm-up {doc['warmup_s']} s, compiles after warm-up {doc['compiles_after_warmup']}; best of "
              f"{doc['repeats']} runs per level and side; uvicorn's HTTP protocol {doc.get('http', '?')}; "
+             f"server admit_quiet_ms {doc.get('admit_quiet_ms', 'n/a')}; "
              f"{doc['cpus']} CPUs, clients in {doc['client_procs']} "
              "processes.", "",
-             "| clients | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
+             "| clients | requests / client | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
              "server inter-event p50 / p99 | tokens / SSE event | engine decode s/token | engine thread CPU / token "
              "(alone / serving) | event loop CPU / token | decode calls / steps, prefill chunks (alone / serving) |" +
              (" engine process's pipe thread / front end's link thread CPU / token |" if remote else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if remote else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if remote else "")]
     work = lambda st: "n/a" if not st else (f"{st['decode_calls'] + st['spec_calls']} / "  # noqa: E731
                                             f"{st['decode_steps'] + st['spec_rounds']}, {st['prefill_steps']}")
     for r in doc["levels"]:
         e, s = r["engine"], r["server"]
-        lines.append(f"| {r['clients']} | {e['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['clients']} | {r.get('requests_per_client', 1)} | {e['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
                      f"{r['overhead_pct']:+.1f} % | {ms(e['ttft_p50_s'])} | {ms(s['ttft_p50_s'])} / "
                      f"{ms(s['ttft_p99_s'])} | {ms(s['inter_token_p50_s'])} / {ms(s['inter_token_p99_s'])} | "
                      f"{s['tokens_per_event']} | {ms(e['inter_token_mean_p50_s'])} | "
@@ -444,6 +528,17 @@ def render_md(doc: dict) -> str:
                      f"{work(s.get('engine_stats'))} |" +
                      (f" {s.get('engine_link_cpu_us_per_token')} / {s.get('frontend_link_cpu_us_per_token')} us |"
                       if remote else ""))
+    names = list(dict.fromkeys(k for r in doc["levels"] for k in r["server"].get("phases_ms", {})))
+    if names:
+        lines += ["", "Where the server's time to first token goes (p50 ms of each step, over the requests of the "
+                  "reported run; `driver.TRACE_MARKS`):", "",
+                  "| clients | requests / client | " + " | ".join(names) + " | client TTFT p50 | feeds that "
+                  "admitted them | first sent -> last received |", "|---|---|" + "---|" * (len(names) + 3)]
+        for r in doc["levels"]:
+            s, ph = r["server"], r["server"].get("phases_ms", {})
+            lines.append(f"| {r['clients']} | {r.get('requests_per_client', 1)} | " +
+                         " | ".join(f"{ph[k]['p50']:.2f}" if k in ph else "" for k in names) +
+                         f" | {ms(s['ttft_p50_s'])} | {s.get('admission_feeds')} | {s.get('received_spread_ms')} ms |")
     verdict = "PASS" if not c["failures"] else f"FAIL ({len(c['failures'])}: {c['failures'][:3]})"
     lines += ["", f"Checks: {c['checked']} results compared with the engine's reference greedy tokens "
               f"({c['ties']} parted at a near-tie), streamed text = its tokens' text, usage, finish, one result "
@@ -457,7 +552,10 @@ def render_md(doc: dict) -> str:
               "server's engine thread when serving) and of the server's event loop (HTTP, SSE, detokenization), "
               "per generated token, in the reported (best) run: a measure of the server's own work that a busy "
               "machine distorts less than tokens/s. Decode calls / steps and prefill chunks: the engine's own counters "
-              "over the reported run of each side (the work the same requests cost it alone and behind the server)."]
+              "over the reported run of each side (the work the same requests cost it alone and behind the server). "
+              "Requests / client 1 is one wave (every client sends one request at once: the burst); more is the "
+              "sustained mode, each client sending its next request as soon as its last stream ended (the engine "
+              "alone runs the same closed loop: a request joins as one finishes), steady-state throughput."]
     if remote:
         lines += ["", "Engine process: the engine thread is the engine process's driver thread (it also sends the "
                   "one message per engine iteration); its pipe thread reads the front end's messages; the front "
@@ -477,6 +575,12 @@ def main(argv=None) -> int:
                     help="client processes (default a quarter of the CPUs, 1 to 4)")
     ap.add_argument("--steps-per-call", type=int, default=4, help="as `ds4jax serve`")
     ap.add_argument("--max-logprobs", type=int, default=20, help="as `ds4jax serve`")
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="the sustained mode: each client sends this many requests back to back (reported beside "
+                         "the one-wave burst, which always runs; 1: the burst only)")
+    ap.add_argument("--admit-quiet-ms", type=float,
+                    help="the server's ServerConfig.admit_quiet_ms (default: its default; 0: an idle engine starts "
+                         "at the first request)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per level and side; the best is reported")
     ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision (batch-invariant greedy)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: the random tiny model, smaller defaults")
@@ -491,6 +595,9 @@ def main(argv=None) -> int:
     if args.client_procs < 1:
         ap.error(f"--client-procs must be >= 1, got {args.client_procs}")
     levels = [int(c) for c in args.clients.split(",")]
+    if args.requests_per_client < 1:
+        ap.error(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
+    modes = sorted({1, args.requests_per_client})  # the one-wave burst always, the sustained mode beside it
     slots = max(levels)
     # with --engine-process this process is the front end: it imports no JAX (the engine process does it all)
     server, uv, thread, base = start_server(args)
@@ -505,13 +612,13 @@ def main(argv=None) -> int:
            "new_tokens": args.new, "max_slots": slots, "steps_per_call": args.steps_per_call,
            "max_logprobs": args.max_logprobs, "precision": args.precision, "warmup_s": facts["warmup_s"],
            "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs),
-           "http": uv.config.http_protocol_class.__name__,
+           "http": uv.config.http_protocol_class.__name__, "admit_quiet_ms": server.config.admit_quiet_ms,
            "loop": uv.config.loop, "levels": []}
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     try:
         for c in levels:
-            prompts = prompts_for(tok, c, args.prompt_tokens, facts["heldout"])
+            prompts = prompts_for(tok, c * modes[-1], args.prompt_tokens, facts["heldout"])
             # the engine alone, between server levels, once the driver thread is idle (it owns the engine while it
             # streams, and still resets slots after the last result went out). The reference pass also settles it.
             if not side.run(engine_idle, 60):
@@ -519,24 +626,29 @@ def main(argv=None) -> int:
             refs = side.run(engine_pass, prompts, args.new, stop_ids, 2)[0]
             for i, r in enumerate(refs):
                 checks.expect(r.ok, f"{c} clients reference {i}: {r.error} {r.message}")
-            e = max((engine_level(side, prompts, args.new, stop_ids, refs, checks, f"{c} clients run {k}")
-                     for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
             clients.open(c)
-            s = max((server_level(server, side, thread.ident, clients, tok, prompts, args.new, refs, checks,
-                                  f"{c} clients run {k}")
-                     for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
-            doc["levels"].append({"clients": c, "engine": e, "server": s,
-                                  "overhead_pct": round(100 * (1 - s["tokens_per_s"] / e["tokens_per_s"]), 2)})
-            compiles = side.counters()["stats"]["compiles_after_warmup"]
-            doc["compiles_after_warmup"] = compiles
-            checks.expect(compiles == 0, f"{compiles} compiles after warm-up")
-            doc["checks"] = {"checked": checks.checked, "ties": checks.ties, "failures": sorted(set(checks.failures))}
-            doc["measure_s"] = round(time.perf_counter() - start, 2)
-            with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-                json.dump(doc, f, indent=1)
-            with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-                f.write(render_md(doc))
-            print(json.dumps(doc["levels"][-1]), flush=True)
+            for n in modes:
+                these, label = prompts[:c * n], f"{c} clients x {n} requests"
+                if not side.run(engine_idle, 60):
+                    raise RuntimeError("the server's engine thread did not go idle within 60 s")
+                e = max((engine_level(side, these, args.new, stop_ids, refs, checks, f"{label} run {k}", c)
+                         for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
+                s = max((server_level(server, side, thread.ident, clients, tok, these, args.new, refs, checks,
+                                      f"{label} run {k}", c)
+                         for k in range(args.repeats)), key=lambda r: r["tokens_per_s"])
+                doc["levels"].append({"clients": c, "requests_per_client": n, "engine": e, "server": s,
+                                      "overhead_pct": round(100 * (1 - s["tokens_per_s"] / e["tokens_per_s"]), 2)})
+                compiles = side.counters()["stats"]["compiles_after_warmup"]
+                doc["compiles_after_warmup"] = compiles
+                checks.expect(compiles == 0, f"{compiles} compiles after warm-up")
+                doc["checks"] = {"checked": checks.checked, "ties": checks.ties,
+                                 "failures": sorted(set(checks.failures))}
+                doc["measure_s"] = round(time.perf_counter() - start, 2)
+                with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+                    json.dump(doc, f, indent=1)
+                with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+                    f.write(render_md(doc))
+                print(json.dumps(doc["levels"][-1]), flush=True)
     finally:  # a clean stop before the interpreter exits (the lifespan's drain needs a live executor)
         clients.close()
         uv.should_exit = True

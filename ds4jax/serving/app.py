@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import sys
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,7 +29,7 @@ from starlette.routing import Route
 from ds4jax.generation.requests import MAX_FORCED, Budget, ErrorCode, Request
 from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod
 from ds4jax.serving.config import ServerConfig
-from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull
+from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull, mark
 from ds4jax.serving.errors import APIError, ServerCode
 from ds4jax.serving.handoff import Handoff
 from ds4jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -49,13 +50,14 @@ class Server:
     """The app's state: engine driver, limits, metrics. `app` is the ASGI application."""
 
     def __init__(self, engine, tokenizer, config: ServerConfig = ServerConfig(), driver=Driver):
-        """driver(engine, max_queue=, metrics=, batch=): `Driver` runs the engine on a thread of this process;
+        """driver(engine, max_queue=, metrics=, batch=, admit_quiet_s=): `Driver` runs the engine on a thread of this process;
         `engine_process.RemoteDriver.factory(...)` in an engine process (`engine` is then its `EngineView`)."""
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.metrics = ServerMetrics()
         self.metrics.slots.set(engine.tspec.max_slots)
         self.handoff = Handoff()  # the driver's items to the event loop
-        self.driver = driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch)
+        self.driver = driver(engine, max_queue=config.max_queue, metrics=self.metrics, batch=self.handoff.batch,
+                             admit_quiet_s=config.admit_quiet_ms / 1e3)
         self.limits = params_mod.Limits(
             model=config.model_name, max_context=engine.tspec.max_context,
             spec_positions=engine.k + 1 if engine.k else 0, max_tokens_cap=config.max_tokens_cap,
@@ -158,6 +160,7 @@ class Server:
 
     # ---- generation --------------------------------------------------------------------------------------------
     async def _generate(self, request: HTTPRequest, *, is_chat: bool):
+        received = time.monotonic() if self.config.trace else None
         route = "/v1/chat/completions" if is_chat else "/v1/completions"
         self._authorize(request)
         if not self.driver.ready:
@@ -177,6 +180,8 @@ class Server:
                 index = len(choices)
                 choices.append(Choice(index, self.tokenizer, p.stop, self.close_ids, p.thinking))
                 job = Job(request=None, sink=self._sink(self.handoff, inbox, index), label=shape.id)
+                if received is not None:
+                    job.trace = {"received": received}
                 job.request = self._engine_request(p, ids, j, job)
                 jobs.append(job)
         try:
@@ -246,6 +251,7 @@ class Server:
         event and four tasks per stream: about a fifth of the event loop's CPU per token, bench_serve --tiny at 32
         clients on the 2-core CPU.)"""
         pending = len(jobs)
+        traced = self.config.trace
         self._open_stream(inbox)
         try:
             if p.chat:
@@ -269,13 +275,21 @@ class Server:
                     if not value.ok:
                         failed = value
                         break
-                out = [chunk for chunk in (_chunk(shape, choices[i]) for i in touched) if chunk is not None]
+                out, written = [], []
+                for i in touched:
+                    chunk = _chunk(shape, choices[i])
+                    if chunk is not None:
+                        out.append(chunk)
+                        written.append(i)
                 if failed is not None:  # a failure mid-stream is an error event, never a normal end
                     out.append(json.dumps(_result_error(failed).body()))
                     yield _frames(out)
                     return
                 if out or ping:
                     yield (_ping_comment() if ping else b"") + _frames(out)
+                    if traced:  # resumed once the write went to the transport
+                        for i in written:
+                            mark(jobs[i], "sse_written")
             tail = [json.dumps(shape.usage_chunk(choices, prompt_tokens))] if p.include_usage else []
             yield _frames(tail + ["[DONE]"])
         finally:  # the client left (or the stream failed): cancel what still runs, which frees the slots

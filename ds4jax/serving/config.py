@@ -27,3 +27,9 @@ class ServerConfig:
     # (--in-process) on a thread of this one. Off by default until it measures better: the 2-core CPU could not
     # tell the two apart (docs/benchmarks/serve_engine_process_cpu.md); the H200 run is to come
     engine_process: bool = False
+    # stamp each request's way to its first token (`driver.TRACE_MARKS`: a few dict writes per request, none per
+    # token): scripts/bench_serve.py reads the stamps to show where time to first token goes
+    trace: bool = False
+    # an idle engine starts once no request arrived for this long, so a burst's requests share their first
+    # prefill (serving/driver.py); 0: it starts at the first request
+    admit_quiet_ms: float = 1.0

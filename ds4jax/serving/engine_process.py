@@ -46,7 +46,7 @@ from ds4jax.generation.requests import (
     TokenEvent,
     TokenLogprob,
 )
-from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull
+from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull, mark
 
 log = logging.getLogger("ds4jax.serve")
 
@@ -108,6 +108,7 @@ class EngineView:
 # ---- the engine process --------------------------------------------------------------------------------------------
 class _HostDriver(Driver):
     """The `Driver` of the engine process: its hand-overs fill the host's outbox, sent once per iteration."""
+    QUEUED_MARK = "arrived"  # the front end stamped "queued" as it sent the job
 
     def __init__(self, engine, host: EngineHost):
         super().__init__(engine, max_queue=1 << 62)  # admission is the front end's
@@ -166,9 +167,11 @@ class EngineHost:
                                  for key, kind, value in items], *depth,
                        (stats.compiles_after_warmup, stats.spec_rounds)))
 
-    def _sink(self, key: int) -> Callable[[str, object], None]:
+    def _sink(self, key: int, job: Job) -> Callable[[str, object], None]:
         def sink(kind: str, value) -> None:
             with self._outbox_lock:
+                if kind == "done" and job.trace:  # a traced job's stamps here go to the front end's job
+                    self._outbox.append((key, "trace", job.trace))
                 self._outbox.append((key, kind, value))
                 if kind == "done":
                     self.jobs.pop(key, None)
@@ -193,6 +196,7 @@ class EngineHost:
             elif kind == "stop":
                 self.driver.stop_accepting()
             elif kind == "start":
+                self.driver.admit_quiet_s = message[2]
                 self.driver.start(warmup=message[1])
             elif kind == "drain":
                 threading.Thread(target=self._drain, args=(message[1],), name="ds4jax-drain", daemon=True).start()
@@ -203,8 +207,9 @@ class EngineHost:
 
     def _submit(self, items) -> None:
         jobs = []
-        for key, label, fields in items:
-            job = Job(request=None, sink=self._sink(key), label=label)
+        for key, label, fields, traced in items:
+            job = Job(request=None, sink=None, label=label, trace={} if traced else None)
+            job.sink = self._sink(key, job)
             job.request = Request(**fields, on_tokens=self.driver.on_tokens(job))
             self.jobs[key] = job
             jobs.append(job)
@@ -315,10 +320,11 @@ class RemoteDriver:
     """`Driver`'s interface over an `EngineProcess`."""
 
     def __init__(self, process: EngineProcess, *, max_queue: int, metrics=None, batch=contextlib.nullcontext,
-                 engine: EngineView | None = None):
+                 engine: EngineView | None = None, admit_quiet_s: float = 0.0):
         self.process, self.conn = process, process.conn
         self.engine = engine or EngineView(process.info)  # the server's: the stats it reports are the engine's
         self.max_queue, self.metrics, self._batch_context = max_queue, metrics, batch
+        self.admit_quiet_s = admit_quiet_s  # the engine process's driver's (`Driver`)
         # its state (held briefly, never while sending: the receiving thread must keep reading, or both processes
         # could block on full pipes), and one message at a time
         self._lock, self._send_lock = threading.RLock(), threading.RLock()
@@ -336,13 +342,13 @@ class RemoteDriver:
 
     @classmethod
     def factory(cls, process: EngineProcess):
-        """For `Server(driver=...)`: (engine, max_queue=, metrics=, batch=) -> a RemoteDriver."""
+        """For `Server(driver=...)`: (engine, max_queue=, metrics=, batch=, admit_quiet_s=) -> a RemoteDriver."""
         return lambda engine, **kwargs: cls(process, engine=engine, **kwargs)
 
     # ---- what app.py uses --------------------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> None:
         self._thread.start()
-        self._send(("start", warmup))
+        self._send(("start", warmup, self.admit_quiet_s))
 
     @property
     def thread_ident(self) -> int | None:
@@ -369,7 +375,8 @@ class RemoteDriver:
                 for job in jobs:
                     job.key = next(self._keys)
                     self._jobs[job.key] = job
-                    items.append((job.key, job.label, request_fields(job.request)))
+                    mark(job, "queued")
+                    items.append((job.key, job.label, request_fields(job.request), job.trace is not None))
                 self._gauges()
             self._send(("submit", items))
 
@@ -457,9 +464,14 @@ class RemoteDriver:
             self._running = running
             got = []
             for key, kind, value in items:
-                job = self._jobs.get(key) if kind == "tokens" else self._jobs.pop(key, None)
-                if job is not None:
-                    got.append((job, kind, value))
+                job = self._jobs.get(key) if kind in ("tokens", "trace") else self._jobs.pop(key, None)
+                if job is None:
+                    continue
+                if kind == "trace":  # the engine process's stamps (its clock is this one: CLOCK_MONOTONIC)
+                    for name, at in value.items():
+                        mark(job, name, at)
+                    continue
+                got.append((job, kind, value))
             depth = self._depth()
         self.engine.stats.compiles_after_warmup, self.engine.stats.spec_rounds = stats
         try:
@@ -469,6 +481,8 @@ class RemoteDriver:
                         if job.cancelled:  # its next tokens cancel it in the engine (or already did)
                             continue
                         events = unpack_events(value)
+                        if not job.first_token:
+                            mark(job, "relayed")
                         tokens += len(events)
                         if metrics is not None:
                             metrics.delivery(job, now)
