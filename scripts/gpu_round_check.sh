@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One accelerator call that measures this round's user-facing changes, most important first, each part under its
+# own time limit and packed into its own archive as soon as it ends (a call cut short still brings back the parts
+# that finished; the device tool returns at most 8 files):
+#   serve      scripts/bench_serve.py in process: 1, 8, 32, 64 clients, burst and sustained (issue 25)
+#   anatomy    scripts/spec_anatomy.py: a speculative round vs a plain step, kernels by scope (issue 23)
+#   startup    scripts/bench_compile.py --parts engine,cli: default-model warm-up and CLI first token, cold and
+#              cached in new processes (issue 22)
+#   serve_ep   bench_serve.py with --engine-process
+#   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27)
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [serve anatomy startup serve_ep e2e]
+# (seconds per part; 0 skips it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# The serve extra's pure-Python wheels (the device image lacks starlette / uvicorn), carried in .whl/ by the caller.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+log=$OUT/session.log
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "commit ${COMMIT:-unknown}"; } >>"$log" 2>&1
+part() {  # part NAME SECONDS CMD...: skipped at 0 (`timeout 0` would mean no limit); its folder packed at the end
+  local name=$1 secs=$2; shift 2
+  [ "$secs" -gt 0 ] || { echo "$name: skipped" >>"$log"; return; }
+  local t=$SECONDS
+  mkdir -p "$OUT/$name"
+  timeout "$secs" "$@" >"$OUT/$name/log.txt" 2>&1
+  echo "$name: exit $? after $((SECONDS - t)) s" >>"$log"
+  tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
+}
+part serve "${1:-140}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_h200_in_process \
+    --clients 1,8,32,64 --requests-per-client 4 --repeats 2
+part anatomy "${2:-110}" python3 scripts/spec_anatomy.py --out "$OUT/anatomy"
+part startup "${3:-120}" python3 scripts/bench_compile.py --parts engine,cli --engine-models default \
+    --deadline-s $(( ${3:-120} - 25 )) --out "$OUT/startup/startup.json"
+part serve_ep "${4:-110}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_h200_engine_process \
+    --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
+part e2e "${5:-100}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
+    --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
+cat "$log"
