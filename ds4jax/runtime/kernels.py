@@ -25,12 +25,14 @@ import os
 
 import jax
 
-import pallas_kernels
+from ds4jax.lazy_module import LazyModule
 from ds4jax.model import sharding
 from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
+
+pallas_kernels = LazyModule("pallas_kernels")  # imported when a program is traced (ds4jax.lazy_module)
 
 
 class Impl(enum.Enum):

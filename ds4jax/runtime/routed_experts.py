@@ -13,10 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from ds4jax.lazy_module import LazyModule
 from ds4jax.model.config import Config
 from ds4jax.model.layers.moe import Routing, swiglu
 from ds4jax.model.quantized import Format, dense, is_quantized
+
+pallas_kernels = LazyModule("pallas_kernels")  # imported when a program is traced (ds4jax.lazy_module)
 
 DECODE_TILE = 16  # Triton's smallest matmul extent: a decode selection fills one row of a 16-row tile
 PREFILL_TILE = 64
