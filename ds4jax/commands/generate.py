@@ -132,6 +132,21 @@ def load_model(args):
                            check_finite=getattr(args, "check_finite", True), mesh=layout, **numerics)
 
 
+def prefetch_programs(args, prompt_tokens: int) -> int:
+    """Start loading the compiled programs that the last run with these arguments and this prompt length asked for
+    first (`executable_cache.prefetch`; nothing when that cache is off): they deserialize on threads while the
+    weights load and the pools are allocated, where they took ~1.2 s of a cached run's 2-core CPU start-up in
+    series (docs/benchmarks/cli_startup.md). Returns how many loads started."""
+    from ds4jax.runtime import executable_cache
+
+    if not executable_cache.enabled():
+        return 0
+    skip = ("prompt", "prompt_file", "quiet", "debug", "sizes")  # what cannot change a program
+    settings = sorted((k, v) for k, v in vars(args).items() if k not in skip and not callable(v))
+    where = os.environ.get("DS4JAX_DEFAULT_CHECKPOINT")
+    return executable_cache.prefetch(repr((NAME, prompt_tokens, where, settings)))
+
+
 def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:
     """Size the pools now (from the config alone), so an impossible K fails before the weights load."""
     from ds4jax.generation.generate import default_page_size
@@ -225,6 +240,7 @@ def run(args) -> int:
                          value=args.max_new_tokens)
     if args.speculative:
         _check_speculative(cfg, args.speculative, len(ids), args.max_new_tokens)
+    prefetch_programs(args, len(ids))
     progress(f"loading {'the default model' if args.checkpoint is None else args.checkpoint}")
     model = load_model(args)
     args.sizes = _sizes(model, len(ids) + args.max_new_tokens)
