@@ -221,9 +221,30 @@ def _sizes(model, context: int) -> str:
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 
+def start_backend() -> None:
+    """Start JAX's backend on a thread while the prompt is read and tokenized and our modules import (an H200 host's
+    CUDA backend takes ~0.5 s to start, most of it outside the GIL); not in a multi-process job, which must join
+    before any backend starts (`init_distributed`)."""
+    from ds4jax.runtime.distributed import launched
+
+    if not launched():
+        import threading
+
+        import jax
+
+        def devices():
+            try:
+                jax.devices()
+            except Exception:  # noqa: BLE001 (the main thread meets it again, and reports it as one line)
+                pass
+
+        threading.Thread(target=devices, name="ds4jax-backend", daemon=True).start()
+
+
 def run(args) -> int:
     from ds4jax.errors import TokenizerError, UsageError
 
+    start_backend()
     progress = Progress(args.quiet)
     text = read_prompt(args)
     cfg, tok = _config_and_tokenizer(args)
