@@ -1,6 +1,7 @@
 """`executable_cache.prefetch`: a run that announces a tag gets the executables the last run with that tag asked for
 first loaded on background threads (the call takes the prefetched one, without loading on its own thread), a
-stale hint never hands a call another key's program, and the hint follows what the latest run asked for."""
+stale hint never hands a call another key's program, the hint follows what the latest run asked for, and a
+machine of few cores prefetches only the first program (the rest would compete with the first call's work)."""
 
 import functools
 import threading
@@ -30,6 +31,7 @@ def loads(tmp_path, monkeypatch):
         return load(key)
 
     monkeypatch.setattr(executable_cache, "_load", recorded)
+    monkeypatch.setattr(executable_cache, "_cpus", lambda: 16)  # cores to spare: every hinted program prefetched
     executable_cache.enable(str(tmp_path))
     yield seen
     executable_cache.enable(None)
@@ -75,3 +77,16 @@ def test_tags_are_separate(loads, tmp_path):
     _scaled(jnp.arange(3.0), scale=2.0)  # no prefetch announced: nothing recorded
     _new_process(tmp_path)
     assert executable_cache.prefetch("other") == 0
+
+
+def test_few_cores_prefetch_the_first_program_only(loads, tmp_path, monkeypatch):
+    x = jnp.arange(3.0)
+    executable_cache.prefetch("run")
+    _scaled(x, scale=2.0), _scaled(x, scale=3.0)
+    _new_process(tmp_path)
+    monkeypatch.setattr(executable_cache, "_cpus", lambda: 2)
+    before = len(loads)
+    assert executable_cache.prefetch("run") == 1
+    np.testing.assert_array_equal(_scaled(x, scale=2.0), 2.0 * x)
+    np.testing.assert_array_equal(_scaled(x, scale=3.0), 3.0 * x)
+    assert [name.startswith("ds4jax-prefetch") for name in loads[before:]] == [True, False], loads

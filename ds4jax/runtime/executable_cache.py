@@ -46,6 +46,7 @@ _memory: dict[str, Any] = {}
 _by_signature: dict[tuple, Any] = {}  # a call's hashable signature -> its executable (skips the sha256 key)
 # prefetch: entries being loaded on threads, and the first keys this run asked for after announcing itself
 MAX_HINTED = 4  # a run's start-up programs (the CLI's first token needs one, its second one more)
+PARALLEL_CPUS = 4  # with fewer cores, only the first hinted program is prefetched
 _pending: dict[str, concurrent.futures.Future] = {}
 _hint: dict[str, Any] = {"path": None, "read": [], "seen": []}
 
@@ -66,8 +67,9 @@ def clear_memory() -> None:
 
 
 def prefetch(tag: str) -> int:
-    """Start loading, on background threads, the executables that the last run announcing `tag` asked for first (up
-    to `MAX_HINTED`), and record this run's first ones for the next. Returns how many loads started.
+    """Start loading, each on a thread of its own, the executables that the last run announcing `tag` asked for first
+    (up to `MAX_HINTED`; only the first one on a machine of fewer than `PARALLEL_CPUS` cores), and record this run's
+    first ones for the next. Returns how many loads started.
 
     For a short run whose programs come from this cache, deserializing them is a large part of its start-up (the
     default model's prefill and decode programs: ~0.6 s each on a 2-core CPU, ~0.9 s each on an H200 host), and
@@ -86,12 +88,13 @@ def prefetch(tag: str) -> int:
         read = []
     _hint.update(path=path, read=read, seen=[])
     keys = [k for k in read if k not in _memory and k not in _pending and os.path.exists(_path(k))]
-    jobs = [(key, _pending.setdefault(key, concurrent.futures.Future())) for key in keys]
-    # a thread per key where cores are to spare (an accelerator host); else one thread, in the order the run asks
-    # for them, so the first program is not slowed by loading the next (a 2-core CPU: the same work, reordered)
-    workers = min(len(keys), max(1, _cpus() // 2))
-    for w in range(workers):
-        threading.Thread(target=_load_into_futures, args=(jobs[w::workers],), name=f"ds4jax-prefetch-{w}",
+    if _cpus() < PARALLEL_CPUS:
+        # few cores: the first program only. Loading the next ones early competes with the first call's own work
+        # for the same cores, and delays the first token (measured on 2 cores: docs/benchmarks/cli_startup.md)
+        keys = keys[:1]
+    for key in keys:
+        future = _pending[key] = concurrent.futures.Future()
+        threading.Thread(target=_load_into, args=(key, future), name=f"ds4jax-prefetch-{key[:8]}",
                          daemon=True).start()
     return len(keys)
 
@@ -103,13 +106,12 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _load_into_futures(jobs: list[tuple[str, concurrent.futures.Future]]) -> None:
-    for key, future in jobs:  # the futures themselves: a caller may have taken one from _pending already
-        result = None
-        try:
-            result = _load(key)
-        finally:
-            future.set_result(result)
+def _load_into(key: str, future: concurrent.futures.Future) -> None:
+    result = None  # the future itself, not _pending's entry: a caller may have taken that already
+    try:
+        result = _load(key)
+    finally:
+        future.set_result(result)
 
 
 def _note(key: str) -> None:
