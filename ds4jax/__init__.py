@@ -5,10 +5,12 @@ h query heads, d head dim, r rotary dim, l q-LoRA rank, e embed, f expert ffw, x
 streams, v vocab, g output groups, o output LoRA rank, c compressed entries, n top-k.
 
 The public names below load on first use (PEP 562), so ``import ds4jax`` (and ``ds4jax --version`` /
-``--help``) does not import JAX; the first attribute access imports the whole API, as an eager import did.
+``--help``) does not import JAX; the first access to a public name or a subpackage imports the whole API, as an
+eager import did; a single-file module (``ds4jax.errors``, ``ds4jax.compilation_cache``) imports alone.
 """
 
 import importlib
+import os
 
 from ds4jax import xla_flags as _xla_flags
 
@@ -47,9 +49,19 @@ def _load_all() -> None:
             globals()[name] = module if module.__name__ == f"ds4jax.{name}" else getattr(module, name)
 
 
+def _plain_module(name: str) -> bool:
+    """Whether ``ds4jax.<name>`` is a single-file module (not a subpackage, not a public name of another module)."""
+    return _EXPORTS.get(name, "ds4jax") == "ds4jax" and os.path.isfile(os.path.join(__path__[0], f"{name}.py"))
+
+
 def __getattr__(name: str):
     if name.startswith("__"):  # dunders (__path__ probes, copy/pickle hooks) never trigger the import
         raise AttributeError(name)
+    if _plain_module(name):
+        # a single-file module (ds4jax.errors, ds4jax.compilation_cache, ds4jax.cli, ...) imports alone: the import
+        # system probes this hook before it imports a submodule (``from ds4jax import compilation_cache``), which
+        # would otherwise pull the whole API into the CLI's start-up (seconds: docs/benchmarks/cli_startup.md)
+        return importlib.import_module(f"ds4jax.{name}")
     _load_all()
     if name in globals():
         return globals()[name]

@@ -498,7 +498,8 @@ def export(args, cfg, hp, corpus, meta, floats, ints, eval_fn, stopped_early) ->
     if args.all_heldout:
         report["heldout_all"] = evaluate(eval_fn, params, eval_windows(corpus, hp, None), corpus.token_bytes,
                                          hp.eval_windows)
-    # the same weights twice: Orbax (the shipped format) and, as insurance, safetensors (ds4jax.save)
+    # the same weights twice: Orbax and, as insurance, safetensors (ds4jax.save); checkpoints/default ships the Orbax
+    # export converted to our packed format (`ds4jax convert model DIR --to packed`: it loads in one read)
     for out, write in ((os.path.join(args.workdir, "model_safetensors"), _save_safetensors),
                        (os.path.join(args.workdir, "model"), _save_orbax)):
         try:

@@ -1,6 +1,6 @@
-"""The shipped default model (checkpoints/default): loads from Orbax and from a converted safetensors copy with
-identical logits, reproduces its report's held-out loss, speculative greedy == plain greedy for k = 1..4, and
-is what ``ds4jax generate`` runs without --checkpoint."""
+"""The shipped default model (checkpoints/default): loads from its packed file and from a converted safetensors
+copy with identical logits, reproduces its report's held-out loss, speculative greedy == plain greedy for
+k = 1..4, and is what ``ds4jax generate`` runs without --checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import ds4jax
 from ds4jax.cli import main, printable
 from ds4jax.commands.generate import STREAM_STEPS
 from ds4jax.generation.generate import SamplingParams
-from ds4jax.io import convert, default_model as dm, orbax_checkpoint
+from ds4jax.io import convert, default_model as dm, packed_params
 
 CKPT = dm.SHIPPED
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(CKPT, "config.json")),
@@ -44,8 +44,9 @@ def heldout():
     return np.load(os.path.join(CKPT, "heldout_eval.npy")).astype(np.int32)
 
 
-def test_shipped_checkpoint_is_orbax_small_and_documented(report):
-    assert orbax_checkpoint.is_orbax(CKPT)
+def test_shipped_checkpoint_is_packed_small_and_documented(report):
+    assert packed_params.is_packed(CKPT)  # one read and one transfer at start-up (ds4jax.io.packed_params)
+    assert convert.source_format(CKPT) == "packed"
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
     assert size <= 16 * 2**20, size
     for name in ("tokenizer.json", "tokenizer_config.json", "corpus_manifest.json", "loss.png", "REPORT.md"):
@@ -59,16 +60,16 @@ def test_shipped_checkpoint_is_orbax_small_and_documented(report):
 
 @pytest.fixture(scope="module")
 def first_logits(model, heldout):
-    """The Orbax model's logits on the first 4 held-out windows: the held-out loss test's first batch, and what the
+    """The shipped model's logits on the first 4 held-out windows: the held-out loss test's first batch, and what the
     converted copy's logits must equal (one forward run fewer on this CPU, where a 4 x 512 forward takes seconds)."""
     return ds4jax.forward_logits(model, heldout[:4, :-3])
 
 
-def test_orbax_and_converted_safetensors_give_identical_logits(model, heldout, first_logits, tmp_path):
+def test_packed_and_converted_safetensors_give_identical_logits(model, heldout, first_logits, tmp_path):
     convert.convert(CKPT, tmp_path / "st", to="safetensors")
     assert convert.source_format(str(tmp_path / "st")) == "safetensors"
     copy = ds4jax.load(tmp_path / "st", dtype=jnp.float32)
-    # committed to the device as the Orbax load's arrays are (the safetensors load leaves them uncommitted, and jit
+    # committed to the device as the packed load's arrays are (the safetensors load leaves them uncommitted, and jit
     # compiles per committed-ness), on the held-out loss test's windows: the copy's forward then runs the program
     # first_logits compiled, instead of the two small ones this test compiled of its own (the values compared are
     # the same kind: bit-identical logits of both loads)

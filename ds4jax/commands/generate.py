@@ -132,6 +132,21 @@ def load_model(args):
                            check_finite=getattr(args, "check_finite", True), mesh=layout, **numerics)
 
 
+def prefetch_programs(args, prompt_tokens: int) -> int:
+    """Start loading the compiled programs that the last run with these arguments and this prompt length asked for
+    first (`executable_cache.prefetch`; nothing when that cache is off): they deserialize on threads while the
+    weights load and the pools are allocated, where they took ~1.2 s of a cached run's 2-core CPU start-up in
+    series (docs/benchmarks/cli_startup.md). Returns how many loads started."""
+    from ds4jax.runtime import executable_cache
+
+    if not executable_cache.enabled():
+        return 0
+    skip = ("prompt", "prompt_file", "quiet", "debug", "sizes")  # what cannot change a program
+    settings = sorted((k, v) for k, v in vars(args).items() if k not in skip and not callable(v))
+    where = os.environ.get("DS4JAX_DEFAULT_CHECKPOINT")
+    return executable_cache.prefetch(repr((NAME, prompt_tokens, where, settings)))
+
+
 def _check_speculative(cfg, k: int, prompt_len: int, max_new: int) -> None:
     """Size the pools now (from the config alone), so an impossible K fails before the weights load."""
     from ds4jax.generation.generate import default_page_size
@@ -206,9 +221,30 @@ def _sizes(model, context: int) -> str:
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 
+def start_backend() -> None:
+    """Start JAX's backend on a thread while the prompt is read and tokenized and our modules import (an H200 host's
+    CUDA backend takes ~0.5 s to start, most of it outside the GIL); not in a multi-process job, which must join
+    before any backend starts (`init_distributed`)."""
+    from ds4jax.runtime.distributed import launched
+
+    if not launched():
+        import threading
+
+        import jax
+
+        def devices():
+            try:
+                jax.devices()
+            except Exception:  # noqa: BLE001 (the main thread meets it again, and reports it as one line)
+                pass
+
+        threading.Thread(target=devices, name="ds4jax-backend", daemon=True).start()
+
+
 def run(args) -> int:
     from ds4jax.errors import TokenizerError, UsageError
 
+    start_backend()
     progress = Progress(args.quiet)
     text = read_prompt(args)
     cfg, tok = _config_and_tokenizer(args)
@@ -225,6 +261,7 @@ def run(args) -> int:
                          value=args.max_new_tokens)
     if args.speculative:
         _check_speculative(cfg, args.speculative, len(ids), args.max_new_tokens)
+    prefetch_programs(args, len(ids))
     progress(f"loading {'the default model' if args.checkpoint is None else args.checkpoint}")
     model = load_model(args)
     args.sizes = _sizes(model, len(ids) + args.max_new_tokens)

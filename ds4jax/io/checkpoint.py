@@ -37,7 +37,7 @@ from safetensors.numpy import save_file
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: importable from here too
-from ds4jax.io import official_format, orbax_checkpoint, quantized_load, sharded_load
+from ds4jax.io import official_format, orbax_checkpoint, packed_params, quantized_load, sharded_load
 from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: F401  (re-exported)
 from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc,
                                           check_finite_values, check_tid2eid, open_shards, path_of, plan, read_config,
@@ -128,7 +128,8 @@ def weights_mode(weights: str | None, mesh=None) -> str:
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, check_finite: bool = False, mesh=None,
          rules=None, weights: str | None = None, numerics: Numerics | str = Numerics.REFERENCE) -> Model:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, optionally with an index, or our Orbax
-    format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`) into a `Model`.
+    format: ``config.json`` + ``params/``, see `ds4jax.io.orbax_checkpoint`, or our packed one: ``config.json`` +
+    ``params.safetensors``, see `ds4jax.io.packed_params`) into a `Model`.
 
     Compute-dtype leaves come back in `dtype`; norms, mHC, sinks, ape and router bias in float32; tid2eid int32.
     Raises `CheckpointError` on any missing / unexpected / mis-shaped / mis-typed tensor, missing shard, bad config,
@@ -159,13 +160,16 @@ def _load(path, dtype, *, check_finite: bool, mesh, rules, weights) -> Model:
                               source=ckpt_dir)
     if mesh is not None and rules is not None:
         mesh = dataclasses.replace(mesh, rules=tuple(rules))
-    if orbax_checkpoint.is_orbax(ckpt_dir):
-        model = orbax_checkpoint.load(ckpt_dir, dtype, layout=mesh)
+    # our formats: packed (the default model's; checked first, its file is also a *.safetensors) and Orbax
+    ours = packed_params if packed_params.is_packed(ckpt_dir) else \
+        orbax_checkpoint if orbax_checkpoint.is_orbax(ckpt_dir) else None
+    if ours is not None:
+        model = ours.load(ckpt_dir, dtype, layout=mesh)
         if check_finite:
             for key_path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
                 a = np.asarray(leaf)
                 if not np.issubdtype(a.dtype, np.integer) and not np.isfinite(a).all():
-                    raise CheckpointError("non-finite value in the Orbax params", source=ckpt_dir,
+                    raise CheckpointError(f"non-finite value in the {ours.FORMAT_NAME} params", source=ckpt_dir,
                                           name=jax.tree_util.keystr(key_path))
         return model
     if mesh is not None:

@@ -1,5 +1,6 @@
 """``ds4jax convert SRC DST``: any loadable checkpoint (safetensors in any accepted naming/quantization, or ours
-in Orbax) to our Orbax format or to upstream-named safetensors.
+in Orbax or packed) to our Orbax format, our packed one (`ds4jax.io.packed_params`: one file, the fastest to load)
+or upstream-named safetensors.
 
 The destination is assembled in a hidden directory beside DST and renamed into place only when complete
 (`orbax_checkpoint.atomic_directory`), so an interrupted conversion leaves nothing at DST and nothing that loads.
@@ -14,14 +15,16 @@ import os
 import shutil
 from typing import Any
 
-FORMATS = ("orbax", "safetensors")
+FORMATS = ("orbax", "packed", "safetensors")
 # Imported lazily below, so that building the command-line parser does not import JAX.
 CONFIG_FILE, INDEX_FILE = "config.json", "model.safetensors.index.json"
 
 
 def source_format(path: str) -> str:
-    from ds4jax.io import orbax_checkpoint
+    from ds4jax.io import orbax_checkpoint, packed_params
 
+    if packed_params.is_packed(path):
+        return "packed"
     return "orbax" if orbax_checkpoint.is_orbax(path) else "safetensors"
 
 
@@ -30,11 +33,14 @@ def source_dtype(path: str) -> Any:
     import jax.numpy as jnp
     import numpy as np
 
-    from ds4jax.io import orbax_checkpoint
+    from ds4jax.io import orbax_checkpoint, packed_params
 
-    if source_format(path) == "orbax":
-        meta = orbax_checkpoint.stored_metadata(path).get("embed")
-        return jnp.float32 if meta is not None and np.dtype(meta.dtype) == np.float32 else jnp.bfloat16
+    fmt = source_format(path)
+    if fmt in ("orbax", "packed"):
+        meta = (orbax_checkpoint.stored_metadata(path) if fmt == "orbax" else packed_params.stored_metadata(path))
+        embed = meta.get("embed")
+        dtype = None if embed is None else (embed.dtype if fmt == "orbax" else embed[1])
+        return jnp.float32 if dtype is not None and np.dtype(dtype) == np.float32 else jnp.bfloat16
     from safetensors import safe_open
 
     for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
@@ -53,19 +59,20 @@ def _extras(src: str) -> list[str]:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, dtype: Any = None,
             overwrite: bool = False, quantize: str | None = None) -> str:
-    """Convert `src` to format `to` (default: the other one) at `dst`; returns the format written.
+    """Convert `src` to format `to` (default: safetensors from ours, Orbax from safetensors) at `dst`; returns the
+    format written.
 
     ``quantize="fp4"`` / ``"fp8"`` writes the published quantized safetensors layout (`ds4jax.save`'s `quantize`),
     quantized from the source's values read in float32 (unless `dtype` says otherwise)."""
     import numpy as np
 
     from ds4jax.errors import ArgumentError
-    from ds4jax.io import checkpoint, official_format, orbax_checkpoint
+    from ds4jax.io import checkpoint, official_format, orbax_checkpoint, packed_params
 
     official_format.check_quantize(quantize)
     if quantize is not None:
-        if to == "orbax":
-            raise ArgumentError("the Orbax format stores the params as they are: quantize writes safetensors",
+        if to in ("orbax", "packed"):
+            raise ArgumentError(f"the {to} format stores the params as they are: quantize writes safetensors",
                                 name="quantize", value=quantize)
         to, dtype = "safetensors", dtype or np.float32
 
@@ -74,7 +81,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         raise checkpoint.CheckpointError(f"checkpoint directory {src!r} does not exist")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise checkpoint.CheckpointError("source and destination are the same directory")
-    to = to or ("safetensors" if source_format(src) == "orbax" else "orbax")
+    to = to or ("orbax" if source_format(src) == "safetensors" else "safetensors")
     if to not in FORMATS:
         raise checkpoint.CheckpointError(f"unknown format {to!r}; expected one of {FORMATS}")
     model = checkpoint.load(src, dtype=dtype if dtype is not None else source_dtype(src), weights="bf16")
@@ -83,6 +90,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
         if to == "orbax":
             orbax_checkpoint.write_params(model.params, tmp)
+        elif to == "packed":
+            packed_params.write_params(model.params, tmp)
         else:
             checkpoint.save(model, tmp, overwrite=True, quantize=quantize)
             os.remove(os.path.join(tmp, CONFIG_FILE))  # written again below, last
@@ -99,12 +108,14 @@ def write_config(model, directory: str, quantize: str | None = None) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert a checkpoint between safetensors and our Orbax format",
-                       description="Convert SRC (safetensors in any accepted naming, or Orbax) to DST. The default "
-                                   "target format is the other one. DST appears only once complete.")
-    p.add_argument("src", metavar="SRC", help="checkpoint directory to read (safetensors or Orbax)")
+    p = sub.add_parser("convert", help="convert a checkpoint between safetensors and our Orbax / packed formats",
+                       description="Convert SRC (safetensors in any accepted naming, Orbax or packed) to DST. The "
+                                   "default target format is Orbax from safetensors, safetensors from ours. DST "
+                                   "appears only once complete.")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory to read (safetensors, Orbax or packed)")
     p.add_argument("dst", metavar="DST", help="directory to write (appears only once complete)")
-    p.add_argument("--to", choices=FORMATS, default=None, help="target format (default: the other one)")
+    p.add_argument("--to", choices=FORMATS, default=None, help="target format (default: Orbax from safetensors, safetensors from Orbax or packed; packed: "
+                        "one file, the fastest to load)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="weight dtype (auto: float32 if the source embedding is float32, else bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")

@@ -1,8 +1,8 @@
 """The default model: what ``ds4jax generate`` runs when no ``--checkpoint`` is given.
 
 A small DeepSeek-V4 trained on the Python 3.11 standard library's sources (PSF License) by
-``scripts/train_default.py``, shipped in ``checkpoints/default`` (Orbax params, config.json, a byte-level BPE
-``tokenizer.json``, the training report). ``DS4JAX_DEFAULT_CHECKPOINT`` points the default elsewhere.
+``scripts/train_default.py``, shipped in ``checkpoints/default`` (packed params, `ds4jax.io.packed_params`: one read
+and one transfer; config.json, a byte-level BPE ``tokenizer.json``, the training report). ``DS4JAX_DEFAULT_CHECKPOINT`` points the default elsewhere.
 
 The seeded random tiny model of earlier versions stays available for tests and experiments that need no files:
 `random_model` / `random_tokenizer` (a `tiny` config with the byte-level tokenizer's vocabulary).

@@ -29,6 +29,7 @@ from ds4jax.model.quantized import dequantize_tree
 from ds4jax.runtime import memory
 
 PARAMS_DIR = "params"
+FORMAT_NAME = "Orbax"  # in error messages
 CONFIG_FILE = "config.json"
 
 
@@ -115,6 +116,35 @@ def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return _flat(tree)
 
 
+def check_stored(ckpt_dir: str, cfg, dtype: Any, stored: dict[str, tuple]) -> tuple[dict, dict[str, np.dtype]]:
+    """Check a stored params tree (flat name -> (shape, dtype)) against the config, before any data is read:
+    every leaf's path, shape and integer-ness; the MTP block may be absent. Returns the target tree (abstract, in
+    `dtype`'s per-leaf dtypes, without "mtp" when it is absent) and, per name, the dtype to read the data as:
+    the target's for an exact (widening) float cast, which the reader does on the host (it saves an eager convert
+    program per leaf shape: ~0.5 s of a cached `ds4jax generate`), else the stored one (narrowing casts stay with
+    XLA). Shared by the Orbax and the packed (`ds4jax.io.packed_params`) formats."""
+    target = abstract(cfg, dtype)
+    if not any(k.startswith("mtp.") for k in stored):
+        target.pop("mtp", None)  # like safetensors checkpoints, the MTP block is optional
+    wanted = _flat(target)
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
+    if missing or unexpected:
+        raise _error(f"{ckpt_dir}: params tree does not match config.json: missing {missing[:5]}, "
+                     f"unexpected {unexpected[:5]}")
+    read_as = {}
+    for name, want in wanted.items():
+        shape, have = tuple(stored[name][0]), np.dtype(stored[name][1])
+        if shape != tuple(want.shape):
+            raise _error(f"{ckpt_dir}: tensor {name} has shape {shape}, config.json implies {tuple(want.shape)}")
+        if jnp.issubdtype(want.dtype, jnp.integer) != jnp.issubdtype(have, jnp.integer):
+            raise _error(f"{ckpt_dir}: tensor {name} has dtype {have}, expected {np.dtype(want.dtype)}")
+        widen = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want.dtype, jnp.floating) and \
+            np.dtype(want.dtype).itemsize >= have.itemsize
+        read_as[name] = np.dtype(want.dtype) if widen else have
+    return target, read_as
+
+
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Model:
     """Read an Orbax checkpoint directory into a `Model` (same dtype rules as the safetensors loader).
 
@@ -127,31 +157,14 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
     if layout is None:  # one device holds every weight (a mesh splits them)
         memory.check_fits(*footprint.weights(cfg, dtype))
     stored = stored_metadata(ckpt_dir)
-    target = abstract(cfg, dtype)
-    if not any(k.startswith("mtp.") for k in stored):
-        target.pop("mtp", None)  # like safetensors checkpoints, the MTP block is optional
+    target, read_as = check_stored(ckpt_dir, cfg, dtype, {k: (m.shape, m.dtype) for k, m in stored.items()})
     wanted = _flat(target)
-    missing = sorted(set(wanted) - set(stored))
-    unexpected = sorted(set(stored) - set(wanted))
-    if missing or unexpected:
-        raise _error(f"{ckpt_dir}: params tree does not match config.json: missing {missing[:5]}, "
-                     f"unexpected {unexpected[:5]}")
     device = jax.local_devices()[0]
     placed = {} if layout is None else _flat(layout.param_shardings(cfg, target))
     restore_as = {}
     for name, want in wanted.items():
-        meta = stored[name]
-        shape, have = tuple(meta.shape), np.dtype(meta.dtype)
-        if shape != tuple(want.shape):
-            raise _error(f"{ckpt_dir}: tensor {name} has shape {shape}, config.json implies {tuple(want.shape)}")
-        if jnp.issubdtype(want.dtype, jnp.integer) != jnp.issubdtype(have, jnp.integer):
-            raise _error(f"{ckpt_dir}: tensor {name} has dtype {have}, expected {np.dtype(want.dtype)}")
         sharding = placed.get(name) or jax.sharding.SingleDeviceSharding(device)
-        # widening casts (bfloat16 -> float32) are exact: Orbax does them while reading, which saves an eager
-        # convert program per leaf shape (~0.5 s of a cached `ds4jax generate`); narrowing ones stay with XLA
-        widen = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want.dtype, jnp.floating) and \
-            np.dtype(want.dtype).itemsize >= have.itemsize
-        restore_as[name] = jax.ShapeDtypeStruct(shape, np.dtype(want.dtype) if widen else have, sharding=sharding)
+        restore_as[name] = jax.ShapeDtypeStruct(tuple(want.shape), read_as[name], sharding=sharding)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     restore_tree = jax.tree_util.tree_unflatten(treedef, [restore_as[_keystr(kp)] for kp, _ in flat])
     try:

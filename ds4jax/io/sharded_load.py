@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from ds4jax.io import quant_formats as qf
 from ds4jax.io import safetensors_layout as sl
@@ -135,6 +134,8 @@ def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool 
         leaves, locs, raws = sl.resolve(cfg, sl.plan(cfg, dtype), where, ckpt_dir)
         for raw in raws:
             sl.validate(raw, block)
+        from tqdm.auto import tqdm  # here: ds4jax.io.checkpoint (every load) imports this module
+
         shardings = layout.param_shardings(cfg)
         arrays = {}
         for leaf in tqdm(leaves, desc=f"loading into {layout.describe()}", unit="tensor", disable=not progress):

@@ -29,7 +29,6 @@ import dataclasses
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-import flax.core
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,6 +153,8 @@ class LayerStack:
         edit `unstack(...)`'s plain dicts and build a new `Model` instead."""
         if isinstance(layer, slice):
             return [self[i] for i in range(*layer.indices(len(self)))]
+        import flax.core  # here: loading a model must not import flax (tests/test_startup_imports.py)
+
         return flax.core.freeze(self.layer(layer))
 
     def __iter__(self) -> Iterator[Any]:
@@ -273,12 +274,13 @@ def stacked_params(cfg: Config, params: dict, ranges: Sequence[tuple[int, int]] 
     return {**params, "layers": _stack_on(want, params["layers"], _stack_leaves)}
 
 
-def for_loader(cfg: Config, params: dict, layout: Any = None) -> dict:
+def for_loader(cfg: Config, params: dict, layout: Any = None, combine: Callable = stack_consuming) -> dict:
     """A loader's freshly read params in the layout `Model` keeps for `layout`: stacked by stage (consuming the
-    per-layer arrays, which nothing else references; `plan_stages`) unless ``DS4JAX_SCAN_LAYERS=0``."""
+    per-layer arrays, which nothing else references; `plan_stages`) unless ``DS4JAX_SCAN_LAYERS=0``.
+    `combine`: how a leaf's repetitions are stacked (``np.stack`` for host arrays placed after stacking)."""
     if is_stacked(params) or not scan_by_default():
         return params
-    return {**params, "layers": stack(cfg, params["layers"], combine=stack_consuming, ranges=stage_ranges(cfg, layout))}
+    return {**params, "layers": stack(cfg, params["layers"], combine=combine, ranges=stage_ranges(cfg, layout))}
 
 
 def unstacked_params(params: dict) -> dict:

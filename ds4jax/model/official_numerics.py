@@ -33,7 +33,6 @@ import numpy as np
 from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
 from ds4jax.model.config import Config, Numerics
 from ds4jax.model.quantized import e2m1_codes
-from pallas_kernels._mxfp4 import e2m1_to_float
 
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126  # keeps amax / 6 a normal float32, where the exponent-bit ceil below is exact
@@ -69,6 +68,8 @@ def e4m3(x: jax.Array) -> jax.Array:
 
 def e2m1(x: jax.Array) -> jax.Array:
     """float32 within +-6 -> the nearest e2m1 value (ties to the even code), as float32; signs kept (-0 too)."""
+    from pallas_kernels._mxfp4 import e2m1_to_float  # lazily: a cached run never traces this
+
     return e2m1_to_float(e2m1_codes(x))
 
 

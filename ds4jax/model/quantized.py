@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _mxfp4
-from pallas_kernels.fp8_matmul import dequantize_fp8
 
 
 # e2m1 magnitudes 0 0.5 1 1.5 2 3 4 6: the midpoints between neighbours; at a midpoint the even code wins
@@ -77,6 +75,10 @@ class QuantizedWeight:
         return dataclasses.replace(self, values=self.values[index], scales=self.scales[index])
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        # pallas_kernels imports lazily (its package import is ~60 ms of every start-up otherwise)
+        from pallas_kernels import _mxfp4
+        from pallas_kernels.fp8_matmul import dequantize_fp8
+
         if self.format is Format.FP4:
             return _mxfp4.dequantize_fp4(self.values, self.scales, dtype)
         return dequantize_fp8(self.values, self.scales, self.block, dtype)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
@@ -111,6 +110,8 @@ def per_shard(step: Callable, params: dict, pool, batch, streams, *, cfg: Config
     shard, on global pools and rows (see the module docstring)."""
     data = data_size()
     local = local_spec(spec, data)
+    import flax.linen as nn  # here, not at the top: a cached `ds4jax generate` never traces (tests/test_startup_imports.py)
+
     rules = tuple(nn.get_logical_axis_rules() or default_rules())
     rows = P(DATA)
 

@@ -25,12 +25,16 @@ whose entries are native code run as is. A corrupt or incompatible entry is a mi
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import pickle
+import re
 import tempfile
+import threading
 from typing import Any, Callable
 
 import jax
@@ -40,6 +44,11 @@ _directory: str | None = None
 _FRESH = {"xla_embed_ir_in_executable": False}  # see _fresh_compile
 _memory: dict[str, Any] = {}
 _by_signature: dict[tuple, Any] = {}  # a call's hashable signature -> its executable (skips the sha256 key)
+# prefetch: entries being loaded on threads, and the first keys this run asked for after announcing itself
+MAX_HINTED = 4  # a run's start-up programs (the CLI's first token needs one, its second one more)
+PARALLEL_CPUS = 4  # with fewer cores, only the first hinted program is prefetched
+_pending: dict[str, concurrent.futures.Future] = {}
+_hint: dict[str, Any] = {"path": None, "read": [], "seen": []}
 
 
 def enable(directory: str | None) -> None:
@@ -53,6 +62,82 @@ def clear_memory() -> None:
     """Forget the executables loaded in this process (the disk entries stay)."""
     _memory.clear()
     _by_signature.clear()
+    _pending.clear()  # a thread still loading one finishes into a future nobody reads
+    _hint.update(path=None, read=[], seen=[])
+
+
+def prefetch(tag: str) -> int:
+    """Start loading, each on a thread of its own, the executables that the last run announcing `tag` asked for first
+    (up to `MAX_HINTED`; only the first one on a machine of fewer than `PARALLEL_CPUS` cores), and record this run's
+    first ones for the next. Returns how many loads started.
+
+    For a short run whose programs come from this cache, deserializing them is a large part of its start-up (the
+    default model's prefill and decode programs: ~0.6 s each on a 2-core CPU, ~0.9 s each on an H200 host), and
+    the first call cannot name its program before its arguments exist (the weights loaded, the pools allocated).
+    XLA deserializes without the GIL, so the loads overlap that work and each other
+    (docs/benchmarks/cli_startup.md). `tag` must name everything the run's programs depend on beyond the code
+    (the CLI: its arguments and the prompt's length); a stale hint costs a load nobody uses, never a wrong
+    program: a call still looks its own key up, and only takes a prefetched executable stored under that key."""
+    if _directory is None:
+        return 0
+    path = os.path.join(_directory, "hints", hashlib.sha256(tag.encode()).hexdigest())
+    try:
+        with open(path) as f:
+            read = [k for k in f.read().split()[:MAX_HINTED] if re.fullmatch(r"[0-9a-f]{64}", k)]
+    except OSError:
+        read = []
+    _hint.update(path=path, read=read, seen=[])
+    keys = [k for k in read if k not in _memory and k not in _pending and os.path.exists(_path(k))]
+    if _cpus() < PARALLEL_CPUS:
+        # few cores: the first program only. Loading the next ones early competes with the first call's own work
+        # for the same cores, and delays the first token (measured on 2 cores: docs/benchmarks/cli_startup.md)
+        keys = keys[:1]
+    for key in keys:
+        future = _pending[key] = concurrent.futures.Future()
+        threading.Thread(target=_load_into, args=(key, future), name=f"ds4jax-prefetch-{key[:8]}",
+                         daemon=True).start()
+    return len(keys)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _load_into(key: str, future: concurrent.futures.Future) -> None:
+    result = None  # the future itself, not _pending's entry: a caller may have taken that already
+    try:
+        result = _load(key)
+    finally:
+        future.set_result(result)
+
+
+def _note(key: str) -> None:
+    """Record `key` among the first programs of the run `prefetch` announced (the hint file changes only when
+    this run's first keys differ from the ones it read)."""
+    seen, path = _hint["seen"], _hint["path"]
+    if path is None or len(seen) >= MAX_HINTED or key in seen:
+        return
+    seen.append(key)
+    if seen == _hint["read"][:len(seen)]:
+        return
+    try:  # best effort, like the entries: write then rename
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(seen) + "\n")
+        os.replace(tmp, path)
+        _hint["read"] = list(seen)
+    except OSError:
+        pass
+
+
+def _take(key: str):
+    """The executable stored under `key`: a prefetch's (waiting for its thread), else loaded now; None: a miss."""
+    future = _pending.pop(key, None)
+    return future.result() if future is not None else _load(key)
 
 
 def enabled() -> bool:
@@ -66,12 +151,10 @@ def _fingerprint() -> str:
 
     h = hashlib.sha256()
     roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # the ds4jax package
-    try:
-        import pallas_kernels
-
-        roots.append(os.path.dirname(os.path.abspath(pallas_kernels.__file__)))
-    except ImportError:
-        pass
+    # where pallas_kernels lives, without running its __init__ (importing the package costs ~60 ms of start-up)
+    spec = importlib.util.find_spec("pallas_kernels")
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(os.path.abspath(next(iter(spec.submodule_search_locations))))
     for root in roots:
         for folder, dirs, files in os.walk(root):
             dirs.sort()
@@ -166,7 +249,8 @@ class CachedJit:
                 return self.uncached(*args, **static)
             compiled = _memory.get(key)
             if compiled is None:
-                compiled = _memory[key] = _load(key) or _compile_and_store(self.uncached, key, args, static)
+                compiled = _memory[key] = _take(key) or _compile_and_store(self.uncached, key, args, static)
+                _note(key)
             _by_signature[fast] = compiled
         return compiled(*args)
 
@@ -188,7 +272,7 @@ class CachedJit:
             return Job(self._name, self.uncached.trace(*args, **static).lower().compile)
         if key in _memory:
             return Job(self._name, None)
-        loaded = _load(key)
+        loaded = _take(key)
         if loaded is not None:
             _memory[key] = loaded
             return Job(self._name, None)

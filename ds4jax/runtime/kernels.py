@@ -25,7 +25,6 @@ import os
 
 import jax
 
-import pallas_kernels
 from ds4jax.model import sharding
 from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
@@ -63,6 +62,7 @@ def kernel_arch(impl: Impl) -> str | None:
 def block_sizes(op: str, dtype, arch: str | None):
     """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk" / "sinkhorn") on
     `arch`."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     cls = {"sparse_attention": pallas_kernels.SparseAttentionBlockSizes,
            "indexer_topk": pallas_kernels.IndexerTopkBlockSizes,
            "sinkhorn": pallas_kernels.SinkhornBlockSizes}[op]
@@ -78,6 +78,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: I
                      kv_b_scale=None):
     """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d].
     An FP8 pool comes with its row scales (kv_*_scale [rows] f32); the kernels read it as stored."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     scales = _given(kv_a_scale=kv_a_scale, kv_b_scale=kv_b_scale)
     if impl is Impl.REFERENCE:
         return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, **scales)
@@ -95,6 +96,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: I
 def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl, key_scale=None):
     """Top-k logical entry ids [t, k] (-1 = none) of the lightning-indexer scores; ties go to the lower id.
     FP8 keys come with their row scales (key_scale [rows] f32)."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     scales = _given(key_scale=key_scale)
     if impl is Impl.REFERENCE:
         return pallas_kernels.indexer_topk_reference(q, w, keys, key_rows, n_valid, k=k, **scales)
@@ -115,6 +117,7 @@ def routed_experts(x, routing, p, cfg, *, impl: Impl):
 def sinkhorn(logits, iters: int, eps: float, *, impl: Impl):
     """The mHC Sinkhorn projection of [..., m, m] logits -> [..., m, m] f32: `mhc.sinkhorn` (an XLA loop) or the
     one-launch kernel. Under a mesh the kernel sees every token whole: a few KB, per token, no partitioning."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     if impl is Impl.REFERENCE:
         return mhc.sinkhorn(logits, iters, eps)
     kernel = lambda lg: pallas_kernels.sinkhorn(
@@ -127,6 +130,7 @@ def fp8_linear(x, w, *, impl: Impl):
     """x [m, in] @ an FP8 `QuantizedWeight` [in, out] -> [m, out] f32: dequantize next to the dot (the reference,
     and whenever the call would be partitioned over an automatic mesh axis: GSPMD cannot split a custom call, and
     the dense linears are sharded by their params' specs), or the FP8 matmul kernel reading the stored bytes."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     act = sharding.active()
     if impl is Impl.REFERENCE or (act is not None and any(act.sizes[a] > 1 for a in act.auto)):
         return pallas_kernels.fp8_matmul_reference(x, w.values, w.scales, block=w.block)
@@ -144,3 +148,13 @@ def dense_linears(impl: Impl):
         return
     with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)):
         yield
+
+
+def __getattr__(name: str):
+    """``<this module>.pallas_kernels``, for callers and tests that reach the kernels through it: the package is
+    imported where a program is traced (a cached ``ds4jax generate`` traces none: tests/test_startup_imports.py)."""
+    if name == "pallas_kernels":
+        import pallas_kernels
+
+        return pallas_kernels
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,6 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,6 +131,8 @@ class MeshLayout:
     @contextlib.contextmanager
     def active(self, stage: int = 0):
         """Trace under this stage's mesh and the rules (jit caches are keyed on the mesh)."""
+        import flax.linen as nn  # here: `ds4jax generate` imports this module, and flax costs its start-up ~0.1 s
+
         with jax.set_mesh(self.stages[stage]), nn.logical_axis_rules(self.rules):
             yield
 

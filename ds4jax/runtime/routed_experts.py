@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from ds4jax.model.config import Config
 from ds4jax.model.layers.moe import Routing, swiglu
 from ds4jax.model.quantized import Format, dense, is_quantized
@@ -50,6 +49,7 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) ->
     """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes,
     FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
     formats, which no checkpoint has, would be dequantized whole first)."""
+    import pallas_kernels  # here, not at the top: see __getattr__ below
     if all(is_quantized(w) and w.format is Format.FP4 for w in ws):
         return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  interpret=interpret)
@@ -72,3 +72,13 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     (y,) = _grouped(h, (p["w2"],), tile_group, interpret)
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
+
+
+def __getattr__(name: str):
+    """``<this module>.pallas_kernels``, for callers and tests that reach the kernels through it: the package is
+    imported where a program is traced (a cached ``ds4jax generate`` traces none: tests/test_startup_imports.py)."""
+    if name == "pallas_kernels":
+        import pallas_kernels
+
+        return pallas_kernels
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
