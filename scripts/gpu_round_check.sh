@@ -12,13 +12,7 @@
 # (seconds per part; 0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The serve extra's pure-Python wheels (the device image lacks starlette / uvicorn), carried in .whl/ by the caller.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 log=$OUT/session.log

@@ -11,14 +11,7 @@
 # (the e2e parts are packed into one archive).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The serve extra's pure-Python wheels (the device image lacks starlette / uvicorn), carried in
-# .whl/ by the caller: without them tests/test_serve.py fails at collection and no device test runs.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 log=$OUT/session.log
