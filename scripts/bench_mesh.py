@@ -94,7 +94,12 @@ def place_pool(host, book, runner, spec):
                 value = book.lengths.astype(np.int32)
             else:
                 value = host[name][_layer_slice(runner.cfg, name, lo, hi)]
-            arrays[name] = jax.device_put(value, getattr(sh, name))
+            sharding = getattr(sh, name)
+            if 0 in np.shape(value):  # (the scales of a KV cache without fp8) a step returns a zero-size array
+                # replicated: placed so from the start, the timed steps run the program the first step compiled
+                # instead of compiling another for that input (DP 2 x EP did, inside its timed loop)
+                sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            arrays[name] = jax.device_put(value, sharding)
         placed.append(KVPool(**arrays))
     return tuple(placed)
 
@@ -230,10 +235,10 @@ def main(argv=None):
     cases = [("decode", b, 1) for b in decode_rows] + [("prefill", 2, c) for c in prefill_chunks]
     lays = layouts(devices)
     models = {}
-    # smoke: the params are generated once (on one device) and copied into each layout, the same values the real
-    # run generates in place per layout (`place_params`), without compiling the generator once per layout (the
-    # smoke run's largest programs); the real run's slices do not fit on one host
-    host = jax.tree.map(np.asarray, place_params(cfg, lays["1 device"], dtype)) if SMOKE else None
+    # smoke: the params are generated once, eagerly (leaf by leaf: the small per-shape random programs; one jitted
+    # generator of the whole tree was the smoke run's largest compile), and copied into each layout; the real run
+    # generates them in place per layout (`place_params`), since its slices do not fit on one host
+    host = jax.tree.map(np.asarray, params_lib.init(cfg, jax.random.key(0), dtype)) if SMOKE else None
     for name, layout in tqdm(lays.items(), desc="layouts"):
         models[name] = jax.device_put(host, layout.param_shardings(cfg)) if SMOKE else place_params(cfg, layout, dtype)
         for kind, rows, chunk in tqdm(cases, desc=name, leave=False):

@@ -478,8 +478,10 @@ def main(argv=None) -> dict:
 
 def export(args, cfg, hp, corpus, meta, floats, ints, eval_fn, stopped_early) -> dict:
     """bfloat16 model (Orbax) + tokenizer + report into --workdir/model; evaluation of exactly those weights."""
-    model = Model(cfg, jax.device_get(compute_params(cfg, merge(floats, ints))))
-    params = jax.device_put(model.params)
+    params = compute_params(cfg, merge(floats, ints))
+    # evaluated as the training loop's curve evaluations are (per-layer params: the program they compiled); the
+    # Model below holds the same arrays stacked for its scanned layers, another program to trace and compile
+    model = Model(cfg, jax.device_get(params))
     wins = eval_windows(corpus, hp, hp.eval_windows)
     heldout = evaluate(eval_fn, params, wins, corpus.token_bytes, hp.eval_windows)
     report = {

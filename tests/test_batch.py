@@ -31,12 +31,16 @@ def test_batch_killed_and_resumed(tmp_path):
             json.dumps({"id": "too-long", "prompt": "b", "max_new_tokens": 10_000}),
             json.dumps({"id": "bad-field", "prompt": "c", "colour": "red"}),
             json.dumps({"id": 7, "prompt": [5, 6, 7], "max_new_tokens": 3, "seed": 1, "temperature": 0.5})]
-    # long requests after the first: the kill lands while they run (one slot, one token per host call)
-    rows += [json.dumps({"id": f"long{i}", "prompt": f"prompt {i}", "max_new_tokens": 200}) for i in range(4)]
+    # long requests after the first: the kill lands while they run (one slot, one token per host call). 4 x 60
+    # decode calls (~12 ms of CPU each) outlast the 20 ms poll by far; the rerun then runs them all (4 x 200 were
+    # 10 of the test's 33 CPU s)
+    rows += [json.dumps({"id": f"long{i}", "prompt": f"prompt {i}", "max_new_tokens": 60}) for i in range(4)]
     rows.append(json.dumps({"id": "first", "prompt": "duplicate"}))
     src.write_text("\n".join(rows) + "\n")
+    # XLA_FLAGS: the suite's (conftest: the cheap compile flags and 4 host devices), as every process the suite
+    # starts: the device count is part of each program's key in the run's compilation cache
     env = dict(os.environ, JAX_PLATFORMS="cpu", DS4JAX_COMPILATION_CACHE=str(tmp_path / "cache"),
-               XLA_FLAGS=cheap_compile.xla_flags(), PYTHONPATH=ROOT)
+               XLA_FLAGS=os.environ.get("XLA_FLAGS") or cheap_compile.xla_flags(devices=4), PYTHONPATH=ROOT)
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "batch_generate.py"), str(src), str(out), "--max-slots", "1",
            "--max-context", "256", "--steps-per-call", "1", "--prefill-chunk", "16", "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

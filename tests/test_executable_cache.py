@@ -114,9 +114,12 @@ def test_fingerprint_covers_environment(monkeypatch):
 
 def test_generate_through_the_cache_equals_plain_jit(tmp_path):
     from ds4jax.generation.generate import SamplingParams, generate
-    from ds4jax.io.default_model import random_model as default_model, random_tokenizer as default_tokenizer
+    from ds4jax.io.tokenizer import ByteTokenizer
+    from small_engine import one_layer_model
 
-    model, ids = default_model(jnp.float32), default_tokenizer().encode("Hello", add_bos=True)
+    # the cheapest model with the real step programs (one layer and its MTP block): every compile here is one of
+    # its own (the cache's compiles never come from JAX's cache), and the tiny model's took 4 of them
+    model, ids = one_layer_model(), ByteTokenizer().encode("Hello", add_bos=True)
     params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)]
     plain = [generate(model, ids, p) for p in params]
     try:

@@ -141,10 +141,12 @@ def test_pallas_kernels_read_the_rounded_values():
 def _greedy_ok(model, prompt, new):
     """Each generated token is the full forward's argmax (or within 1e-4 of it: a random model's near-ties).
     The sequence is row 0 of a batch shaped like `ids()` (row 1: filler), so `full` runs the program the tests
-    above compiled instead of compiling one more shape."""
+    above compiled instead of compiling one more shape. So do the params: the model's are `params()` stacked for
+    its scanned layers (the same arrays; another pytree, so another program), `full` takes the per-layer ones."""
+    assert model.config == OFF
     seq = np.asarray(prompt + new, np.int32)
     assert seq.shape == (PROMPT + DECODE,)
-    logits = np.asarray(full(model.config, model.params, np.stack([seq, ids()[1]]))[0])[0, len(prompt) - 1:-1]
+    logits = np.asarray(full(OFF, params(), np.stack([seq, ids()[1]]))[0])[0, len(prompt) - 1:-1]
     chosen = np.take_along_axis(logits, np.asarray(new)[:, None], -1)[:, 0]
     assert (logits.max(-1) - chosen <= 1e-4 * np.abs(logits).max(-1)).all()
 
