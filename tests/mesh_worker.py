@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import compile_log  # noqa: E402  (tests/: the opt-in per-program compile log)
 import ds4jax  # noqa: E402
 from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
 from ds4jax.model.config import AttentionType, MlpType  # noqa: E402
@@ -336,17 +337,22 @@ def rel(a, b) -> float:
 
 
 def main(names):
+    compile_log.install("mesh_worker")
     cfg = config()
     model = agreeable_model(cfg)  # random weights whose MTP draft the target often accepts (speculative cases)
+    compile_log.phase("ref:run")
     ref = run(model) if set(names) & (set(LAYOUTS) | set(ENGINES)) else None
     results = {}
     for name in [n for n in names if n in ENGINES]:
+        compile_log.phase(name)
         got = engine_run(model, make(name)[0])
         results[name] = dict(got, ref=[list(r) for r in zip(*ref["tokens"])])
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     split = [n for n in names if n in SPLIT_ENGINES]
+    compile_log.phase("ref:split_engine")
     ref_split = split_engine_run(model) if split else None
     for name in split:
+        compile_log.phase(name)
         # placed from a host copy: park() deletes the engine's buffers, which device_put may share with `model`'s
         copy = Model(model.config, jax.tree.map(np.asarray, model.params))
         got = split_engine_run(place_model(copy, make(name)[0]))
@@ -358,14 +364,17 @@ def main(names):
         results[name] = res
         print(name, json.dumps(res), file=sys.stderr, flush=True)
     for name in [n for n in names if n in SPLIT_SNAPSHOTS]:
+        compile_log.phase(name)
         copy = Model(model.config, jax.tree.map(np.asarray, model.params))
         results[name] = split_snapshot_run(model, place_model(copy, make(name)[0]))
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     spec = [n for n in names if n in SPLIT_SPEC]
     # each run on its own copy: parking the draft deletes the buffers of the model an engine was built with
     host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
+    compile_log.phase("ref:split_spec")
     ref_spec = split_spec_run(host()) if spec else None
     for name in spec:
+        compile_log.phase(name)
         copy = host()
         got = split_spec_run(place_model(copy, make(name)[0]))
         res = {k: v for k, v in got.items() if k != "draft_ring"}
@@ -376,8 +385,10 @@ def main(names):
     names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES and n not in SPLIT_SNAPSHOTS
              and n not in SPLIT_SPEC]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    compile_log.phase("ref:forward")
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     for name in names:
+        compile_log.phase(name)
         layout, kernels = make(name)
         placed = place_model(model, layout)
         got = run(placed, layout.steps(cfg), kernels)
