@@ -277,10 +277,12 @@ def split_snapshot_run(model, placed) -> dict:
                 errors=[r.message for r in (exact, suffix) if r.error is not None])
 
 
-def split_spec_run(model) -> dict:
+def split_spec_run(model, plain=None) -> dict:
     """`SPLIT_SPEC`'s run of `model` (placed, or on one device): the split requests speculating with k = 2 after
     warmup (tokens, drafts accepted per round, the draft's ring), the first prompt snapshotted and hit exactly
-    (the draft's pending row from the restore path), then the requests again after park / unpark of the draft."""
+    (the draft's pending row from the restore path), then the requests again after park / unpark of the draft.
+    On one device also the plain engine's tokens of the same requests: `plain` when the caller has them (the
+    one-device split engine's, `split_engine_run`: the same requests, sizes and model), else run here."""
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
@@ -303,7 +305,7 @@ def split_spec_run(model) -> dict:
                errors=[r.message for r in results + again + [made, hit] if r.error is not None],
                stages=0 if engine.stages is None else len(engine.stages.ranges))
     if engine.stages is None:  # one device: plain tokens too (speculation must not change the greedy ones)
-        out["plain"] = [r.tokens for r in Engine(engine.model, **sizes).generate(requests)]
+        out["plain"] = plain or [r.tokens for r in Engine(engine.model, **sizes).generate(requests)]
     return out
 
 
@@ -340,22 +342,25 @@ def main(names):
     compile_log.install("mesh_worker")
     cfg = config()
     model = agreeable_model(cfg)  # random weights whose MTP draft the target often accepts (speculative cases)
+    # every placed model from its own host copy: placing device arrays on a mesh compiles a slicing program per
+    # param shape (~80 programs, ~1.5 s), and park() deletes the buffers of the model an engine was built with
+    host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
     compile_log.phase("ref:run")
     ref = run(model) if set(names) & (set(LAYOUTS) | set(ENGINES)) else None
     results = {}
     for name in [n for n in names if n in ENGINES]:
         compile_log.phase(name)
-        got = engine_run(model, make(name)[0])
+        got = engine_run(host(), make(name)[0])
         results[name] = dict(got, ref=[list(r) for r in zip(*ref["tokens"])])
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     split = [n for n in names if n in SPLIT_ENGINES]
+    spec = [n for n in names if n in SPLIT_SPEC]
     compile_log.phase("ref:split_engine")
-    ref_split = split_engine_run(model) if split else None
+    # the speculative case's plain tokens are these (a one-device plain engine of these sizes compiles ~9 s)
+    ref_split = split_engine_run(model) if split or spec else None
     for name in split:
         compile_log.phase(name)
-        # placed from a host copy: park() deletes the engine's buffers, which device_put may share with `model`'s
-        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
-        got = split_engine_run(place_model(copy, make(name)[0]))
+        got = split_engine_run(place_model(host(), make(name)[0]))
         res = dict(tokens=got["tokens"], ref=ref_split["tokens"], again=got["again"], errors=got["errors"],
                    compiles_after_warmup=got["compiles_after_warmup"], devices=got["devices"],
                    pools={k: rel(v, ref_split["pools"][k]) for k, v in got["pools"].items()},
@@ -365,14 +370,10 @@ def main(names):
         print(name, json.dumps(res), file=sys.stderr, flush=True)
     for name in [n for n in names if n in SPLIT_SNAPSHOTS]:
         compile_log.phase(name)
-        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
-        results[name] = split_snapshot_run(model, place_model(copy, make(name)[0]))
+        results[name] = split_snapshot_run(model, place_model(host(), make(name)[0]))
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    spec = [n for n in names if n in SPLIT_SPEC]
-    # each run on its own copy: parking the draft deletes the buffers of the model an engine was built with
-    host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
     compile_log.phase("ref:split_spec")
-    ref_spec = split_spec_run(host()) if spec else None
+    ref_spec = split_spec_run(host(), plain=ref_split["tokens"]) if spec else None
     for name in spec:
         compile_log.phase(name)
         copy = host()
@@ -390,7 +391,7 @@ def main(names):
     for name in names:
         compile_log.phase(name)
         layout, kernels = make(name)
-        placed = place_model(model, layout)
+        placed = place_model(host(), layout)
         got = run(placed, layout.steps(cfg), kernels)
         res = dict(prefill=rel(got["prefill"], ref["prefill"]), decode=rel(got["decode"], ref["decode"]),
                    tokens_equal=got["tokens"] == ref["tokens"], tokens=got["tokens"],
