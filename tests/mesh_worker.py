@@ -123,7 +123,10 @@ def make(name):
 
 
 def run(model, mesh_steps=None, kernels=None):
+    from ds4jax.generation.compiles import program_compiles
+
     cfg = model.config
+    before = program_compiles()
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(PROMPTS), max_context=max(PROMPTS) + DECODE,
                              page_size=8, dtype="float32")
     run = steps if mesh_steps is None else mesh_steps
@@ -169,12 +172,16 @@ def run(model, mesh_steps=None, kernels=None):
         arrays = gather_pools(pool, mesh_steps, spec)
     else:
         arrays = {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
+    # every chunk and decode step is one program per stage, compiled once: a step's pools come back placed as
+    # they went in (else the second call compiles it again, as empty pool arrays on a data mesh once did)
+    steps_compiled = (program_compiles() - before)["jit(stage_step)"]
     return dict(prefill=np.stack(prefill_logits), decode=np.stack(decode_logits), tokens=tokens,
-                pools=committed(arrays, spec, cfg))
+                pools=committed(arrays, spec, cfg), steps_compiled=steps_compiled)
 
 
 def engine_run(model, layout) -> dict:
     """The prompts of `run` through `ds4jax.Engine` on `layout` (k = 2): row 0 plain, row 1 speculative."""
+    from ds4jax.generation.compiles import program_compiles
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
@@ -183,7 +190,10 @@ def engine_run(model, layout) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in PROMPTS]
     requests = [Request(prompt=p, max_new_tokens=DECODE + 1, speculative=k) for p, k in zip(prompts, (0, None))]
+    before = program_compiles()
     first = engine.generate(requests)
+    fused = ("jit(prefill_call)", "jit(decode_loop)", "jit(speculative_loop)")
+    first_compiles = {k: v for k, v in (program_compiles() - before).items() if k in fused}
     compiled = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration")
@@ -192,6 +202,7 @@ def engine_run(model, layout) -> dict:
     return dict(tokens=[r.tokens for r in first], again=[r.tokens for r in again],
                 errors=[r.message for r in first + again if r.error is not None],
                 accepted=[r.accepted_per_round for r in first], recompiled=sorted(set(compiled)),
+                first_compiles=first_compiles,
                 pool_spec=str(engine.tpool.swa_kv.sharding.spec),
                 devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
 
@@ -396,7 +407,8 @@ def main(names):
         res = dict(prefill=rel(got["prefill"], ref["prefill"]), decode=rel(got["decode"], ref["decode"]),
                    tokens_equal=got["tokens"] == ref["tokens"], tokens=got["tokens"],
                    pools={k: rel(v, ref["pools"][k]) for k, v in got["pools"].items()},
-                   devices=len({d for leaf in jax.tree.leaves(placed.params) for d in leaf.devices()}))
+                   devices=len({d for leaf in jax.tree.leaves(placed.params) for d in leaf.devices()}),
+                   steps_compiled=got["steps_compiled"], stages=layout.num_stages)
         if name in FORWARD:
             res["forward"] = rel(ds4jax.forward_logits(placed, ids), ref_fwd)
         results[name] = res
