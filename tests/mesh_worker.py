@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import compile_log  # noqa: E402  (tests/: the opt-in per-program compile log)
 import ds4jax  # noqa: E402
 from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
 from ds4jax.model.config import AttentionType, MlpType  # noqa: E402
@@ -122,7 +123,10 @@ def make(name):
 
 
 def run(model, mesh_steps=None, kernels=None):
+    from ds4jax.generation.compiles import program_compiles
+
     cfg = model.config
+    before = program_compiles()
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=len(PROMPTS), max_context=max(PROMPTS) + DECODE,
                              page_size=8, dtype="float32")
     run = steps if mesh_steps is None else mesh_steps
@@ -168,12 +172,16 @@ def run(model, mesh_steps=None, kernels=None):
         arrays = gather_pools(pool, mesh_steps, spec)
     else:
         arrays = {k: np.asarray(getattr(pool, k)) for k in POOL_AXES}
+    # every chunk and decode step is one program per stage, compiled once: a step's pools come back placed as
+    # they went in (else the second call compiles it again, as empty pool arrays on a data mesh once did)
+    steps_compiled = (program_compiles() - before)["jit(stage_step)"]
     return dict(prefill=np.stack(prefill_logits), decode=np.stack(decode_logits), tokens=tokens,
-                pools=committed(arrays, spec, cfg))
+                pools=committed(arrays, spec, cfg), steps_compiled=steps_compiled)
 
 
 def engine_run(model, layout) -> dict:
     """The prompts of `run` through `ds4jax.Engine` on `layout` (k = 2): row 0 plain, row 1 speculative."""
+    from ds4jax.generation.compiles import program_compiles
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
@@ -182,7 +190,10 @@ def engine_run(model, layout) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in PROMPTS]
     requests = [Request(prompt=p, max_new_tokens=DECODE + 1, speculative=k) for p, k in zip(prompts, (0, None))]
+    before = program_compiles()
     first = engine.generate(requests)
+    fused = ("jit(prefill_call)", "jit(decode_loop)", "jit(speculative_loop)")
+    first_compiles = {k: v for k, v in (program_compiles() - before).items() if k in fused}
     compiled = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration")
@@ -191,6 +202,7 @@ def engine_run(model, layout) -> dict:
     return dict(tokens=[r.tokens for r in first], again=[r.tokens for r in again],
                 errors=[r.message for r in first + again if r.error is not None],
                 accepted=[r.accepted_per_round for r in first], recompiled=sorted(set(compiled)),
+                first_compiles=first_compiles,
                 pool_spec=str(engine.tpool.swa_kv.sharding.spec),
                 devices=len({d for leaf in jax.tree.leaves(engine.model.params) for d in leaf.devices()}))
 
@@ -276,10 +288,12 @@ def split_snapshot_run(model, placed) -> dict:
                 errors=[r.message for r in (exact, suffix) if r.error is not None])
 
 
-def split_spec_run(model) -> dict:
+def split_spec_run(model, plain=None) -> dict:
     """`SPLIT_SPEC`'s run of `model` (placed, or on one device): the split requests speculating with k = 2 after
     warmup (tokens, drafts accepted per round, the draft's ring), the first prompt snapshotted and hit exactly
-    (the draft's pending row from the restore path), then the requests again after park / unpark of the draft."""
+    (the draft's pending row from the restore path), then the requests again after park / unpark of the draft.
+    On one device also the plain engine's tokens of the same requests: `plain` when the caller has them (the
+    one-device split engine's, `split_engine_run`: the same requests, sizes and model), else run here."""
     from ds4jax.generation.engine import Engine
     from ds4jax.generation.requests import Request
 
@@ -302,7 +316,7 @@ def split_spec_run(model) -> dict:
                errors=[r.message for r in results + again + [made, hit] if r.error is not None],
                stages=0 if engine.stages is None else len(engine.stages.ranges))
     if engine.stages is None:  # one device: plain tokens too (speculation must not change the greedy ones)
-        out["plain"] = [r.tokens for r in Engine(engine.model, **sizes).generate(requests)]
+        out["plain"] = plain or [r.tokens for r in Engine(engine.model, **sizes).generate(requests)]
     return out
 
 
@@ -336,20 +350,28 @@ def rel(a, b) -> float:
 
 
 def main(names):
+    compile_log.install("mesh_worker")
     cfg = config()
     model = agreeable_model(cfg)  # random weights whose MTP draft the target often accepts (speculative cases)
+    # every placed model from its own host copy: placing device arrays on a mesh compiles a slicing program per
+    # param shape (~80 programs, ~1.5 s), and park() deletes the buffers of the model an engine was built with
+    host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
+    compile_log.phase("ref:run")
     ref = run(model) if set(names) & (set(LAYOUTS) | set(ENGINES)) else None
     results = {}
     for name in [n for n in names if n in ENGINES]:
-        got = engine_run(model, make(name)[0])
+        compile_log.phase(name)
+        got = engine_run(host(), make(name)[0])
         results[name] = dict(got, ref=[list(r) for r in zip(*ref["tokens"])])
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     split = [n for n in names if n in SPLIT_ENGINES]
-    ref_split = split_engine_run(model) if split else None
+    spec = [n for n in names if n in SPLIT_SPEC]
+    compile_log.phase("ref:split_engine")
+    # the speculative case's plain tokens are these (a one-device plain engine of these sizes compiles ~9 s)
+    ref_split = split_engine_run(model) if split or spec else None
     for name in split:
-        # placed from a host copy: park() deletes the engine's buffers, which device_put may share with `model`'s
-        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
-        got = split_engine_run(place_model(copy, make(name)[0]))
+        compile_log.phase(name)
+        got = split_engine_run(place_model(host(), make(name)[0]))
         res = dict(tokens=got["tokens"], ref=ref_split["tokens"], again=got["again"], errors=got["errors"],
                    compiles_after_warmup=got["compiles_after_warmup"], devices=got["devices"],
                    pools={k: rel(v, ref_split["pools"][k]) for k, v in got["pools"].items()},
@@ -358,14 +380,13 @@ def main(names):
         results[name] = res
         print(name, json.dumps(res), file=sys.stderr, flush=True)
     for name in [n for n in names if n in SPLIT_SNAPSHOTS]:
-        copy = Model(model.config, jax.tree.map(np.asarray, model.params))
-        results[name] = split_snapshot_run(model, place_model(copy, make(name)[0]))
+        compile_log.phase(name)
+        results[name] = split_snapshot_run(model, place_model(host(), make(name)[0]))
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    spec = [n for n in names if n in SPLIT_SPEC]
-    # each run on its own copy: parking the draft deletes the buffers of the model an engine was built with
-    host = lambda: Model(model.config, jax.tree.map(np.asarray, model.params))
-    ref_spec = split_spec_run(host()) if spec else None
+    compile_log.phase("ref:split_spec")
+    ref_spec = split_spec_run(host(), plain=ref_split["tokens"]) if spec else None
     for name in spec:
+        compile_log.phase(name)
         copy = host()
         got = split_spec_run(place_model(copy, make(name)[0]))
         res = {k: v for k, v in got.items() if k != "draft_ring"}
@@ -376,15 +397,18 @@ def main(names):
     names = [n for n in names if n not in ENGINES and n not in SPLIT_ENGINES and n not in SPLIT_SNAPSHOTS
              and n not in SPLIT_SPEC]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    compile_log.phase("ref:forward")
     ref_fwd = np.asarray(ds4jax.forward_logits(model, ids)) if set(names) & set(FORWARD) else None
     for name in names:
+        compile_log.phase(name)
         layout, kernels = make(name)
-        placed = place_model(model, layout)
+        placed = place_model(host(), layout)
         got = run(placed, layout.steps(cfg), kernels)
         res = dict(prefill=rel(got["prefill"], ref["prefill"]), decode=rel(got["decode"], ref["decode"]),
                    tokens_equal=got["tokens"] == ref["tokens"], tokens=got["tokens"],
                    pools={k: rel(v, ref["pools"][k]) for k, v in got["pools"].items()},
-                   devices=len({d for leaf in jax.tree.leaves(placed.params) for d in leaf.devices()}))
+                   devices=len({d for leaf in jax.tree.leaves(placed.params) for d in leaf.devices()}),
+                   steps_compiled=got["steps_compiled"], stages=layout.num_stages)
         if name in FORWARD:
             res["forward"] = rel(ds4jax.forward_logits(placed, ids), ref_fwd)
         results[name] = res

@@ -113,15 +113,20 @@ def compare_logits(out, ref: np.ndarray) -> tuple[float, int]:
 
 
 def main(root: str, names) -> None:
+    import compile_log  # tests/: the opt-in per-program compile log
+
+    compile_log.install("multiprocess_worker")
     layouts = {name: make_mesh(**LAYOUTS[name]) for name in names}  # joins the job (make_mesh first)
     import jax
 
     me = jax.process_index()
     result = dict(process=me, processes=jax.process_count(), devices=jax.device_count(),
                   local=jax.local_device_count())
+    compile_log.phase("model")
     model = shared_model(os.path.join(root, "ckpt"), me)
     params = jax.tree.map(np.asarray, model.params)
     host = lambda: ds4jax.Model(model.config, params)
+    compile_log.phase("references")
     ref = distributed.broadcast("references", references(host()) if me == 0 else None)
     logits = np.asarray(ref["logits"], np.float32)
     result["reference"] = ref["greedy"]
@@ -132,6 +137,7 @@ def main(root: str, names) -> None:
 
     engines = {}
     for name, layout in layouts.items():
+        compile_log.phase(name)
         placed = place_model(host(), layout)
         first, greedy = forward_greedy(placed)
         err, blocks = compare_logits(first, logits)
@@ -149,9 +155,11 @@ def main(root: str, names) -> None:
         distributed.agree("the test value", me)
     except distributed.DistributedError as e:
         result["disagree"] = str(e)
+    compile_log.phase("batch")
     result["batch"] = batch_command(root)
     with open(os.path.join(root, f"p{me}.json"), "w") as f:
         json.dump(result, f)
+    compile_log.write()  # the kill below ends both processes before their exit handlers
     kill_mid_generation(engines[DATA], me)
 
 

@@ -61,6 +61,7 @@ def test_layout_matches_single_device(mesh_cases, name):
     bad = {k: v for k, v in res["pools"].items() if not v <= TOL}
     assert not bad, bad
     assert len(res["pools"]) == 2 * 11  # two slots x every pool array but the page table
+    assert res["steps_compiled"] == res["stages"], res  # each stage's step compiled once for every call
     if name in mesh_worker.FORWARD:
         assert res["forward"] <= TOL
 
@@ -76,6 +77,8 @@ def test_engine_on_a_mesh_matches_single_device(mesh_cases, name):
     assert res["accepted"][0] is None and sum(res["accepted"][1]) > 0, res["accepted"]  # row 1 drafted, accepted
     assert "'data'" in res["pool_spec"], res["pool_spec"]  # pools split by request slot
     assert not {"jit(prefill_call)", "jit(decode_loop)", "jit(speculative_loop)"} & set(res["recompiled"]), res
+    # and the first call compiles each once (its pools come back placed as they went in)
+    assert res["first_compiles"] == {"jit(prefill_call)": 1, "jit(decode_loop)": 1, "jit(speculative_loop)": 1}, res
 
 
 @pytest.mark.slow

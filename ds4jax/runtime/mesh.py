@@ -79,6 +79,8 @@ class MeshLayout:
         spec = list(mesh_spec(shape, logical, dict(mesh.shape), self.rules))
         while spec and spec[-1] is None:  # the canonical form, as jit outputs carry it (else equal placements
             spec.pop()  # compare unequal and the engine's programs compile again on their own outputs)
+        if 0 in tuple(shape):  # an empty array (a pool of a layer kind the model or stage lacks): jit outputs carry
+            spec = []  # it replicated, so placing it so keeps a step's pools what its outputs are (no second compile)
         return NamedSharding(mesh, P(*spec))
 
     def param_shardings(self, cfg: Config, params: Any = None) -> Any:
