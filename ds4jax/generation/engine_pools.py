@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -12,7 +13,7 @@ from ds4jax.generation.loops import SlotState
 from ds4jax.model.handle import Model
 from ds4jax.runtime.data_parallel import local_spec
 from ds4jax.runtime.pool_spec import PoolSpec, configure
-from ds4jax.runtime.pools import HOST_FILL_BYTES, PoolBook
+from ds4jax.runtime.pools import PoolBook
 from ds4jax.runtime.roles import Role
 
 
@@ -48,13 +49,13 @@ def book(spec: PoolSpec, vocab_size: int, data: int) -> PoolBook:
 
 
 def slot_state_zeros(cfg, spec: PoolSpec) -> SlotState:
-    """Per-slot state of `spec`'s slots: logits in float32, streams in the model's activation dtype."""
-    s, stream = spec.max_slots, jnp.dtype(spec.dtype)
-    nbytes = 2 * s * (cfg.hc_mult * cfg.hidden_size * stream.itemsize + cfg.vocab_size * 4)
-    # small (a CLI run's): numpy zeros and one transfer, not an eager program per shape (as `pools._filled`)
-    host = nbytes <= HOST_FILL_BYTES
-    zeros = np.zeros if host else jnp.zeros
-    hidden = lambda: zeros((s, cfg.hc_mult, cfg.hidden_size), stream)  # noqa: E731
-    logits = lambda: zeros((s, cfg.vocab_size), jnp.float32)  # noqa: E731
-    state = SlotState(logits(), hidden(), logits(), hidden())
-    return jax.device_put(state) if host else state
+    """Per-slot state of `spec`'s slots: logits in float32, streams in the model's activation dtype (one program
+    for all four arrays, as `pools._filled`)."""
+    return _slot_state_zeros(spec.max_slots, cfg.hc_mult, cfg.hidden_size, cfg.vocab_size, jnp.dtype(spec.dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _slot_state_zeros(slots: int, hc_mult: int, hidden_size: int, vocab_size: int, stream: str) -> SlotState:
+    hidden = lambda: jnp.zeros((slots, hc_mult, hidden_size), stream)  # noqa: E731
+    logits = lambda: jnp.zeros((slots, vocab_size), jnp.float32)  # noqa: E731
+    return SlotState(logits(), hidden(), logits(), hidden())

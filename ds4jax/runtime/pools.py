@@ -41,20 +41,18 @@ KVPool = jax.tree_util.register_dataclass(dataclasses.make_dataclass(
                "__doc__": "The pool arrays of one attention rank, fields in `pool_layout.POOL_ARRAYS` order."}))
 
 
-HOST_FILL_BYTES = 64 << 20  # pools up to this size are filled on the host and placed in one transfer
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _filled_program(spec: PoolSpec, fill: jax.Array) -> KVPool:
+    return KVPool(**{a.name: jnp.full(layout.shape_of(a, spec), fill if a.empty is None else a.empty,
+                                      jnp.dtype(layout.dtype_of(a, spec))) for a in layout.POOL_ARRAYS})
 
 
 def _filled(spec: PoolSpec, fill: float) -> KVPool:
-    # small pools (a CLI run's) are filled with numpy and placed by one device_put: an eager `jnp.full` per array
-    # is a program per shape and dtype to fetch from the compilation cache (16 of them: ~0.2 s of a cached
-    # `ds4jax generate` on a 2-core CPU); large ones are filled on the device (no host copy, no transfer)
-    host = total_bytes(spec) <= HOST_FILL_BYTES
-    full = np.full if host else jnp.full
-    arrays = {}
-    for a in layout.POOL_ARRAYS:
-        shape, dtype = layout.shape_of(a, spec), jnp.dtype(layout.dtype_of(a, spec))
-        arrays[a.name] = full(shape, fill if a.empty is None else a.empty, dtype)
-    return KVPool(**(jax.device_put(arrays) if host else arrays))  # uncommitted, on the default device, as jnp's
+    """Every array of `spec`'s pool filled, by one program per spec: an eager `jnp.full` per array was a program
+    per shape and dtype to fetch from the compilation cache (16 of them: ~0.2 s of a cached `ds4jax generate` on a
+    2-core CPU). Not numpy + `device_put` either: on a CPU backend the steps did not donate such buffers in place
+    (every donated step copied the pool; tests/test_pools.py). The fill is an argument (NaN is no cache key)."""
+    return _filled_program(spec, np.float32(fill))
 
 
 def zeros(spec: PoolSpec) -> KVPool:
