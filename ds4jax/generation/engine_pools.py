@@ -7,7 +7,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ds4jax.generation.loops import SlotState
 from ds4jax.model.handle import Model
