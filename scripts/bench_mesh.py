@@ -36,7 +36,6 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import ds4jax  # noqa: E402
 from ds4jax.model import params as params_lib  # noqa: E402
-from ds4jax.model.handle import Model  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh  # noqa: E402
 from ds4jax.runtime.mesh_plan import format_bytes  # noqa: E402
 from ds4jax.runtime.mesh_steps import ShardedPoolBook  # noqa: E402
@@ -94,12 +93,9 @@ def place_pool(host, book, runner, spec):
                 value = book.lengths.astype(np.int32)
             else:
                 value = host[name][_layer_slice(runner.cfg, name, lo, hi)]
-            sharding = getattr(sh, name)
-            if 0 in np.shape(value):  # (the scales of a KV cache without fp8) a step returns a zero-size array
-                # replicated: placed so from the start, the timed steps run the program the first step compiled
-                # instead of compiling another for that input (DP 2 x EP did, inside its timed loop)
-                sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-            arrays[name] = jax.device_put(value, sharding)
+            # a zero-size array (the scales of a KV cache without fp8) gets a replicated sharding, as a step returns
+            # it (`MeshLayout.sharding`): the timed steps run the program the first step compiled
+            arrays[name] = jax.device_put(value, getattr(sh, name))
         placed.append(KVPool(**arrays))
     return tuple(placed)
 
