@@ -82,10 +82,6 @@ def mode(environ=os.environ, rocm: bool | None = None, cuda: bool | None = None)
     return "loops" if (cuda_expected(environ) if cuda is None else cuda) else "on"
 
 
-def command_buffers_off(environ=os.environ, rocm: bool | None = None) -> bool:
-    return mode(environ, rocm=rocm, cuda=False) == "off"
-
-
 def flags_with_mode(xla_flags: str, chosen: str) -> str:
     """XLA_FLAGS with the command-buffer flag for mode `chosen` appended (an explicit setting is left alone)."""
     value = VALUES[chosen]

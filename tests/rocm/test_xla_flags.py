@@ -13,12 +13,12 @@ OFF = "--xla_gpu_enable_command_buffer="
 ])
 def test_switch(mode, rocm, off):
     env = {} if mode is None else {xla_flags.ENV: mode}
-    assert xla_flags.command_buffers_off(env, rocm=rocm) is off
+    assert (xla_flags.mode(env, rocm=rocm, cuda=False) == "off") is off
 
 
 def test_bad_value_is_named():
     with pytest.raises(ValueError, match="DS4JAX_COMMAND_BUFFERS"):
-        xla_flags.command_buffers_off({xla_flags.ENV: "maybe"}, rocm=True)
+        xla_flags.mode({xla_flags.ENV: "maybe"}, rocm=True)
 
 
 @pytest.mark.parametrize("mode, rocm, cuda, want", [
