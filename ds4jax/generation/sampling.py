@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k and nucleus (top-p), with per-request keys; log-probabilities of the
 emitted tokens (`token_logprobs`)."""
 
-from typing import NamedTuple
+import os
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +33,59 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
+BRANCH_ENV = "DS4JAX_GREEDY_BRANCH"  # auto (default) | on | off: see `branch_on_greedy`
+
+
+def branch_on_greedy(environ=os.environ) -> bool:
+    """Whether programs traced now branch around the sampling machinery when no running row samples (`skip_if_greedy`).
+
+    `filter_logits` sorts the vocabulary twice per row and a draw generates random bits over it: about a dozen
+    kernels per sampled position, which a greedy batch (benchmarks, evaluations, most batch jobs) never needs, and a
+    speculative round has 2k + 1 such positions. Skipping them takes a `lax.cond`, which is free where the branch is
+    taken on the device (CPU: a host jump; CUDA with ds4jax's default command buffers, which record CONDITIONAL:
+    `xla_flags`), but costs XLA:GPU a host round trip elsewhere (the predicate copied back, the stream drained),
+    more than the kernels it saves in a launch-bound loop: so not on ROCm, whose command buffers are off.
+    ``DS4JAX_GREEDY_BRANCH=on|off`` decides instead. Read at trace time (the executable cache keys DS4JAX_*)."""
+    chosen = environ.get(BRANCH_ENV, "auto").strip().lower()
+    if chosen not in ("auto", "on", "off"):
+        raise ValueError(f"{BRANCH_ENV}={chosen!r}: expected auto, on or off")
+    if chosen != "auto":
+        return chosen == "on"
+    if jax.default_backend() == "cpu":
+        return True
+    flag = [f for f in environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_enable_command_buffer=")]
+    value = flag[-1].split("=", 1)[1] if flag else ""  # absent: XLA's default set, which leaves CONDITIONAL out
+    return "CONDITIONAL" in value and "-CONDITIONAL" not in value
+
+
+def none_sample(temperature: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """[] bool: no row that runs (`live`, default every row) samples, so every token is an argmax."""
+    greedy = temperature <= 0
+    return jnp.all(greedy if live is None else greedy | ~live)
+
+
+def skip_if_greedy(greedy_only: jax.Array, greedy: Callable[[], Any], sampled: Callable[[], Any]) -> Any:
+    """`sampled()` (which must give every greedy row its greedy result too), or `greedy()` when `greedy_only` and
+    the programs branch (`branch_on_greedy`); both return the same structure."""
+    if not branch_on_greedy():
+        return sampled()
+    return jax.lax.cond(greedy_only, greedy, sampled)
+
+
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-           top_k: jax.Array | None = None) -> jax.Array:
-    """logits [b, v], keys [b] (typed PRNG keys), temperature/top_p/top_k [b]; temperature 0 means greedy."""
+           top_k: jax.Array | None = None, live: jax.Array | None = None) -> jax.Array:
+    """logits [b, v], keys [b] (typed PRNG keys), temperature/top_p/top_k [b]; temperature 0 means greedy.
+
+    `live` [b] (optional): the rows whose tokens are used; the others' (padding, finished) may be anything."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    logp = filter_logits(logits, safe_t, top_p, top_k)
-    drawn = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def drawn():
+        safe_t = jnp.where(temperature > 0, temperature, 1.0)
+        logp = filter_logits(logits, safe_t, top_p, top_k)
+        tok = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    return skip_if_greedy(none_sample(temperature, live), lambda: greedy, drawn)
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
-from ds4jax.generation.sampling import TokenLogprobs, filter_logits, token_keys, token_logprobs
+from ds4jax.generation.sampling import (TokenLogprobs, filter_logits, none_sample, skip_if_greedy, token_keys,
+                                       token_logprobs)
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
@@ -78,6 +79,7 @@ class Chain(NamedTuple):
     chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws)
     pending: jax.Array  # [B] forced tokens still to emit
     n_force: jax.Array  # [B] forced tokens in this round's drafts
+    greedy_only: jax.Array  # [] no running row samples: drafts and acceptance skip the sampling machinery
 
     def verify_batch(self, c: RoundCarry, rows: Rows) -> steps.StepBatch:
         """The target step that verifies the chain: [cur, d1..dk] at positions P..P+k of the active rows."""
@@ -102,11 +104,18 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
     # forced tokens (a thinking budget's close ids) replace the first drafts and are accepted whatever the
     # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
     pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
+    greedy_only = none_sample(rows.temperature, ~c.done)
 
     def propose(logits, j):
-        logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
-        drawn = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
-        tok = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+        top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        def drawn():
+            logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
+            tok = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
+            return jnp.where(greedy, top, tok), logp
+
+        # all greedy: the log-probabilities are never read (acceptance takes the same branch), zeros stand in
+        tok, logp = skip_if_greedy(greedy_only, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), drawn)
         return jnp.where(j < pending, _forced_at(rows, c.fp, j), tok), logp
 
     draft_len = c.dpool.lengths
@@ -121,7 +130,7 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
         drafts.append(d)
         draft_logps.append(logq)
     chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), chain_keys, pending,
-                  jnp.minimum(pending, k))
+                  jnp.minimum(pending, k), greedy_only)
     return chain, dpool.replace(lengths=draft_len)
 
 
@@ -142,14 +151,19 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     remaining = rows.limit - (c.n_out - rows.n_out)
     cap = jnp.where(pending > 0, n_force, jnp.minimum(rows.k_cap, jnp.maximum(remaining - 1, 0)))
     by_match = accept_greedy(drafts, verify.logits, cap)
-    t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-    by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, chain_keys[:, k], cap)
-    a = jnp.where(greedy, by_match.accepted, by_sample.accepted)
-    nxt = jnp.where(greedy, by_match.next_token, by_sample.next_token)
     # forced rows: exactly n_force drafts accepted; the token after them from the target at that position
     at = lambda x: jnp.take_along_axis(x, n_force[:, None, None], axis=1)[:, 0]
-    after = jax.vmap(jax.random.categorical)(chain_keys[:, k], at(t_logp)).astype(jnp.int32)
-    after = jnp.where(greedy, jnp.argmax(at(verify.logits), axis=-1).astype(jnp.int32), after)
+    greedy_after = jnp.argmax(at(verify.logits), axis=-1).astype(jnp.int32)
+
+    def sampled():
+        t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
+        by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, chain_keys[:, k], cap)
+        after = jax.vmap(jax.random.categorical)(chain_keys[:, k], at(t_logp)).astype(jnp.int32)
+        return (jnp.where(greedy, by_match.accepted, by_sample.accepted),
+                jnp.where(greedy, by_match.next_token, by_sample.next_token), jnp.where(greedy, greedy_after, after))
+
+    a, nxt, after = skip_if_greedy(chain.greedy_only, lambda: (by_match.accepted, by_match.next_token, greedy_after),
+                                   sampled)
     a = jnp.where(pending > 0, n_force, a)
     nxt = jnp.where(pending > k, _forced_at(rows, c.fp, k), jnp.where(pending > 0, after, nxt))
     a = jnp.where(active, a, 0)

@@ -1,0 +1,168 @@
+"""A batch in which no running row samples skips the sampling machinery (two sorts of the vocabulary and a draw per
+position) in every program that samples: the decode loop, the speculative rounds (draft proposals and acceptance),
+a prefill's first token and a snapshot restore. The machinery sits only inside the branch of a `lax.cond` that a
+sampling row selects, and both branches give the tokens the unconditional code gave."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ds4jax
+from ds4jax.generation import loops, sampling, spec_rounds
+from ds4jax.model import params as model_params
+from ds4jax.runtime import pools, steps
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.roles import Role
+
+S = jax.ShapeDtypeStruct
+I32 = jnp.int32
+CFG = ds4jax.tiny(num_layers=1, attention_types=(ds4jax.AttentionType.SLIDING,), mlp_types=(ds4jax.MlpType.HASH,))
+# what only `filter_logits` (its nucleus cumsum) and a draw (random bits) put in a program; sorts are not on the list:
+# the model sorts too (MoE routing, the indexer's top-k)
+SAMPLING = {"random_bits", "cumsum"}
+
+
+def _unconditional(logits, keys, temperature, top_p, top_k):
+    """`sample` as it was before the branch: everything computed for every row, then picked per row."""
+    logp = sampling.filter_logits(logits, jnp.where(temperature > 0, temperature, 1.0), top_p, top_k)
+    drawn = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def _unbranched_primitives(jaxpr, out=None) -> set[str]:
+    """Primitives of a jaxpr that run whatever a `cond` decides (nested jaxprs included, cond branches not)."""
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name == "cond":
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _unbranched_primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, out)
+    return out
+
+
+def _all_primitives(jaxpr, out=None) -> set[str]:
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _all_primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, out)
+    return out
+
+
+def _assert_sampling_only_in_a_branch(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    everywhere, unbranched = _all_primitives(jaxpr), _unbranched_primitives(jaxpr)
+    assert SAMPLING <= everywhere, everywhere  # the sampled path is compiled...
+    assert not SAMPLING & unbranched, SAMPLING & unbranched  # ...and runs only when a row samples
+
+
+@pytest.mark.parametrize("case", ["greedy", "sampled", "mixed", "sampled_row_not_live"])
+def test_sample_equals_the_unconditional_draw(case):
+    rng = np.random.default_rng(0)
+    b, v = 6, 50
+    logits = jnp.asarray(rng.normal(size=(b, v)) * 3, jnp.float32)
+    keys = jax.random.split(jax.random.key(1), b)
+    temperature = {"greedy": np.zeros(b), "sampled": np.full(b, 0.8), "mixed": np.array([0, 0.7, 0, 1.3, 0, 0.2]),
+                   "sampled_row_not_live": np.array([0, 0, 0, 0, 0, 0.9])}[case].astype(np.float32)
+    live = np.array([True] * 5 + [case != "sampled_row_not_live"])
+    top_p = jnp.asarray(rng.uniform(0.3, 1.0, b), jnp.float32)
+    top_k = jnp.asarray([0, 3, 10, 0, 1, 7], I32)
+    want = np.asarray(_unconditional(logits, keys, jnp.asarray(temperature), top_p, top_k))
+    got = np.asarray(sampling.sample(logits, keys, jnp.asarray(temperature), top_p, top_k, live=jnp.asarray(live)))
+    np.testing.assert_array_equal(got[live], want[live])
+    assert bool(sampling.none_sample(jnp.asarray(temperature), jnp.asarray(live))) == (
+        case in ("greedy", "sampled_row_not_live"))
+
+
+def _sample_jaxpr():
+    b, v = 4, 50
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
+    # a new function each time: jax caches traces by function, and the branch setting is read when tracing
+    return lambda *a: sampling.sample(*a), S((b, v), jnp.float32), keys, S((b,), jnp.float32), S((b,), jnp.float32), S((b,), I32)
+
+
+def test_sample_draws_only_in_its_branch():
+    _assert_sampling_only_in_a_branch(*_sample_jaxpr())
+
+
+def test_without_branching_every_row_is_drawn_as_before(monkeypatch):
+    """DS4JAX_GREEDY_BRANCH=off (ROCm's choice): no cond, the sampling machinery runs unconditionally."""
+    monkeypatch.setenv(sampling.BRANCH_ENV, "off")
+    fn, *args = _sample_jaxpr()
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    assert "cond" not in _all_primitives(jaxpr) and SAMPLING <= _unbranched_primitives(jaxpr)
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 50)), jnp.float32)
+    keys = jax.random.split(jax.random.key(2), 4)
+    t, p, k = jnp.asarray([0, 0.9, 0, 1.1], jnp.float32), jnp.full(4, 0.9, jnp.float32), jnp.asarray([0, 5, 0, 0], I32)
+    np.testing.assert_array_equal(sampling.sample(logits, keys, t, p, k), _unconditional(logits, keys, t, p, k))
+
+
+@pytest.mark.parametrize("backend, env, want", [
+    ("cpu", {}, True),  # a branch is a host jump
+    ("gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}, True),  # ds4jax's CUDA default
+    ("gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, False),  # ROCm: command buffers off
+    ("gpu", {}, False),  # XLA's default set: no CONDITIONAL, each cond a host round trip
+    ("gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CONDITIONAL,-CONDITIONAL"}, False),
+    ("gpu", {"DS4JAX_GREEDY_BRANCH": "on"}, True),
+    ("cpu", {"DS4JAX_GREEDY_BRANCH": "off"}, False),
+])
+def test_branching_where_a_cond_is_free(monkeypatch, backend, env, want):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert sampling.branch_on_greedy(env) is want
+
+
+def test_a_bad_branch_setting_names_the_variable():
+    with pytest.raises(ValueError, match=sampling.BRANCH_ENV):
+        sampling.branch_on_greedy({sampling.BRANCH_ENV: "sometimes"})
+
+
+def _specs(k):
+    common = dict(max_slots=2, max_context=64, draft_tokens=k + 1, dtype="float32")
+    return PoolSpec.for_role(CFG, role=Role.TARGET, **common), PoolSpec.for_role(CFG, role=Role.DRAFT, **common)
+
+
+def _rows(b):
+    per_row = lambda dtype, *shape: S((b, *shape), dtype)  # noqa: E731
+    return loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
+                      max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
+                      temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
+                      key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
+                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32), wake=per_row(jnp.bool_))
+
+
+def _slot_state(slots):
+    v, stream = CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
+    return loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.float32),
+                           S((slots, v), jnp.float32), S((slots, *stream), jnp.float32))
+
+
+@pytest.mark.parametrize("program", ["decode_loop", "speculative_loop", "prefill_call", "restore_call"])
+def test_engine_programs_sample_only_in_a_branch(program):
+    """The dispatch itself: in each engine program that samples, the sorts and draws are inside a cond branch."""
+    k = 2
+    tspec, dspec = _specs(k)
+    params = model_params.abstract(CFG, jnp.float32)
+    kw = dict(cfg=CFG, kernels=steps.Impl.REFERENCE)
+    if program == "decode_loop":
+        fn = functools.partial(loops.decode_loop.uncached, spec=tspec, max_steps=4, **kw)
+        args = (params, pools.abstract(tspec), _rows(2))
+    elif program == "speculative_loop":
+        fn = functools.partial(spec_rounds.speculative_loop.uncached, tspec=tspec, dspec=dspec, k=k, max_rounds=2,
+                               **kw)
+        args = (params, pools.abstract(tspec), pools.abstract(dspec), _slot_state(2), _rows(2))
+    elif program == "prefill_call":
+        b, c = 2, 8
+        fn = functools.partial(loops.prefill_call.uncached, tspec=tspec, dspec=dspec, **kw)
+        args = (params, pools.abstract(tspec), pools.abstract(dspec), _slot_state(2), _rows(b), S((b, c), I32),
+                S((b,), I32), S((b, c), I32), S((b,), jnp.bool_))
+    else:
+        fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
+        args = (params, pools.abstract(dspec), _slot_state(2), _rows(2), S((2,), jnp.bool_), S((2,), I32))
+    _assert_sampling_only_in_a_branch(fn, *args)
