@@ -8,7 +8,9 @@
 #              cached in new processes (issue 22)
 #   serve_ep   bench_serve.py with --engine-process
 #   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27)
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [serve anatomy startup serve_ep e2e]
+#   branch     scripts/bench_engine.py, default model plain and k=3 at batch 1 and 8, with DS4JAX_GREEDY_BRANCH=off
+#              then on (the greedy batches' skip of the sampling machinery, issue 23), a fresh process each
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [serve anatomy startup serve_ep e2e branch]
 # (seconds per part; 0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +37,9 @@ part serve_ep "${4:-110}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" -
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
 part e2e "${5:-100}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
     --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
+export OUT
+part branch "${6:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=off DS4JAX_GREEDY_BRANCH=$b \
+    python3 scripts/bench_engine.py --out "$OUT/branch/$b" --models default --batches 1,8 --ks 3 --b1-prompts 4 \
+    --repeats 1; done; python3 scripts/command_buffers_report.py "$OUT/branch" --compare greedy_branch \
+    --out "$OUT/branch/greedy_branch"'
 cat "$log"
