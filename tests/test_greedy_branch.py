@@ -166,3 +166,37 @@ def test_engine_programs_sample_only_in_a_branch(program):
         fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
         args = (params, pools.abstract(dspec), _slot_state(2), _rows(2), S((2,), jnp.bool_), S((2,), I32))
     _assert_sampling_only_in_a_branch(fn, *args)
+
+
+def _filter_reference(logits, temperature, top_p, top_k):
+    """numpy: scale, keep the top_k most likely (0 = all) and the smallest prefix of the rest whose mass before each
+    kept token is < top_p (the most likely always kept), renormalise; ties ordered by index (a stable sort)."""
+    out = np.full(logits.shape, -np.inf)
+    for i, row in enumerate(logits.astype(np.float64)):
+        scaled = (row - row.max()) / temperature[i]
+        order = np.argsort(-scaled, kind="stable")
+        p = np.exp(scaled[order] - scaled.max())
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        keep = (before < top_p[i]) | (top_p[i] >= 1.0) | (np.arange(len(row)) == 0)
+        if top_k[i] > 0:
+            keep &= np.arange(len(row)) < top_k[i]
+        kept = order[keep]
+        z = scaled[kept] - np.log(np.sum(np.exp(scaled[kept])))
+        out[i, kept] = z
+    return out
+
+
+def test_filter_logits_matches_a_numpy_reference():
+    rng = np.random.default_rng(5)
+    b, v = 8, 64
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 2
+    logits[0, :10] = logits[0, 10]  # exact ties: kept or dropped by index order
+    temperature = rng.uniform(0.3, 2.0, b).astype(np.float32)
+    top_p = np.array([1.0, 0.9, 0.5, 0.1, 1e-9, 0.95, 0.7, 1.0], np.float32)
+    top_k = np.array([0, 0, 5, 0, 0, 3, 64, 1], np.int32)
+    got = np.asarray(sampling.filter_logits(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_p),
+                                            jnp.asarray(top_k)))
+    want = _filter_reference(logits, temperature, top_p, top_k)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)

@@ -28,8 +28,9 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     if top_k is not None:
         top_k = jnp.broadcast_to(top_k, scaled.shape[:-1])
         keep_sorted = keep_sorted & ((top_k[..., None] <= 0) | (rank < top_k[..., None]))
-    keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if scaled.ndim == 1 else \
-        jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    # back to vocabulary order by a scatter through the permutation (a second argsort to invert it cost a whole
+    # sort of the vocabulary per row again)
+    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
