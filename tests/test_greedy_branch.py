@@ -200,3 +200,19 @@ def test_filter_logits_matches_a_numpy_reference():
     want = _filter_reference(logits, temperature, top_p, top_k)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("branch", ["on", "off"])
+def test_nothing_filtered_needs_no_sort(monkeypatch, branch):
+    """top_p 1 and top_k 0 on every row (temperature sampling alone): the sorted path sits in the branch not taken,
+    and both paths give the reference's log-probabilities."""
+    monkeypatch.setenv(sampling.BRANCH_ENV, branch)
+    rng = np.random.default_rng(6)
+    b, v = 4, 64
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    t, p, k = rng.uniform(0.5, 1.5, b).astype(np.float32), np.ones(b, np.float32), np.zeros(b, np.int32)
+    fn = lambda *a: sampling.filter_logits(*a)  # noqa: E731  (a new function: traces are cached by function)
+    got = np.asarray(fn(jnp.asarray(logits), jnp.asarray(t), jnp.asarray(p), jnp.asarray(k)))
+    np.testing.assert_allclose(got, _filter_reference(logits, t, p, k), rtol=1e-5, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda *a: sampling.filter_logits(*a))(logits, t, p, k).jaxpr
+    assert ("sort" in _unbranched_primitives(jaxpr)) == (branch == "off")

@@ -13,25 +13,34 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
                   ) -> jax.Array:
     """Scaled, top-k and nucleus-filtered log-probabilities [..., v] (float32).
 
-    temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]."""
+    temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]. When no row
+    filters (top_p 1 and top_k 0 everywhere: plain temperature sampling, OpenAI's defaults) the vocabulary is not
+    sorted at all (`skip_if_greedy`'s branch, where branching is free)."""
     # shifted by the max first (softmax does not change): a tiny temperature then sends the other tokens to -inf
     # instead of sending the top ones to +inf (inf - inf is NaN in log_softmax)
     logits = logits.astype(jnp.float32)
     scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature[..., None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
-    sorted_logp = jax.nn.log_softmax(sorted_scaled, axis=-1)
-    before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)  # mass strictly above each token
-    rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
-    # the most likely token is always kept, also when a tiny top_p rounds to 0 in float32
-    keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0) | (rank == 0)
+    top_k = None if top_k is None else jnp.broadcast_to(top_k, scaled.shape[:-1])
+
+    def filtered():
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+        sorted_logp = jax.nn.log_softmax(sorted_scaled, axis=-1)
+        before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)  # mass strictly above each token
+        rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+        # the most likely token is always kept, also when a tiny top_p rounds to 0 in float32
+        keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0) | (rank == 0)
+        if top_k is not None:
+            keep_sorted = keep_sorted & ((top_k[..., None] <= 0) | (rank < top_k[..., None]))
+        # back to vocabulary order by a scatter through the permutation (a second argsort to invert it cost a whole
+        # sort of the vocabulary per row again)
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+        return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+
+    unfiltered = jnp.all(jnp.broadcast_to(top_p, scaled.shape[:-1]) >= 1.0)
     if top_k is not None:
-        top_k = jnp.broadcast_to(top_k, scaled.shape[:-1])
-        keep_sorted = keep_sorted & ((top_k[..., None] <= 0) | (rank < top_k[..., None]))
-    # back to vocabulary order by a scatter through the permutation (a second argsort to invert it cost a whole
-    # sort of the vocabulary per row again)
-    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-    return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+        unfiltered = unfiltered & jnp.all(top_k <= 0)
+    return skip_if_greedy(unfiltered, lambda: jax.nn.log_softmax(scaled, axis=-1), filtered)
 
 
 BRANCH_ENV = "DS4JAX_GREEDY_BRANCH"  # auto (default) | on | off: see `branch_on_greedy`
@@ -67,7 +76,8 @@ def none_sample(temperature: jax.Array, live: jax.Array | None = None) -> jax.Ar
 
 def skip_if_greedy(greedy_only: jax.Array, greedy: Callable[[], Any], sampled: Callable[[], Any]) -> Any:
     """`sampled()` (which must give every greedy row its greedy result too), or `greedy()` when `greedy_only` and
-    the programs branch (`branch_on_greedy`); both return the same structure."""
+    the programs branch (`branch_on_greedy`); both return the same structure. (Also the shortcut of any cheaper
+    equivalent, e.g. `filter_logits` without a sort when nothing is filtered.)"""
     if not branch_on_greedy():
         return sampled()
     return jax.lax.cond(greedy_only, greedy, sampled)
