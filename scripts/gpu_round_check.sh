@@ -2,16 +2,16 @@
 # One accelerator call that measures this round's user-facing changes, most important first, each part under its
 # own time limit and packed into its own archive as soon as it ends (a call cut short still brings back the parts
 # that finished; the device tool returns at most 8 files):
+#   branch     scripts/bench_engine.py, default model plain and k=3 at batch 1 and 8, with DS4JAX_GREEDY_BRANCH=off
+#              then on (the greedy batches' skip of the sampling machinery, issue 23), a fresh process each
 #   serve      scripts/bench_serve.py in process: 1, 8, 32, 64 clients, burst and sustained (issue 25)
 #   anatomy    scripts/spec_anatomy.py: a speculative round vs a plain step, kernels by scope (issue 23)
 #   startup    scripts/bench_compile.py --parts engine,cli: default-model warm-up and CLI first token, cold and
 #              cached in new processes (issue 22)
 #   serve_ep   bench_serve.py with --engine-process
 #   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27)
-#   branch     scripts/bench_engine.py, default model plain and k=3 at batch 1 and 8, with DS4JAX_GREEDY_BRANCH=off
-#              then on (the greedy batches' skip of the sampling machinery, issue 23), a fresh process each
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [serve anatomy startup serve_ep e2e branch]
-# (seconds per part; 0 skips it).
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [branch serve anatomy startup serve_ep e2e]
+# (seconds per part; 0 skips it; the defaults, 150 120 100 110 0 80, fit one 600 s call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
@@ -28,18 +28,18 @@ part() {  # part NAME SECONDS CMD...: skipped at 0 (`timeout 0` would mean no li
   echo "$name: exit $? after $((SECONDS - t)) s" >>"$log"
   tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
 }
-part serve "${1:-140}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_h200_in_process \
-    --clients 1,8,32,64 --requests-per-client 4 --repeats 2
-part anatomy "${2:-110}" python3 scripts/spec_anatomy.py --out "$OUT/anatomy"
-part startup "${3:-120}" python3 scripts/bench_compile.py --parts engine,cli --engine-models default \
-    --deadline-s $(( ${3:-120} - 25 )) --out "$OUT/startup/startup.json"
-part serve_ep "${4:-110}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_h200_engine_process \
-    --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
-part e2e "${5:-100}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
-    --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
 export OUT
-part branch "${6:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=off DS4JAX_GREEDY_BRANCH=$b \
+part branch "${1:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=off DS4JAX_GREEDY_BRANCH=$b \
     python3 scripts/bench_engine.py --out "$OUT/branch/$b" --models default --batches 1,8 --ks 3 --b1-prompts 4 \
     --repeats 1; done; python3 scripts/command_buffers_report.py "$OUT/branch" --compare greedy_branch \
     --out "$OUT/branch/greedy_branch"'
+part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_h200_in_process \
+    --clients 1,8,32,64 --requests-per-client 4 --repeats 2
+part anatomy "${3:-100}" python3 scripts/spec_anatomy.py --out "$OUT/anatomy"
+part startup "${4:-110}" python3 scripts/bench_compile.py --parts engine,cli --engine-models default \
+    --deadline-s $(( ${4:-110} - 25 )) --out "$OUT/startup/startup.json"
+part serve_ep "${5:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_h200_engine_process \
+    --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
+part e2e "${6:-80}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
+    --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
 cat "$log"
