@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import abstract_inputs
 import ds4jax
 from ds4jax.generation import loops, sampling, spec_rounds
 from ds4jax.model import params as model_params
@@ -85,7 +86,8 @@ def _sample_jaxpr():
     b, v = 4, 50
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
     # a new function each time: jax caches traces by function, and the branch setting is read when tracing
-    return lambda *a: sampling.sample(*a), S((b, v), jnp.float32), keys, S((b,), jnp.float32), S((b,), jnp.float32), S((b,), I32)
+    return (lambda *a: sampling.sample(*a), S((b, v), jnp.float32), keys, S((b,), jnp.float32), S((b,), jnp.float32),
+            S((b,), I32))
 
 
 def test_sample_draws_only_in_its_branch():
@@ -128,43 +130,29 @@ def _specs(k):
     return PoolSpec.for_role(CFG, role=Role.TARGET, **common), PoolSpec.for_role(CFG, role=Role.DRAFT, **common)
 
 
-def _rows(b):
-    per_row = lambda dtype, *shape: S((b, *shape), dtype)  # noqa: E731
-    return loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
-                      max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
-                      temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
-                      key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
-                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32), wake=per_row(jnp.bool_))
-
-
-def _slot_state(slots):
-    v, stream = CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
-    return loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.float32),
-                           S((slots, v), jnp.float32), S((slots, *stream), jnp.float32))
-
-
 @pytest.mark.parametrize("program", ["decode_loop", "speculative_loop", "prefill_call", "restore_call"])
 def test_engine_programs_sample_only_in_a_branch(program):
-    """The dispatch itself: in each engine program that samples, the sorts and draws are inside a cond branch."""
+    """The dispatch itself: in each engine program that samples, the nucleus filter and the draws are inside a cond branch."""
     k = 2
     tspec, dspec = _specs(k)
     params = model_params.abstract(CFG, jnp.float32)
     kw = dict(cfg=CFG, kernels=steps.Impl.REFERENCE)
+    state, rows = abstract_inputs.slot_state(CFG, 2, jnp.float32), abstract_inputs.rows(2)
     if program == "decode_loop":
         fn = functools.partial(loops.decode_loop.uncached, spec=tspec, max_steps=4, **kw)
-        args = (params, pools.abstract(tspec), _rows(2))
+        args = (params, pools.abstract(tspec), rows)
     elif program == "speculative_loop":
         fn = functools.partial(spec_rounds.speculative_loop.uncached, tspec=tspec, dspec=dspec, k=k, max_rounds=2,
                                **kw)
-        args = (params, pools.abstract(tspec), pools.abstract(dspec), _slot_state(2), _rows(2))
+        args = (params, pools.abstract(tspec), pools.abstract(dspec), state, rows)
     elif program == "prefill_call":
         b, c = 2, 8
         fn = functools.partial(loops.prefill_call.uncached, tspec=tspec, dspec=dspec, **kw)
-        args = (params, pools.abstract(tspec), pools.abstract(dspec), _slot_state(2), _rows(b), S((b, c), I32),
+        args = (params, pools.abstract(tspec), pools.abstract(dspec), state, rows, S((b, c), I32),
                 S((b,), I32), S((b, c), I32), S((b,), jnp.bool_))
     else:
         fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
-        args = (params, pools.abstract(dspec), _slot_state(2), _rows(2), S((2,), jnp.bool_), S((2,), I32))
+        args = (params, pools.abstract(dspec), state, rows, S((2,), jnp.bool_), S((2,), I32))
     _assert_sampling_only_in_a_branch(fn, *args)
 
 

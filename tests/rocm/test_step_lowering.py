@@ -9,6 +9,7 @@ import functools
 import re
 from unittest import mock
 
+import abstract_inputs
 import jax
 import jax.numpy as jnp
 import pytest
@@ -91,25 +92,10 @@ def test_step_lowers_for_rocm(step):
     assert "ragged" not in strategies, strategies  # XLA on GPU lowers ragged_dot densely
 
 
-def _rows(b):
-    per_row = lambda dtype, *shape: S((b, *shape), dtype)  # noqa: E731
-    return loops.Rows(slots=per_row(I32), active=per_row(jnp.bool_), cur=per_row(I32), n_out=per_row(I32),
-                      max_new=per_row(I32), stop_ids=per_row(I32, loops.MAX_STOP_IDS),
-                      temperature=per_row(jnp.float32), top_p=per_row(jnp.float32), top_k=per_row(I32),
-                      key_data=per_row(jnp.uint32, 2), k_cap=per_row(I32), limit=per_row(I32),
-                      forced=per_row(I32, loops.MAX_FORCED), n_forced=per_row(I32), wake=per_row(jnp.bool_))
-
-
-def _slot_state(slots):
-    v, stream = CFG.vocab_size, (CFG.hc_mult, CFG.hidden_size)
-    return loops.SlotState(S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16),
-                           S((slots, v), jnp.float32), S((slots, *stream), jnp.bfloat16))
-
-
 def test_speculative_loop_lowers_for_rocm():
     """Draft chain, verification, rejection sampling and the draft extend: the engine's rounds in one program."""
     tspec, dspec = _specs()
-    rows, state = _rows(4), _slot_state(tspec.max_slots)
+    rows, state = abstract_inputs.rows(4), abstract_inputs.slot_state(CFG, tspec.max_slots, jnp.bfloat16)
     fn = functools.partial(spec_rounds.speculative_loop.uncached, cfg=CFG, tspec=tspec, dspec=dspec, k=K,
                            kernels=steps.Impl.PALLAS, max_rounds=4)
     targets, _ = _lower(fn, model_params.abstract(CFG, jnp.bfloat16), pools.abstract(tspec), pools.abstract(dspec),
@@ -128,14 +114,16 @@ def test_engine_programs_lower_for_rocm(program):
     if program == "prefill_call":
         b, c = 1, 512
         fn = functools.partial(loops.prefill_call.uncached, tspec=tspec, dspec=dspec, **kw)
-        args = (params, tpool, dpool, _slot_state(tspec.max_slots), _rows(b), S((b, c), I32), S((b,), I32),
+        state = abstract_inputs.slot_state(CFG, tspec.max_slots, jnp.bfloat16)
+        args = (params, tpool, dpool, state, abstract_inputs.rows(b), S((b, c), I32), S((b,), I32),
                 S((b, c), I32), S((b,), jnp.bool_))
     elif program == "decode_loop":
         fn = functools.partial(loops.decode_loop.uncached, spec=tspec, max_steps=4, **kw)
-        args = (params, tpool, _rows(4))
+        args = (params, tpool, abstract_inputs.rows(4))
     else:
         fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
-        args = (params, dpool, _slot_state(tspec.max_slots), _rows(4), S((4,), jnp.bool_), S((4,), I32))
+        args = (params, dpool, abstract_inputs.slot_state(CFG, tspec.max_slots, jnp.bfloat16), abstract_inputs.rows(4),
+                S((4,), jnp.bool_), S((4,), I32))
     targets, strategies = _lower(fn, *args)
     _assert_rocm_clean(targets)
     assert TRITON_TARGET in targets
