@@ -27,6 +27,7 @@ CFG = ds4jax.tiny(num_layers=1, attention_types=(ds4jax.AttentionType.SLIDING,),
 # what only `filter_logits` (its nucleus cumsum) and a draw (random bits) put in a program; sorts are not on the list:
 # the model sorts too (MoE routing, the indexer's top-k)
 SAMPLING = {"random_bits", "cumsum"}
+KEYS = "random_fold_in"  # deriving a token's key from the request's seed (`sampling.token_keys`)
 
 
 def _unconditional(logits, keys, temperature, top_p, top_k):
@@ -36,11 +37,16 @@ def _unconditional(logits, keys, temperature, top_p, top_k):
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
+def _name(eqn) -> str:
+    """The primitive's name; for a nested jit, "jit:<function>"."""
+    return f"jit:{eqn.params['name']}" if eqn.primitive.name in ("jit", "pjit") else eqn.primitive.name
+
+
 def _unbranched_primitives(jaxpr, out=None) -> set[str]:
     """Primitives of a jaxpr that run whatever a `cond` decides (nested jaxprs included, cond branches not)."""
     out = set() if out is None else out
     for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
+        out.add(_name(eqn))
         if eqn.primitive.name == "cond":
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
@@ -51,17 +57,17 @@ def _unbranched_primitives(jaxpr, out=None) -> set[str]:
 def _all_primitives(jaxpr, out=None) -> set[str]:
     out = set() if out is None else out
     for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
+        out.add(_name(eqn))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _all_primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, out)
     return out
 
 
-def _assert_sampling_only_in_a_branch(fn, *args):
+def _assert_sampling_only_in_a_branch(fn, *args, markers=SAMPLING):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     everywhere, unbranched = _all_primitives(jaxpr), _unbranched_primitives(jaxpr)
-    assert SAMPLING <= everywhere, everywhere  # the sampled path is compiled...
-    assert not SAMPLING & unbranched, SAMPLING & unbranched  # ...and runs only when a row samples
+    assert markers <= everywhere, everywhere  # the sampled path is compiled...
+    assert not markers & unbranched, markers & unbranched  # ...and runs only when a row samples
 
 
 @pytest.mark.parametrize("case", ["greedy", "sampled", "mixed", "sampled_row_not_live"])
@@ -153,7 +159,7 @@ def test_engine_programs_sample_only_in_a_branch(program):
     else:
         fn = functools.partial(loops.restore_call.uncached, dspec=dspec, **kw)
         args = (params, pools.abstract(dspec), state, rows, S((2,), jnp.bool_), S((2,), I32))
-    _assert_sampling_only_in_a_branch(fn, *args)
+    _assert_sampling_only_in_a_branch(fn, *args, markers=SAMPLING | {KEYS})  # keys derived in the branch too
 
 
 def _filter_reference(logits, temperature, top_p, top_k):

@@ -136,7 +136,7 @@ def first_tokens(out: steps.StepOutput, slot_state: SlotState, rows: Rows, n_tok
     """After a prefill chunk's target step: each row's first token (sampled from its last-token logits; valid
     where the prompt ends in the chunk) and the slot state with those logits and streams on the rows that wrote
     (a layer split's last stage runs this too, `stage_programs`)."""
-    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
+    keys = lambda: token_keys(rows.key_data, jnp.zeros_like(rows.n_out))  # noqa: E731  (derived if a row samples)
     wrote = n_tokens > 0
     first = sample(out.logits, keys, rows.temperature, rows.top_p, rows.top_k, live=wrote)
     last = jnp.maximum(n_tokens - 1, 0)
@@ -160,7 +160,7 @@ def restore_call(params, dpool, slot_state: SlotState, rows: Rows, sampled, next
     pending row L-1 (target stream of L-1, id of token L: that first token, or next_ids = the prompt's token L).
     Returns (first tokens [B], dpool, slot_state, their `TokenLogprobs` [B] or None)."""
     logits = slot_state.last_logits[rows.slots]
-    keys = token_keys(rows.key_data, jnp.zeros_like(rows.n_out))
+    keys = lambda: token_keys(rows.key_data, jnp.zeros_like(rows.n_out))  # noqa: E731  (derived if a row samples)
     first = sample(logits, keys, rows.temperature, rows.top_p, rows.top_k, live=rows.active)
     if dspec is not None:
         ids = jnp.where(sampled, first, next_ids)[:, None]
@@ -229,7 +229,7 @@ def decode_update(rows: Rows, logits, live, cur, n_out, done, buf, i, bad):
     paused, bad); live = ~done (the rows the step ran). `decode_loop`'s body, and a layer split's last stage
     (`stage_programs`)."""
     b = rows.slots.shape[0]
-    tok = sample(logits, token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k, live=live)
+    tok = sample(logits, lambda: token_keys(rows.key_data, n_out), rows.temperature, rows.top_p, rows.top_k, live=live)
     bad = jnp.where(live & (bad < 0) & ~jnp.isfinite(logits).all(axis=-1), n_out, bad)
     fp = i  # forced tokens are consumed one per step from the call's start
     forced = jnp.take_along_axis(rows.forced, jnp.minimum(fp, MAX_FORCED - 1)[None, None].repeat(b, 0), 1)[:, 0]

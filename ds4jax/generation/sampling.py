@@ -83,9 +83,10 @@ def skip_if_greedy(greedy_only: jax.Array, greedy: Callable[[], Any], sampled: C
     return jax.lax.cond(greedy_only, greedy, sampled)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+def sample(logits: jax.Array, keys: jax.Array | Callable[[], jax.Array], temperature: jax.Array, top_p: jax.Array,
            top_k: jax.Array | None = None, live: jax.Array | None = None) -> jax.Array:
-    """logits [b, v], keys [b] (typed PRNG keys), temperature/top_p/top_k [b]; temperature 0 means greedy.
+    """logits [b, v], keys [b] (typed PRNG keys, or a function that derives them: called only when a row samples),
+    temperature/top_p/top_k [b]; temperature 0 means greedy.
 
     `live` [b] (optional): the rows whose tokens are used; the others' (padding, finished) may be anything."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -93,7 +94,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: ja
     def drawn():
         safe_t = jnp.where(temperature > 0, temperature, 1.0)
         logp = filter_logits(logits, safe_t, top_p, top_k)
-        tok = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+        tok = jax.vmap(jax.random.categorical)(keys() if callable(keys) else keys, logp).astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
     return skip_if_greedy(none_sample(temperature, live), lambda: greedy, drawn)

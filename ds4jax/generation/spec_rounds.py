@@ -76,7 +76,6 @@ class Chain(NamedTuple):
     """A round's draft chain, handed from drafting to verification and settling."""
     drafts: jax.Array  # [B, k] proposed tokens (forced tokens first)
     draft_logps: jax.Array  # [B, k, v] the filtered draft log-probabilities they were drawn from
-    chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws)
     pending: jax.Array  # [B] forced tokens still to emit
     n_force: jax.Array  # [B] forced tokens in this round's drafts
     greedy_only: jax.Array  # [] no running row samples: drafts and acceptance skip the sampling machinery
@@ -93,6 +92,13 @@ def _forced_at(rows: Rows, fp, j):
     return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
 
 
+def round_keys(rows: Rows, n_out, k: int) -> jax.Array:
+    """[B, k+1] typed keys of a round (position j < k: draft j's draw; k: the acceptance draws), from each request's
+    seed and tokens emitted so far. Derived inside the branches that sample (`skip_if_greedy`), so a greedy round
+    runs no key derivation either."""
+    return jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, n_out))
+
+
 def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) -> tuple[Chain, object]:
     """k proposals from the draft (d1 from the slot's saved draft logits, d2..dk from k-1 draft decode steps on
     the draft's own streams), then the draft pool rolled back. Returns (Chain, draft pool)."""
@@ -100,7 +106,6 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
     one = (~c.done).astype(jnp.int32)
     greedy = rows.temperature <= 0
     safe_t = jnp.where(greedy, 1.0, rows.temperature)
-    chain_keys = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, c.n_out))  # [b, k+1]
     # forced tokens (a thinking budget's close ids) replace the first drafts and are accepted whatever the
     # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
     pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
@@ -111,7 +116,7 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
 
         def drawn():
             logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
-            tok = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
+            tok = jax.vmap(jax.random.categorical)(round_keys(rows, c.n_out, k)[:, j], logp).astype(jnp.int32)
             return jnp.where(greedy, top, tok), logp
 
         # all greedy: the log-probabilities are never read (acceptance takes the same branch), zeros stand in
@@ -129,7 +134,7 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
         d, logq = propose(out.logits, j)
         drafts.append(d)
         draft_logps.append(logq)
-    chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), chain_keys, pending,
+    chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), pending,
                   jnp.minimum(pending, k), greedy_only)
     return chain, dpool.replace(lengths=draft_len)
 
@@ -146,7 +151,7 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     one = active.astype(jnp.int32)
     greedy = rows.temperature <= 0
     safe_t = jnp.where(greedy, 1.0, rows.temperature)
-    drafts, pending, n_force, chain_keys = chain.drafts, chain.pending, chain.n_force, chain.chain_keys
+    drafts, pending, n_force = chain.drafts, chain.pending, chain.n_force
     # a budget's end: emit at most `limit` tokens this call, so accept at most remaining - 1 drafts this round
     remaining = rows.limit - (c.n_out - rows.n_out)
     cap = jnp.where(pending > 0, n_force, jnp.minimum(rows.k_cap, jnp.maximum(remaining - 1, 0)))
@@ -157,8 +162,9 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
 
     def sampled():
         t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-        by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, chain_keys[:, k], cap)
-        after = jax.vmap(jax.random.categorical)(chain_keys[:, k], at(t_logp)).astype(jnp.int32)
+        key = round_keys(rows, c.n_out, k)[:, k]  # the acceptance draws' key
+        by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, key, cap)
+        after = jax.vmap(jax.random.categorical)(key, at(t_logp)).astype(jnp.int32)
         return (jnp.where(greedy, by_match.accepted, by_sample.accepted),
                 jnp.where(greedy, by_match.next_token, by_sample.next_token), jnp.where(greedy, greedy_after, after))
 
