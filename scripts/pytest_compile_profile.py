@@ -62,11 +62,17 @@ def pytest_unconfigure(config):
 
 def summary(directory: str, top: int = 25) -> str:
     """The tests and the programs that cost the most compile seconds, from every worker's file."""
-    tests, programs = {}, collections.defaultdict(lambda: [0, 0.0])
+    # summed over the files: under xdist the controller (main.json) also logs every test it is told about, with no
+    # time of its own, and a test's record must not replace the worker's that ran it
+    tests = collections.defaultdict(lambda: {"wall": 0.0, "cpu": 0.0, "events": collections.Counter()})
+    programs = collections.defaultdict(lambda: [0, 0.0])
     for path in glob.glob(os.path.join(directory, "*.json")):
         with open(path) as f:
             for test, record in json.load(f).items():
-                tests[test] = record
+                merged = tests[test]
+                merged["wall"] += record["wall"]
+                merged["cpu"] += record["cpu"]
+                merged["events"].update(record["events"])
                 for name, (n, seconds) in record["programs"].items():
                     programs[name][0] += n
                     programs[name][1] += seconds

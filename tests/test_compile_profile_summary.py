@@ -23,3 +23,11 @@ def test_summary_merges_workers_and_orders_by_cost(tmp_path):
     assert programs[0].endswith("jit(prefill_call)")  # 4.0 s, ahead of decode's 3.5 s over both workers
     decode = next(p for p in programs if p.endswith("jit(decode_loop)"))
     assert decode.split("|")[1].strip() == "3" and decode.startswith("  3.5")  # both workers' compiles summed
+
+
+def test_the_controllers_empty_records_do_not_replace_the_workers(tmp_path):
+    """Under xdist the controller (main.json) logs every test with no time of its own; glob order must not matter."""
+    (tmp_path / "gw0.json").write_text(json.dumps({"t::slow": _record(9.0, 7.0, {"jit(decode_loop)": [1, 7.0]})}))
+    (tmp_path / "main.json").write_text(json.dumps({"t::slow": _record(0.0, 0.0, {})}))
+    line = profile.summary(str(tmp_path)).splitlines()[1]
+    assert line.startswith("   9.0 |") and line.endswith("t::slow"), line
