@@ -82,6 +82,14 @@ def mode(environ=os.environ, rocm: bool | None = None, cuda: bool | None = None)
     return "loops" if (cuda_expected(environ) if cuda is None else cuda) else "on"
 
 
+def records_conditionals(xla_flags: str) -> bool:
+    """Whether XLA_FLAGS' command-buffer setting (the last one given; absent: XLA's default set, which leaves
+    CONDITIONAL out) records conditionals, so a `lax.cond` in a loop runs on the device without a host round trip."""
+    given = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(FLAG + "=")]
+    value = given[-1] if given else ""
+    return "CONDITIONAL" in value and "-CONDITIONAL" not in value
+
+
 def flags_with_mode(xla_flags: str, chosen: str) -> str:
     """XLA_FLAGS with the command-buffer flag for mode `chosen` appended (an explicit setting is left alone)."""
     value = VALUES[chosen]

@@ -37,35 +37,22 @@ def _unconditional(logits, keys, temperature, top_p, top_k):
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def _name(eqn) -> str:
-    """The primitive's name; for a nested jit, "jit:<function>"."""
-    return f"jit:{eqn.params['name']}" if eqn.primitive.name in ("jit", "pjit") else eqn.primitive.name
-
-
-def _unbranched_primitives(jaxpr, out=None) -> set[str]:
-    """Primitives of a jaxpr that run whatever a `cond` decides (nested jaxprs included, cond branches not)."""
+def _primitives(jaxpr, into_branches: bool, out=None) -> set[str]:
+    """Primitives of a jaxpr and its nested jaxprs; with `into_branches` False, not those inside a `cond`'s branches
+    (what runs whatever the cond decides)."""
     out = set() if out is None else out
     for eqn in jaxpr.eqns:
-        out.add(_name(eqn))
-        if eqn.primitive.name == "cond":
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name == "cond" and not into_branches:
             continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            _unbranched_primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, out)
-    return out
-
-
-def _all_primitives(jaxpr, out=None) -> set[str]:
-    out = set() if out is None else out
-    for eqn in jaxpr.eqns:
-        out.add(_name(eqn))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            _all_primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, out)
+            _primitives(sub.jaxpr if hasattr(sub, "jaxpr") else sub, into_branches, out)
     return out
 
 
 def _assert_sampling_only_in_a_branch(fn, *args, markers=SAMPLING):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    everywhere, unbranched = _all_primitives(jaxpr), _unbranched_primitives(jaxpr)
+    everywhere, unbranched = _primitives(jaxpr, True), _primitives(jaxpr, False)
     assert markers <= everywhere, everywhere  # the sampled path is compiled...
     assert not markers & unbranched, markers & unbranched  # ...and runs only when a row samples
 
@@ -105,7 +92,7 @@ def test_without_branching_every_row_is_drawn_as_before(monkeypatch):
     monkeypatch.setenv(sampling.BRANCH_ENV, "off")
     fn, *args = _sample_jaxpr()
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    assert "cond" not in _all_primitives(jaxpr) and SAMPLING <= _unbranched_primitives(jaxpr)
+    assert "cond" not in _primitives(jaxpr, True) and SAMPLING <= _primitives(jaxpr, False)
     logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 50)), jnp.float32)
     keys = jax.random.split(jax.random.key(2), 4)
     t, p, k = jnp.asarray([0, 0.9, 0, 1.1], jnp.float32), jnp.full(4, 0.9, jnp.float32), jnp.asarray([0, 5, 0, 0], I32)
@@ -138,7 +125,8 @@ def _specs(k):
 
 @pytest.mark.parametrize("program", ["decode_loop", "speculative_loop", "prefill_call", "restore_call"])
 def test_engine_programs_sample_only_in_a_branch(program):
-    """The dispatch itself: in each engine program that samples, the nucleus filter and the draws are inside a cond branch."""
+    """The dispatch itself: in each engine program that samples, the nucleus filter, the draws and the key
+    derivation are inside a cond branch."""
     k = 2
     tspec, dspec = _specs(k)
     params = model_params.abstract(CFG, jnp.float32)
@@ -209,4 +197,4 @@ def test_nothing_filtered_needs_no_sort(monkeypatch, branch):
     got = np.asarray(fn(jnp.asarray(logits), jnp.asarray(t), jnp.asarray(p), jnp.asarray(k)))
     np.testing.assert_allclose(got, _filter_reference(logits, t, p, k), rtol=1e-5, atol=1e-5)
     jaxpr = jax.make_jaxpr(lambda *a: sampling.filter_logits(*a))(logits, t, p, k).jaxpr
-    assert ("sort" in _unbranched_primitives(jaxpr)) == (branch == "off")
+    assert ("sort" in _primitives(jaxpr, False)) == (branch == "off")

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax import xla_flags
+
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array | None = None
                   ) -> jax.Array:
@@ -15,7 +17,7 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
 
     temperature > 0, top_p in (0, 1], top_k >= 0 (0 = off); all broadcast against logits[..., 0]. When no row
     filters (top_p 1 and top_k 0 everywhere: plain temperature sampling, OpenAI's defaults) the vocabulary is not
-    sorted at all (`skip_if_greedy`'s branch, where branching is free)."""
+    sorted at all (`cheaper_when`, where branching is free)."""
     # shifted by the max first (softmax does not change): a tiny temperature then sends the other tokens to -inf
     # instead of sending the top ones to +inf (inf - inf is NaN in log_softmax)
     logits = logits.astype(jnp.float32)
@@ -40,32 +42,29 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     unfiltered = jnp.all(jnp.broadcast_to(top_p, scaled.shape[:-1]) >= 1.0)
     if top_k is not None:
         unfiltered = unfiltered & jnp.all(top_k <= 0)
-    return skip_if_greedy(unfiltered, lambda: jax.nn.log_softmax(scaled, axis=-1), filtered)
+    return cheaper_when(unfiltered, lambda: jax.nn.log_softmax(scaled, axis=-1), filtered)
 
 
 BRANCH_ENV = "DS4JAX_GREEDY_BRANCH"  # auto (default) | on | off: see `branch_on_greedy`
 
 
 def branch_on_greedy(environ=os.environ) -> bool:
-    """Whether programs traced now branch around the sampling machinery when no running row samples (`skip_if_greedy`).
+    """Whether programs traced now branch around the sampling machinery when no running row samples (`cheaper_when`).
 
-    `filter_logits` sorts the vocabulary twice per row and a draw generates random bits over it: about a dozen
-    kernels per sampled position, which a greedy batch (benchmarks, evaluations, most batch jobs) never needs, and a
-    speculative round has 2k + 1 such positions. Skipping them takes a `lax.cond`, which is free where the branch is
-    taken on the device (CPU: a host jump; CUDA with ds4jax's default command buffers, which record CONDITIONAL:
-    `xla_flags`), but costs XLA:GPU a host round trip elsewhere (the predicate copied back, the stream drained),
-    more than the kernels it saves in a launch-bound loop: so not on ROCm, whose command buffers are off.
+    `filter_logits` sorts the vocabulary per row, and a draw derives a key and generates random bits over it: about
+    a dozen kernels per sampled position, which a greedy batch (benchmarks, evaluations, most batch jobs) never
+    needs, and a speculative round has 2k + 1 such positions. Skipping them takes a `lax.cond`, which is free where
+    the branch is taken on the device (CPU: a host jump; CUDA with ds4jax's default command buffers, which record
+    CONDITIONAL: `xla_flags.records_conditionals`), but costs XLA:GPU a host round trip elsewhere (the predicate
+    copied back, the stream drained), more than the kernels it saves in a launch-bound loop: so not on ROCm, whose
+    command buffers are off.
     ``DS4JAX_GREEDY_BRANCH=on|off`` decides instead. Read at trace time (the executable cache keys DS4JAX_*)."""
     chosen = environ.get(BRANCH_ENV, "auto").strip().lower()
     if chosen not in ("auto", "on", "off"):
         raise ValueError(f"{BRANCH_ENV}={chosen!r}: expected auto, on or off")
     if chosen != "auto":
         return chosen == "on"
-    if jax.default_backend() == "cpu":
-        return True
-    flag = [f for f in environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_enable_command_buffer=")]
-    value = flag[-1].split("=", 1)[1] if flag else ""  # absent: XLA's default set, which leaves CONDITIONAL out
-    return "CONDITIONAL" in value and "-CONDITIONAL" not in value
+    return jax.default_backend() == "cpu" or xla_flags.records_conditionals(environ.get("XLA_FLAGS", ""))
 
 
 def none_sample(temperature: jax.Array, live: jax.Array | None = None) -> jax.Array:
@@ -74,13 +73,13 @@ def none_sample(temperature: jax.Array, live: jax.Array | None = None) -> jax.Ar
     return jnp.all(greedy if live is None else greedy | ~live)
 
 
-def skip_if_greedy(greedy_only: jax.Array, greedy: Callable[[], Any], sampled: Callable[[], Any]) -> Any:
-    """`sampled()` (which must give every greedy row its greedy result too), or `greedy()` when `greedy_only` and
-    the programs branch (`branch_on_greedy`); both return the same structure. (Also the shortcut of any cheaper
-    equivalent, e.g. `filter_logits` without a sort when nothing is filtered.)"""
+def cheaper_when(condition: jax.Array, cheap: Callable[[], Any], full: Callable[[], Any]) -> Any:
+    """`full()`, or `cheap()` when `condition` holds and the programs branch (`branch_on_greedy`). `cheap()` must
+    equal `full()` wherever `condition` holds (the argmax of an all-greedy batch; the unfiltered softmax when nothing
+    is filtered); both return the same structure."""
     if not branch_on_greedy():
-        return sampled()
-    return jax.lax.cond(greedy_only, greedy, sampled)
+        return full()
+    return jax.lax.cond(condition, cheap, full)
 
 
 def sample(logits: jax.Array, keys: jax.Array | Callable[[], jax.Array], temperature: jax.Array, top_p: jax.Array,
@@ -97,7 +96,7 @@ def sample(logits: jax.Array, keys: jax.Array | Callable[[], jax.Array], tempera
         tok = jax.vmap(jax.random.categorical)(keys() if callable(keys) else keys, logp).astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
-    return skip_if_greedy(none_sample(temperature, live), lambda: greedy, drawn)
+    return cheaper_when(none_sample(temperature, live), lambda: greedy, drawn)
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
-from ds4jax.generation.sampling import (TokenLogprobs, filter_logits, none_sample, skip_if_greedy, token_keys,
+from ds4jax.generation.sampling import (TokenLogprobs, cheaper_when, filter_logits, none_sample, token_keys,
                                        token_logprobs)
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
@@ -79,6 +79,7 @@ class Chain(NamedTuple):
     pending: jax.Array  # [B] forced tokens still to emit
     n_force: jax.Array  # [B] forced tokens in this round's drafts
     greedy_only: jax.Array  # [] no running row samples: drafts and acceptance skip the sampling machinery
+    chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws); placeholders when greedy_only
 
     def verify_batch(self, c: RoundCarry, rows: Rows) -> steps.StepBatch:
         """The target step that verifies the chain: [cur, d1..dk] at positions P..P+k of the active rows."""
@@ -92,11 +93,14 @@ def _forced_at(rows: Rows, fp, j):
     return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
 
 
-def round_keys(rows: Rows, n_out, k: int) -> jax.Array:
+def round_keys(rows: Rows, n_out, k: int, greedy_only: jax.Array) -> jax.Array:
     """[B, k+1] typed keys of a round (position j < k: draft j's draw; k: the acceptance draws), from each request's
-    seed and tokens emitted so far. Derived inside the branches that sample (`skip_if_greedy`), so a greedy round
-    runs no key derivation either."""
-    return jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, n_out))
+    seed and tokens emitted so far: derived once per round, and not at all when no row samples (`cheaper_when`;
+    the all-greedy round gets placeholder keys that nothing reads)."""
+    derived = lambda: jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, n_out))  # noqa: E731
+    unused = lambda: jax.random.wrap_key_data(  # noqa: E731
+        jnp.zeros((rows.key_data.shape[0], k + 1, 2), jnp.uint32), impl="threefry2x32")
+    return cheaper_when(greedy_only, unused, derived)
 
 
 def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) -> tuple[Chain, object]:
@@ -110,17 +114,18 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
     # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
     pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
     greedy_only = none_sample(rows.temperature, ~c.done)
+    chain_keys = round_keys(rows, c.n_out, k, greedy_only)
 
     def propose(logits, j):
         top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
         def drawn():
             logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
-            tok = jax.vmap(jax.random.categorical)(round_keys(rows, c.n_out, k)[:, j], logp).astype(jnp.int32)
+            tok = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
             return jnp.where(greedy, top, tok), logp
 
         # all greedy: the log-probabilities are never read (acceptance takes the same branch), zeros stand in
-        tok, logp = skip_if_greedy(greedy_only, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), drawn)
+        tok, logp = cheaper_when(greedy_only, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), drawn)
         return jnp.where(j < pending, _forced_at(rows, c.fp, j), tok), logp
 
     draft_len = c.dpool.lengths
@@ -135,7 +140,7 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
         drafts.append(d)
         draft_logps.append(logq)
     chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), pending,
-                  jnp.minimum(pending, k), greedy_only)
+                  jnp.minimum(pending, k), greedy_only, chain_keys)
     return chain, dpool.replace(lengths=draft_len)
 
 
@@ -162,14 +167,14 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
 
     def sampled():
         t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-        key = round_keys(rows, c.n_out, k)[:, k]  # the acceptance draws' key
+        key = chain.chain_keys[:, k]  # the acceptance draws' key
         by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, key, cap)
         after = jax.vmap(jax.random.categorical)(key, at(t_logp)).astype(jnp.int32)
         return (jnp.where(greedy, by_match.accepted, by_sample.accepted),
                 jnp.where(greedy, by_match.next_token, by_sample.next_token), jnp.where(greedy, greedy_after, after))
 
-    a, nxt, after = skip_if_greedy(chain.greedy_only, lambda: (by_match.accepted, by_match.next_token, greedy_after),
-                                   sampled)
+    a, nxt, after = cheaper_when(chain.greedy_only, lambda: (by_match.accepted, by_match.next_token, greedy_after),
+                                 sampled)
     a = jnp.where(pending > 0, n_force, a)
     nxt = jnp.where(pending > k, _forced_at(rows, c.fp, k), jnp.where(pending > 0, after, nxt))
     a = jnp.where(active, a, 0)
