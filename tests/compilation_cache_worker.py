@@ -39,7 +39,7 @@ def on_duration(event: str, duration: float, **kwargs) -> None:
 
 def small_config():
     """The random default model's config cut to one sliding-window layer: `generate` compiles the same kinds of
-    programs (init, prefill, decode) as on the five-layer model, in a fraction of the time."""
+    programs (init, prefill, decode) as on the three-layer model, in a fraction of the time."""
     from ds4jax.io.default_model import random_config
     from ds4jax.model.config import AttentionType, MlpType
 

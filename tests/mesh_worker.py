@@ -21,6 +21,7 @@ from cheap_compile import xla_flags  # noqa: E402  (tests/, this script's folder
 os.environ["XLA_FLAGS"] = xla_flags(devices=8)
 
 import json  # noqa: E402
+import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -31,7 +32,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import compile_log  # noqa: E402  (tests/: the opt-in per-program compile log)
 import ds4jax  # noqa: E402
 from spec_helpers import agreeable_model  # noqa: E402  (tests/, this script's folder)
-from ds4jax.model.config import AttentionType, MlpType  # noqa: E402
 from ds4jax.model.handle import Model  # noqa: E402
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.mesh import make_mesh, place_model  # noqa: E402
@@ -46,7 +46,7 @@ LAYOUTS = {
     "dp2_ep4": dict(data=2, expert=4),
     "tp8": dict(tensor=8),
     "split2_ep4": dict(layer_split=2, expert=4),
-    "split4_tp2": dict(layer_split=4, tensor=2),
+    "split3_tp2": dict(layer_split=3, tensor=2),  # a stage per layer, on 6 of the 8 devices
     # DP attention whose ranks also split the experts (tokens all-gathered over data inside the step's shard_map),
     # with the Pallas kernels (interpreted) in shard_map per head
     "dp2_tp2_ep2_pallas": dict(data=2, tensor=2, expert=2, rules="experts_over_data", kernels="pallas_interpret"),
@@ -58,7 +58,7 @@ ENGINES = {"engine_dp2_tp2_ep2": dict(data=2, tensor=2, expert=2)}  # every mesh
 # chunked prefill, greedy, seeded top-k and top-k 1 sampling, against the single-device engine; then
 # ds4jax.generate on the same split (its one-shot engine has the same sizes, so it shares every program)
 SPLIT_ENGINES = {"engine_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2),
-                 "engine_split4_tp2": dict(layer_split=4, tensor=2)}
+                 "engine_split3_tp2": dict(layer_split=3, tensor=2)}
 # prefix snapshots on a layer split: exact and suffix restores against the no-snapshot one-device engine
 SPLIT_SNAPSHOTS = {"snapshots_split2_dp2_ep2": dict(layer_split=2, data=2, expert=2)}
 # speculative decoding (k = 2) on a layer split: the split engine's ragged batch, an exact snapshot hit and a
@@ -73,7 +73,7 @@ SPLIT_NEW = (4, 3, 4, 4)  # max_new_tokens per request (one bucket: 4 = the engi
 # Each group builds the references it needs.
 GROUPS = (list(LAYOUTS) + list(ENGINES), list(SPLIT_ENGINES) + list(SPLIT_SNAPSHOTS) + list(SPLIT_SPEC))
 assert sorted(sum(GROUPS, [])) == sorted([*LAYOUTS, *ENGINES, *SPLIT_ENGINES, *SPLIT_SNAPSHOTS, *SPLIT_SPEC])
-FORWARD = ("ep8", "split4_tp2")  # also compare the cache-free forward_logits
+FORWARD = ("ep8", "split3_tp2")  # also compare the cache-free forward_logits
 CHUNK, DECODE = 8, 3
 # The engine sizes of the split, snapshot and speculative cases: one set, so that their one-device references and
 # the split engines on the same layout share compiled programs (a program is keyed by the pool spec, and the pool
@@ -98,13 +98,11 @@ PROMPTS = (19, 11)
 
 
 def config():
-    # tiny with 8 heads / 8 output groups so TP 8 splits real heads; 8 experts so EP 8 holds one each. Four layers,
-    # not tiny's five: every kind is still there (sliding, CSA, HCA; hash and top-k MoE), layer_split=4 still has
-    # a stage per layer and layer_split=2 two layers of different kinds per stage, and every program this worker
-    # compiles (compile time dominates it) is a fifth smaller.
-    A = AttentionType
-    return ds4jax.tiny(num_heads=8, o_groups=8, num_layers=4, attention_types=(A.SLIDING, A.CSA, A.HCA, A.CSA),
-                       mlp_types=(MlpType.HASH, MlpType.HASH, MlpType.TOPK, MlpType.TOPK))
+    # tiny (one layer of each kind: sliding, CSA, HCA; hash and top-k MoE) with 8 heads / 8 output groups so TP 8
+    # splits real heads and 8 experts so EP 8 holds one each; layer_split=3 has a stage per layer and
+    # layer_split=2 a stage of two layers of different kinds. Compile time dominates this worker, and every
+    # program holds one body per layer: no layer is here that adds no case.
+    return ds4jax.tiny(num_heads=8, o_groups=8)
 
 
 def experts_over_data():
@@ -113,9 +111,19 @@ def experts_over_data():
     return tuple((k, ("data", "expert")) if k == "experts" else (k, v) for k, v in default_rules())
 
 
+def layout_of(name) -> dict:
+    return LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES.get(name) or SPLIT_SNAPSHOTS.get(name) \
+        or SPLIT_SPEC[name]
+
+
+def devices_of(name) -> int:
+    """How many of the 8 devices case `name`'s layout spans (stages x data x expert x tensor)."""
+    kw = layout_of(name)
+    return math.prod(kw.get(axis, 1) for axis in ("layer_split", "data", "expert", "tensor"))
+
+
 def make(name):
-    kw = dict(LAYOUTS.get(name) or ENGINES.get(name) or SPLIT_ENGINES.get(name) or SPLIT_SNAPSHOTS.get(name)
-              or SPLIT_SPEC[name])
+    kw = dict(layout_of(name))
     kernels = kw.pop("kernels", None)
     if kw.pop("rules", None) == "experts_over_data":
         kw["rules"] = experts_over_data()

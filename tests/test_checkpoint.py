@@ -238,8 +238,8 @@ def test_missing_tensor(tiny_ckpt, tmp_path):
 
 def test_missing_expert(tiny_ckpt, tmp_path):
     cfg, _, _, sd = tiny_ckpt
-    sd = {k: v for k, v in sd.items() if k != "layers.3.ffn.experts.5.w2.weight"}
-    assert "missing tensor layers.3.ffn.experts.5.w2.weight" in _load_error(write_checkpoint(tmp_path, cfg, sd))
+    sd = {k: v for k, v in sd.items() if k != "layers.2.ffn.experts.5.w2.weight"}
+    assert "missing tensor layers.2.ffn.experts.5.w2.weight" in _load_error(write_checkpoint(tmp_path, cfg, sd))
 
 
 def test_unexpected_tensor(tiny_ckpt, tmp_path):
@@ -251,8 +251,8 @@ def test_unexpected_tensor(tiny_ckpt, tmp_path):
 
 def test_layer_beyond_config_is_unexpected(tiny_ckpt, tmp_path):
     cfg, _, _, sd = tiny_ckpt
-    sd = {**sd, "layers.5.attn_norm.weight": np.ones(cfg.hidden_size, np.float32)}
-    assert "unexpected tensor layers.5.attn_norm.weight" in _load_error(write_checkpoint(tmp_path, cfg, sd))
+    sd = {**sd, "layers.3.attn_norm.weight": np.ones(cfg.hidden_size, np.float32)}
+    assert "unexpected tensor layers.3.attn_norm.weight" in _load_error(write_checkpoint(tmp_path, cfg, sd))
 
 
 def test_duplicate_tensor(tiny_ckpt, tmp_path):

@@ -55,7 +55,8 @@ def mesh_cases():
 @pytest.mark.parametrize("name", list(mesh_worker.LAYOUTS))
 def test_layout_matches_single_device(mesh_cases, name):
     res = mesh_cases[name]
-    assert res["devices"] == 8, res["devices"]  # the layout really spreads the params over 8 devices
+    # the layout really spreads the params over its devices (8, or 6 for three stages x tensor 2)
+    assert res["devices"] == mesh_worker.devices_of(name) >= 6, res["devices"]
     assert res["prefill"] <= TOL and res["decode"] <= TOL, (res["prefill"], res["decode"])
     assert res["tokens_equal"], res["tokens"]
     bad = {k: v for k, v in res["pools"].items() if not v <= TOL}
@@ -72,7 +73,7 @@ def test_engine_on_a_mesh_matches_single_device(mesh_cases, name):
     """`ds4jax.Engine` with sharded params and data-parallel pools: plain and speculative greedy tokens equal the
     single-device ones, and a second identical call compiles nothing."""
     res = mesh_cases[name]
-    assert res["devices"] == 8 and not res["errors"], res
+    assert res["devices"] == mesh_worker.devices_of(name) >= 6 and not res["errors"], res
     assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
     assert res["accepted"][0] is None and sum(res["accepted"][1]) > 0, res["accepted"]  # row 1 drafted, accepted
     assert "'data'" in res["pool_spec"], res["pool_spec"]  # pools split by request slot
@@ -84,12 +85,13 @@ def test_engine_on_a_mesh_matches_single_device(mesh_cases, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(mesh_worker.SPLIT_ENGINES))
 def test_engine_on_a_layer_split_matches_single_device(mesh_cases, name):
-    """`ds4jax.Engine` stage by stage on layer splits of 2 (x data 2 x expert 2) and 4 (x tensor 2): a ragged batch (two requests join mid-flight,
-    prompts over several chunks) gives the single-device tokens, greedy and seeded top-k (top-k 1 = greedy), the
-    pools at the committed positions and the last prefill logits equal, nothing compiles after warmup (park /
-    unpark included); `ds4jax.generate` on the split (top-k honoured) equals one device and compiles nothing."""
+    """`ds4jax.Engine` stage by stage on layer splits of 2 (x data 2 x expert 2) and 3 (x tensor 2): a ragged batch
+    (two requests join mid-flight, prompts over several chunks) gives the single-device tokens, greedy and seeded
+    top-k (top-k 1 = greedy), the pools at the committed positions and the last prefill logits equal, nothing
+    compiles after warmup (park / unpark included); `ds4jax.generate` on the split (top-k honoured) equals one
+    device and compiles nothing."""
     res = mesh_cases[name]
-    assert res["devices"] == 8 and not res["errors"], res
+    assert res["devices"] == mesh_worker.devices_of(name) >= 6 and not res["errors"], res
     assert res["tokens"] == res["ref"] and res["again"] == res["ref"], res
     assert res["tokens"][3][:3] == res["tokens"][1], res["tokens"]  # top_k=1 at temperature 0.7 is greedy (prompt 1)
     assert len(res["pools"]) == 2 * 11 and all(v <= TOL for v in res["pools"].values()), res["pools"]

@@ -20,7 +20,7 @@ def setup():
 @pytest.mark.parametrize("kind", [MlpType.TOPK, MlpType.HASH])
 def test_strategies_agree(setup, rows, kind):
     cfg, params = setup
-    layer = 3 if kind is MlpType.TOPK else 0
+    layer = 2 if kind is MlpType.TOPK else 0
     p = params["layers"][layer]["ffn"]
     x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
     ids = jax.random.randint(jax.random.key(rows + 1), (rows,), 0, cfg.vocab_size)

@@ -22,8 +22,12 @@ MIB = 1 << 20
 
 
 def _tiny(**overrides):
-    # 5 layers: sliding, CSA, HCA, CSA, HCA; head_dim 32, index_head_dim 32, ratios 4 / 8, window 8.
-    return config.tiny(**overrides)
+    # 5 layers: sliding, CSA, HCA, CSA, HCA (two of each compressed kind, so every per-kind count below is 2, not
+    # the layer count; the preset has one of each); head_dim 32, index_head_dim 32, ratios 4 / 8, window 8.
+    A = config.AttentionType
+    five = dict(num_layers=5, attention_types=(A.SLIDING, A.CSA, A.HCA, A.CSA, A.HCA),
+                mlp_types=(config.MlpType.HASH,) * 2 + (config.MlpType.TOPK,) * 3)
+    return config.tiny(**{**five, **overrides})
 
 
 # ---- peer shapes (serving.md §2a, §5.3) -----------------------------------------------------------------

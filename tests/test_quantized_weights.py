@@ -164,7 +164,7 @@ def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, monkeypatch):
     cfg = quantized.config
     if strategy:
         monkeypatch.setenv("DS4JAX_MOE", strategy)
-    pq, pb = quantized.params["layers"][3]["ffn"], plain.params["layers"][3]["ffn"]
+    pq, pb = quantized.params["layers"][2]["ffn"], plain.params["layers"][2]["ffn"]
     x = jax.random.normal(jax.random.key(0), (2, 5, cfg.hidden_size), jnp.float32)
     ids = jnp.arange(10).reshape(2, 5)
     routed = functools.partial(kernels.routed_experts, impl=impl)

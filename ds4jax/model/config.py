@@ -308,16 +308,18 @@ def flash_slice(num_layers: int) -> Config:
 def tiny(**overrides: Any) -> Config:
     """A small config that exercises every layer type, hash and top-k MoE, the SwiGLU clamp, mHC, YaRN, MTP.
 
+    Three layers, one of each attention kind (sliding / hash MoE, CSA / hash MoE, HCA / top-k MoE): the fewest
+    that hold every kind, since every program compiles one body per layer and the tests compile hundreds of them
+    (a second CSA / HCA pair added nothing they check; configs that need two layers of a kind say so).
     Ratios and window are shrunk (CSA 4, HCA 8, window 8) so short prompts close many compressor windows and
     wrap the sliding-window ring; 8 indexer heads make exact ties in the indexer's top-k unlikely.
     """
     base = dict(
-        vocab_size=256, hidden_size=64, num_layers=5, num_heads=4, head_dim=32, rope_head_dim=16,
+        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, head_dim=32, rope_head_dim=16,
         q_lora_rank=32, o_groups=2, o_lora_rank=16, index_num_heads=8, index_head_dim=32, index_topk=4,
         sliding_window=8,
-        attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA, AttentionType.CSA,
-                         AttentionType.HCA),
-        mlp_types=_hash_first(5, 2), csa_ratio=4, hca_ratio=8, num_routed_experts=8, num_experts_per_tok=2,
+        attention_types=(AttentionType.SLIDING, AttentionType.CSA, AttentionType.HCA),
+        mlp_types=_hash_first(3, 2), csa_ratio=4, hca_ratio=8, num_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, routed_scaling_factor=1.5, swiglu_limit=1.0,
         yarn=YarnScaling(factor=16.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0),
         max_position_embeddings=4096,
