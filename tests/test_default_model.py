@@ -77,6 +77,23 @@ def test_packed_and_converted_safetensors_give_identical_logits(model, heldout, 
     np.testing.assert_array_equal(np.asarray(ds4jax.forward_logits(copy, heldout[:4, :-3])), np.asarray(first_logits))
 
 
+def test_the_shipped_unrolled_layout_equals_the_suites_scanned_one(model, heldout, monkeypatch):
+    """Users run the default model unrolled (no unit repeats 3 times); the suite scans its (HCA, CSA) x 2 (conftest
+    sets DS4JAX_SCAN_MIN_REPEATS=2). Both give the same logits."""
+    from ds4jax.model import layer_stack
+    from ds4jax.model.handle import Model
+
+    assert layer_stack.is_stacked(model.params)
+    assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(model.config))] == [1, 1, 2]  # the suite's
+    monkeypatch.delenv("DS4JAX_SCAN_MIN_REPEATS")
+    assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(model.config))] == [1] * 6  # what users run
+    shipped = Model(model.config, model.params)  # restacked by the library's rule: six single-layer segments
+    assert [s.repeats for s in shipped.params["layers"].segments] == [1] * 6
+    ids = heldout[:2, :48]
+    np.testing.assert_allclose(np.asarray(ds4jax.forward_logits(shipped, ids)),
+                               np.asarray(ds4jax.forward_logits(model, ids)), rtol=1e-5, atol=1e-5)
+
+
 def test_heldout_loss_matches_the_report(model, heldout, first_logits, report):
     """The report's held-out figure is next-token cross-entropy over these windows (computed on the GPU)."""
     x, y = heldout[:, :-3], heldout[:, 1:-2]

@@ -1,8 +1,8 @@
 """Layers under `lax.scan` (issue 22): the segment plan, the stacked layout, and scanned == unrolled.
 
 CFG has the shape of the published schedules: single (SWA, hash) and (CSA, hash) layers, then a two-layer unit
-((HCA, top-k), (CSA, top-k)) repeated 3 times (the suite's other tiny configs do not repeat three times, so they run
-unrolled whatever the layout)."""
+((HCA, top-k), (CSA, top-k)) repeated 3 times, which scans under the library's rule (3 repetitions) and the suite's
+(2, conftest.py) alike."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def models():
     return Model(CFG, params), Model(CFG, params, scan_layers=False)
 
 
-def test_plan_of_the_published_schedules():
+def test_plan_of_the_published_schedules(monkeypatch):
+    monkeypatch.delenv("DS4JAX_SCAN_MIN_REPEATS", raising=False)  # the library's rule (the suite sets 2: conftest)
+    assert layer_stack.min_repeats() == 3
     segs = layer_stack.plan(layer_stack.kinds(flash()))
     assert [(s.start, s.period, s.repeats) for s in segs] == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 2, 20)]
     assert segs[-1].unit == ((H, M.TOPK), (C, M.TOPK)) and segs[-1].stop == 43
@@ -44,7 +46,7 @@ def test_plan_of_the_published_schedules():
     assert len(segs) <= 5 and len(bodies) <= 4, segs  # one body per layer kind, whatever the depth
     assert [(s.start, s.period, s.repeats) for s in layer_stack.plan(layer_stack.kinds(CFG))] == \
         [(0, 1, 1), (1, 1, 1), (2, 2, 3)]
-    # two repetitions stay unrolled (a loop of two compiles slower than two layers) unless asked for
+    # by the library's rule two repetitions stay unrolled unless asked for
     assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(CFG)[:6])] == [1] * 6
     assert [s.repeats for s in layer_stack.plan(layer_stack.kinds(CFG)[:6], min_reps=2)] == [1, 1, 2]
     assert [s.repeats for s in layer_stack.plan([(S, M.HASH)] * 3, min_reps=3)] == [3]  # one-layer units too
