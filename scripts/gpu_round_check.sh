@@ -10,8 +10,14 @@
 #              cached in new processes (issue 22)
 #   serve_ep   bench_serve.py with --engine-process
 #   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27)
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [branch serve anatomy startup serve_ep e2e]
-# (seconds per part; 0 skips it; the defaults, 150 120 100 110 0 80, fit one 600 s call).
+#   scan       the layer-scan threshold: DS4JAX_SCAN_MIN_REPEATS=3 (the library's) then 2 (the test suite's), each a
+#              fresh process: decode tokens/s of the default model and flash_slice(4) (bench_engine.py, plain and k=3, b=1
+#              and 8) and the default model's engine warm-up cold (bench_compile.py). Scanning two repetitions
+#              compiles faster on CPU at XLA level 0 and on the H200 (docs/benchmarks/compile.md); whether decoding
+#              pays for the loop decides the library's default (issue 22's warm-up target)
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [branch serve anatomy startup serve_ep e2e scan]
+# (seconds per part; 0 skips it; the defaults, 150 120 100 110 0 80 0, fit one 600 s call; the scan part alone:
+# `... gpu_round_check.sh 0 0 0 0 0 0 300`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
@@ -42,4 +48,9 @@ part serve_ep "${5:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --n
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
 part e2e "${6:-80}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
     --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
+export SCAN_S=${7:-0}
+part scan "$SCAN_S" bash -c 'for r in 3 2; do DS4JAX_COMPILATION_CACHE=off DS4JAX_SCAN_MIN_REPEATS=$r \
+    python3 scripts/bench_engine.py --out "$OUT/scan/min$r" --models default,flash --batches 1,8 --ks 3 --repeats 1 \
+    --deadline-s $((SCAN_S / 4)); DS4JAX_SCAN_MIN_REPEATS=$r python3 scripts/bench_compile.py --parts engine \
+    --engine-models default --deadline-s $((SCAN_S / 5)) --out "$OUT/scan/min$r/startup.json"; done'
 cat "$log"
