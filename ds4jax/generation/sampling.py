@@ -99,6 +99,9 @@ def sample(logits: jax.Array, keys: jax.Array | Callable[[], jax.Array], tempera
     return cheaper_when(none_sample(temperature, live), lambda: greedy, drawn)
 
 
+KEY_IMPL = "threefry2x32"  # the PRNG of every request's key data (`seed_key_data`), whatever JAX's default is
+
+
 def seed_key_data(seed: int) -> np.ndarray:
     """Raw threefry key data [2] uint32 of `seed` (what jax.random.key(seed) holds), built on the host."""
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
@@ -107,7 +110,7 @@ def seed_key_data(seed: int) -> np.ndarray:
 
 def token_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
     """Typed keys [b] for token `index[b]` of each request: draws depend on the request's seed and the index only."""
-    base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    base = jax.random.wrap_key_data(key_data, impl=KEY_IMPL)
     return jax.vmap(jax.random.fold_in)(base, index)
 
 

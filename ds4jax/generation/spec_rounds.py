@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
-from ds4jax.generation.sampling import (TokenLogprobs, cheaper_when, filter_logits, none_sample, token_keys,
-                                       token_logprobs)
+from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, cheaper_when, filter_logits, none_sample,
+                                       token_keys, token_logprobs)
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
@@ -98,8 +98,8 @@ def round_keys(rows: Rows, n_out, k: int, greedy_only: jax.Array) -> jax.Array:
     seed and tokens emitted so far: derived once per round, and not at all when no row samples (`cheaper_when`;
     the all-greedy round gets placeholder keys that nothing reads)."""
     derived = lambda: jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, n_out))  # noqa: E731
-    unused = lambda: jax.random.wrap_key_data(  # noqa: E731
-        jnp.zeros((rows.key_data.shape[0], k + 1, 2), jnp.uint32), impl="threefry2x32")
+    unused = lambda: jax.random.wrap_key_data(  # noqa: E731  (the same key type as `derived`: cond needs it)
+        jnp.zeros((rows.key_data.shape[0], k + 1, rows.key_data.shape[-1]), rows.key_data.dtype), impl=KEY_IMPL)
     return cheaper_when(greedy_only, unused, derived)
 
 
