@@ -18,12 +18,15 @@ import sys
 COMPARISONS = {
     "command_buffers": dict(
         title="XLA:GPU command buffers and the engine's loops", folder="cb_{}", baseline="default",
+        caches="an empty compilation cache per setting",
         run_by="`OUT=... bash scripts/gpu_command_buffers.sh` then `python scripts/command_buffers_report.py`",
         settings={"default": "XLA's default set",
                   "while": "default + WHILE, CONDITIONAL (`DS4JAX_COMMAND_BUFFERS=loops`)",
                   "off": "none (`DS4JAX_COMMAND_BUFFERS=off`, ROCm's default)"}),
     "greedy_branch": dict(
         title="Greedy batches skip the sampling machinery", folder="{}", baseline="off",
+        caches=("one compilation cache for both, empty before the first (`off`): the second's warm-up loads the "
+                "programs the flag leaves alone"),
         run_by=("`DS4JAX_GREEDY_BRANCH=off|on python scripts/bench_engine.py --out DIR/off|on --models default "
                 "--batches 1,8 --ks 3 ...` then `python scripts/command_buffers_report.py DIR --compare greedy_branch`"),
         settings={"off": "top-k / top-p filter and draw run for every position (`DS4JAX_GREEDY_BRANCH=off`)",
@@ -66,8 +69,8 @@ def markdown(res: dict) -> str:
     lines = [f"# {spec['title']} ({res.get('gpu') or res.get('device')}, jax {res.get('jax')})", "",
              (f"{spec['run_by']}: the trained default model through `scripts/bench_engine.py` ({bench.get('dtype')}, "
               f"{bench.get('prompt_len')}-token prompts, {bench.get('new_tokens')} new tokens, "
-              f"{bench.get('steps_per_call')} steps / rounds per call, greedy), one fresh process and an empty "
-              f"compilation cache per setting, best of {bench.get('repeats')} runs after an untimed one."), "",
+              f"{bench.get('steps_per_call')} steps / rounds per call, greedy), one fresh process per setting, "
+              f"{spec['caches']}, best of {bench.get('repeats')} runs after an untimed one."), "",
              "| setting | warm-up s | " + " | ".join(base) + " |", "|---|---|" + "---|" * len(base)]
     for name, label in spec["settings"].items():
         got = res["settings"].get(name)

@@ -41,12 +41,12 @@ part branch "${1:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=/t
     python3 scripts/bench_engine.py --out "$OUT/branch/$b" --models default --batches 1,8 --ks 3 --b1-prompts 4 \
     --repeats 1; done; python3 scripts/command_buffers_report.py "$OUT/branch" --compare greedy_branch \
     --out "$OUT/branch/greedy_branch"'
-part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_h200_in_process \
+part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_in_process \
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2
 part anatomy "${3:-100}" python3 scripts/spec_anatomy.py --out "$OUT/anatomy"
 part startup "${4:-110}" python3 scripts/bench_compile.py --parts engine,cli --engine-models default \
     --deadline-s $(( ${4:-110} - 25 )) --out "$OUT/startup/startup.json"
-part serve_ep "${5:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_h200_engine_process \
+part serve_ep "${5:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_engine_process \
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2 --engine-process
 part e2e "${6:-80}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax --commit "${COMMIT:-unknown}" \
     --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
