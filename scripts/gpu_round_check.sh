@@ -9,13 +9,17 @@
 #   startup    scripts/bench_compile.py --parts engine,cli: default-model warm-up and CLI first token, cold and
 #              cached in new processes (issue 22)
 #   serve_ep   bench_serve.py with --engine-process
-#   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27)
+#   e2e        scripts/bench_e2e.py, ds4jax side, flash_slice(4) decode at batch 1 and 8 (issue 27); H200 only (the
+#              bf16 model is 68 GB: on an H100 it fails to load, an OOM)
 #   scan       the layer-scan threshold: DS4JAX_SCAN_MIN_REPEATS=3 (the library's) then 2 (the test suite's), each a
 #              fresh process: decode tokens/s of the default model and flash_slice(4) (bench_engine.py, plain and k=3, b=1
 #              and 8) and the default model's engine warm-up cold (bench_compile.py). Scanning two repetitions
 #              compiles faster on CPU at XLA level 0 and on the H200 (docs/benchmarks/compile.md); whether decoding
-#              pays for the loop decides the library's default (issue 22's warm-up target)
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [branch serve anatomy startup serve_ep e2e scan]
+#              pays for the loop decides the library's default (issue 22's warm-up target); flash_slice(4) in bf16
+#              (68 GB) needs the H200: on an H100 set SCAN_MODELS=default (that model fails to load there, an OOM)
+#   serve_long bench_serve.py in process at 32 clients, 512 new tokens per request instead of 128
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_round_check.sh [branch serve anatomy startup serve_ep e2e scan
+# serve_long]
 # (seconds per part; 0 skips it; the defaults, 150 120 100 110 0 80 0, fit one 600 s call; the scan part alone:
 # `... gpu_round_check.sh 0 0 0 0 0 0 300`).
 set -uo pipefail
@@ -52,7 +56,11 @@ part e2e "${6:-80}" python3 scripts/bench_e2e.py --out "$OUT/e2e" --sides ds4jax
     --skip prefill_b1_s2048,prefill_b8_s2048,prefill_b1_s8192,decode_b1_ctx32768,decode_b8_ctx32768
 export SCAN_S=${7:-0}
 part scan "$SCAN_S" bash -c 'for r in 3 2; do DS4JAX_COMPILATION_CACHE=off DS4JAX_SCAN_MIN_REPEATS=$r \
-    python3 scripts/bench_engine.py --out "$OUT/scan/min$r" --models default,flash --batches 1,8 --ks 3 --repeats 1 \
+    python3 scripts/bench_engine.py --out "$OUT/scan/min$r" --models "${SCAN_MODELS:-default,flash}" --batches 1,8 --ks 3 --repeats 1 \
     --deadline-s $((SCAN_S / 4)); DS4JAX_SCAN_MIN_REPEATS=$r python3 scripts/bench_compile.py --parts engine \
     --engine-models default --deadline-s $((SCAN_S / 5)) --out "$OUT/scan/min$r/startup.json"; done'
+# a longer generation at 32 clients: the server's fixed costs per request (HTTP, hand-over, admission: tens of ms
+# in a burst) against 512 tokens' decoding instead of 128 (the goal's figure is the 128-token row of `serve`)
+part serve_long "${8:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_long" --name serve_in_process_new512 \
+    --clients 32 --requests-per-client 1 --new 512 --repeats 2
 cat "$log"
