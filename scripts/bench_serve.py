@@ -472,7 +472,6 @@ def start_server(args):
 
     config = ServerConfig(model_name="bench", max_queue=4096, max_n=1, max_tokens_cap=1 << 16, warmup=False,
                           engine_process=args.engine_process, trace=True,
-                          gil_switch_ms=args.gil_switch_ms,
                           **({} if args.admit_quiet_ms is None else {"admit_quiet_ms": args.admit_quiet_ms}))
     if args.engine_process:
         from ds4jax.serving.engine_process import build_server
@@ -508,8 +507,7 @@ def render_md(doc: dict) -> str:
              f"logprobs {doc['max_logprobs']} (what `ds4jax serve` builds); matmul precision {doc['precision']}; "
              f"warm-up {doc['warmup_s']} s, compiles after warm-up {doc['compiles_after_warmup']}; best of "
              f"{doc['repeats']} runs per level and side; uvicorn's HTTP protocol {doc.get('http', '?')}; "
-             f"server admit_quiet_ms {doc.get('admit_quiet_ms', 'n/a')}, GIL switch interval "
-             f"{doc.get('gil_switch_interval_ms', 'n/a')} ms; "
+             f"server admit_quiet_ms {doc.get('admit_quiet_ms', 'n/a')}; "
              f"{doc['cpus']} CPUs, clients in {doc['client_procs']} "
              "processes.", "",
              "| clients | requests / client | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
@@ -580,9 +578,6 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=4,
                     help="the sustained mode: each client sends this many requests back to back (reported beside "
                          "the one-wave burst, which always runs; 1: the burst only)")
-    ap.add_argument("--gil-switch-ms", type=float,
-                    help="the server's ServerConfig.gil_switch_ms (default: its default; the process's GIL switch "
-                         "interval while serving)")
     ap.add_argument("--admit-quiet-ms", type=float,
                     help="the server's ServerConfig.admit_quiet_ms (default: its default; 0: an idle engine starts "
                          "at the first request)")
@@ -618,7 +613,6 @@ def main(argv=None) -> int:
            "max_logprobs": args.max_logprobs, "precision": args.precision, "warmup_s": facts["warmup_s"],
            "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs),
            "http": uv.config.http_protocol_class.__name__, "admit_quiet_ms": server.config.admit_quiet_ms,
-           "gil_switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
            "loop": uv.config.loop, "levels": []}
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()

@@ -33,8 +33,3 @@ class ServerConfig:
     # an idle engine starts once no request arrived for this long, so a burst's requests share their first
     # prefill (serving/driver.py); 0: it starts at the first request
     admit_quiet_ms: float = 1.0
-    # Python's GIL hand-over interval in the server's process while it serves (`sys.setswitchinterval`, applied
-    # by serving/server.py's `uvicorn_server`; None: leave the interpreter's, 5 ms by default). A thread that wants
-    # the GIL asks the holder to drop it only after this long: the engine thread, back from a decode call, waits up
-    # to that for the event loop (busy with SSE and HTTP under load) before it can start the next call
-    gil_switch_ms: float | None = None

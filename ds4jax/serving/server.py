@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 
 import uvicorn
 
@@ -30,9 +29,6 @@ class _Uvicorn(uvicorn.Server):
 
 
 def uvicorn_server(server: Server, host: str, port: int, *, log_level: str = "info") -> _Uvicorn:
-    """The uvicorn server for `server`; sets this process's GIL switch interval (`ServerConfig.gil_switch_ms`)."""
-    if server.config.gil_switch_ms is not None:
-        sys.setswitchinterval(server.config.gil_switch_ms / 1e3)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=server.config.shutdown_grace_s, lifespan="on")
     return _Uvicorn(config, server)
