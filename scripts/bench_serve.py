@@ -507,7 +507,8 @@ def render_md(doc: dict) -> str:
              f"logprobs {doc['max_logprobs']} (what `ds4jax serve` builds); matmul precision {doc['precision']}; "
              f"warm-up {doc['warmup_s']} s, compiles after warm-up {doc['compiles_after_warmup']}; best of "
              f"{doc['repeats']} runs per level and side; uvicorn's HTTP protocol {doc.get('http', '?')}; "
-             f"server admit_quiet_ms {doc.get('admit_quiet_ms', 'n/a')}; "
+             f"server admit_quiet_ms {doc.get('admit_quiet_ms', 'n/a')}, GIL switch interval while serving "
+             f"{doc.get('gil_switch_interval_ms', 'n/a')} ms; "
              f"{doc['cpus']} CPUs, clients in {doc['client_procs']} "
              "processes.", "",
              "| clients | requests / client | engine tok/s | server tok/s | HTTP overhead | engine TTFT p50 | server TTFT p50 / p99 | "
@@ -613,6 +614,7 @@ def main(argv=None) -> int:
            "max_logprobs": args.max_logprobs, "precision": args.precision, "warmup_s": facts["warmup_s"],
            "repeats": args.repeats, "cpus": os.cpu_count(), "client_procs": len(clients.procs),
            "http": uv.config.http_protocol_class.__name__, "admit_quiet_ms": server.config.admit_quiet_ms,
+           "gil_switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),  # the server's lifespan sets it
            "loop": uv.config.loop, "levels": []}
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
