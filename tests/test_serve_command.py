@@ -14,8 +14,9 @@ def test_flags_build_the_server(monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--max-slots", "2", "--max-context", "64", "--prefill-chunk", "8",
                                           "--max-queue", "5", "--max-tokens-cap", "9", "--port", "0"])
     assert args.host == "127.0.0.1" and args.steps_per_call == 4
-    # the engine on a thread of this process unless --engine-process (a model given to build stays in this one)
-    assert args.engine_process is False
+    # the engine in a process of its own unless --in-process (a model given to build stays in this one)
+    assert args.engine_process is True
+    assert cli.build_parser().parse_args(["serve", "--in-process"]).engine_process is False
     assert cli.build_parser().parse_args(["serve", "--engine-process"]).engine_process is True
     server, host, port = serve.build(args, one_layer_model(), ByteTokenizer())
     assert server.config.api_key == "from-env" and server.config.max_queue == 5

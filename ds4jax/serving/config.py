@@ -22,11 +22,12 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
     ping_s: float = 15.0  # open streams get a ": ping" comment this often (proxies drop idle connections); 0: never
     # how `ds4jax serve` runs the engine (commands/serve.build reads it; a `Server` built directly runs the driver
-    # it is given): True (--engine-process) in a process of its own, the HTTP front end in this one
+    # it is given): True (--engine-process, the default) in a process of its own, the HTTP front end in this one
     # (serving/engine_process.py), so the engine's interpreter does not share its GIL with the event loop; False
-    # (--in-process) on a thread of this one. Off by default until it measures better: the 2-core CPU could not
-    # tell the two apart (docs/benchmarks/serve_engine_process_cpu.md); the H200 run is to come
-    engine_process: bool = False
+    # (--in-process) on a thread of this one. On both GPUs measured the server gave more tokens/s with the engine
+    # process at every concurrency above 1 (H100: 27.8k vs 17.1k tok/s at 32 clients, 35.5k vs 23.9k at 64,
+    # docs/benchmarks/serve_h100_*.md; H200: 16.4k vs 15.1k at 32); the 2-core CPU could not tell them apart
+    engine_process: bool = True
     # stamp each request's way to its first token (`driver.TRACE_MARKS`: a few dict writes per request, none per
     # token): scripts/bench_serve.py reads the stamps to show where time to first token goes
     trace: bool = False
