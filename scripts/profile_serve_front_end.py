@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=1, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=20, help="timed waves of --clients requests (after one untimed)")
     ap.add_argument("--profile", action="store_true", help="print the top functions of the event loop thread")
+    ap.add_argument("--out", help="append the result as one JSON line to this file")
+    ap.add_argument("--label", default="", help="a name for the result (its JSON's label)")
     args = ap.parse_args()
 
     from fake_engine import FakeEngine
@@ -95,10 +97,14 @@ def main() -> int:
         print(f"the clients failed (exit {client.returncode})", file=sys.stderr)
         return 1
     requests = (args.rounds + 1) * args.clients
-    print(json.dumps({"clients": args.clients, "new": args.new, "requests": requests, **json.loads(out),
-                      "loop_cpu_s": round(cpu, 3), "loop_cpu_us_per_request": round(1e6 * cpu / requests, 1),
-                      "loop_cpu_us_per_token": round(1e6 * cpu / (requests * args.new), 1),
-                      "profiled": bool(prof)}))
+    line = json.dumps({"label": args.label, "clients": args.clients, "new": args.new, "requests": requests,
+                       **json.loads(out), "loop_cpu_s": round(cpu, 3),
+                       "loop_cpu_us_per_request": round(1e6 * cpu / requests, 1),
+                       "loop_cpu_us_per_token": round(1e6 * cpu / (requests * args.new), 1), "profiled": bool(prof)})
+    print(line)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     return 0
