@@ -38,6 +38,7 @@ import numpy as np
 
 from ds4jax.model import layer_stack
 from ds4jax.runtime import kv_quant
+from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.pool_layout import POOL_ARRAYS
 from ds4jax.runtime.pool_spec import shapes
 from ds4jax.runtime.pools import KVPool
@@ -224,10 +225,10 @@ def _leaf_digest(x) -> jax.Array:
     return jnp.stack([jnp.sum(bits * odd, dtype=jnp.uint32), jnp.sum((bits ^ pos) * mixed, dtype=jnp.uint32)])
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _digests(leaves, rows=None):
+@cached_jit  # a cached warm-up loads it like the engine's programs: no tracing of a few hundred leaf digests
+@functools.partial(jax.jit, static_argnames="rows")
+def _digests(leaves, *, rows):
     """Digest of each leaf, or of row `rows[i]` of a stacked leaf (a layer of a `LayerStack`; None: whole leaves)."""
-    rows = rows or (None,) * len(leaves)
     return jnp.stack([_leaf_digest(leaf if r is None else leaf[r]) for leaf, r in zip(leaves, rows)])
 
 
@@ -263,7 +264,7 @@ def fingerprint(model, tspec, dspec) -> dict[str, str]:
         groups[tuple(sorted(d.id for d in x.devices())) if isinstance(x, jax.Array) else ()].append(i)
     rows = [None] * len(leaves)
     for idx in groups.values():
-        got = _digests([leaves[i] for i in idx], tuple(at_row[i] for i in idx))
+        got = _digests([leaves[i] for i in idx], rows=tuple(at_row[i] for i in idx))
         for i, row in zip(idx, np.asarray(jax.device_get(got))):
             rows[i] = row
     digest.update(np.stack(rows).tobytes())
