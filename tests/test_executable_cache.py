@@ -1,7 +1,7 @@
 """`executable_cache.cached_jit`: same results as jax.jit, loads from disk without tracing, keys on everything."""
 
 import functools
-import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +130,31 @@ def test_generate_through_the_cache_equals_plain_jit(tmp_path):
         # the model's steps may run from memory here; the tiny-function tests above cover the disk round trip)
     finally:
         executable_cache.enable(None)
+
+
+def test_a_warm_up_loads_stored_programs_on_the_pool(cache_dir, monkeypatch):
+    """`precompile`'s capture pass does not deserialize a stored program on the calling thread (one after another:
+    ~0.9 s each on an H200 host): the job loads it on the pool, beside the others. A stored entry that fails to
+    load is compiled by the program's own call, as any miss."""
+    from ds4jax.runtime import precompile
+
+    scales = (5.0, 6.0, 7.0)
+    x = jnp.arange(3, dtype=jnp.float32)
+    for s in scales:
+        _step(x, jnp.ones(3), scale=s)
+    assert TRACES == list(scales)
+    next(cache_dir.rglob("*.exe")).write_bytes(b"corrupt")  # one of the three
+    executable_cache.enable(str(cache_dir))  # a new process
+    threads, load = [], executable_cache._load
+    monkeypatch.setattr(executable_cache, "_load",
+                        lambda key: threads.append(threading.current_thread().name) or load(key))
+    with precompile.capturing() as jobs:
+        for s in scales:
+            assert precompile.run_captured(lambda s=s: _step(x, jnp.ones(3), scale=s))
+    assert threads == [] and all(j.compile is not None for j in jobs)  # nothing loaded while capturing
+    precompile.compile_all(jobs)
+    assert len(threads) == 3 and all(t.startswith("ds4jax-compile") for t in threads), threads
+    assert TRACES == list(scales)  # two loaded, the corrupt one not compiled on the pool either
+    for s in scales:
+        np.testing.assert_array_equal(_step(x, jnp.ones(3), scale=s)[0], 1 + s * x)
+    assert len(TRACES) == 4 and TRACES[3] in scales  # the corrupt entry's call compiled it

@@ -272,10 +272,8 @@ class CachedJit:
             return Job(self._name, self.uncached.trace(*args, **static).lower().compile)
         if key in _memory:
             return Job(self._name, None)
-        loaded = _take(key)
-        if loaded is not None:
-            _memory[key] = loaded
-            return Job(self._name, None)
+        if key in _pending or os.path.exists(_path(key)):  # deserialized on the pool, beside the other programs
+            return Job(self._name, functools.partial(_load_to_memory, key))
         lowered = self.uncached.trace(*args, **static).lower()
 
         def compile_and_store():
@@ -285,6 +283,16 @@ class CachedJit:
 
     def __getattr__(self, name: str):  # _cache_size, lower, trace, ... of the jitted function
         return getattr(self.uncached, name)
+
+
+def _load_to_memory(key: str) -> None:
+    """A warm-up job (`CachedJit._job`) for a stored program: XLA deserializes without the GIL, so the engine's
+    programs load side by side (on an H200 host ~0.9 s each one after another; docs/benchmarks/cli_startup.md). An
+    entry that fails to load stays out of memory: the program's own call then compiles it, on its caller's thread
+    and in its contexts, as for any miss."""
+    loaded = _take(key)
+    if loaded is not None:
+        _memory[key] = loaded
 
 
 def _path(key: str) -> str:
