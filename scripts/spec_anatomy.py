@@ -1,13 +1,15 @@
 """Where a speculative round's device time goes, against a plain decode step: one profiler trace each of the
 trained default model generating at batch 1 through a warmed-up `ds4jax.Engine` (plain, then fixed k), the
 device's kernels grouped by the op scope XLA records with them: the draft (`draft/...`), each target layer
-(`target/layer<i>_<kind>`), and the rest (sampling, acceptance, pool commits, the loop itself).
+(`target/layer<i>_<kind>`, or `target/layer<i>+<n>j_<kind>` for a scanned unit's body), and the rest (sampling,
+acceptance, pool commits, the loop itself).
 
 Per plain decode step and per speculative round: device busy ms, kernels, and kernels / busy us per group; the
 wall ms per step / round of the same runs. Greedy speculative tokens must equal plain (fp32): exit 1 otherwise.
 
     python scripts/spec_anatomy.py --out /tmp/anatomy            # writes spec_anatomy.{json,md}
     python scripts/spec_anatomy.py --out /tmp/anatomy --smoke    # the tiny random model on CPU (no kernels)
+    python scripts/spec_anatomy.py --out /tmp/anatomy --command-buffers off   # every kernel visible in the trace
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import device_trace
 
-import ds4jax
 
-_GROUP = re.compile(r"(draft|target/layer\d+_[a-z]+)")
+# a layer's scope: layer<i>_<kind> unrolled, layer<i>+<n>j_<kind> for the body of a scanned unit of n layers whose
+# first is layer i (its kernels run once per repetition: layers i, i + n, ...; `layer_stack.LayerAt.name`). Ops
+# inside a scan body carry the body's own name stack, without the step's ``target`` scope (seen in the lowered
+# programs on CPU), so the layer name alone marks a target layer; the leftmost match wins (a draft op says
+# ``draft`` before anything else)
+_GROUP = re.compile(r"draft|layer\d+(?:\+\d+j)?_[a-z]+")
 
 
 def group_of(scope: str) -> str:
     m = _GROUP.search(scope)
-    return m.group(1) if m else "other"
+    if m is None:
+        return "other"
+    return "draft" if m.group(0) == "draft" else "target/" + m.group(0)
 
 
 def traced(run) -> tuple[list, float]:
@@ -72,7 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--new", type=int, default=129)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--command-buffers", choices=("auto", "loops", "on", "off"),
+                    help="DS4JAX_COMMAND_BUFFERS for this run (default: as set). A kernel that a command-buffer "
+                         "graph replays may not show in the trace: `off` counts every kernel (at off's speed)")
     args = ap.parse_args(argv)
+    if args.command_buffers:  # before ds4jax's import sets XLA_FLAGS from it
+        os.environ["DS4JAX_COMMAND_BUFFERS"] = args.command_buffers
+    import ds4jax
+
     os.makedirs(args.out, exist_ok=True)
     from ds4jax.io.default_model import default_model
 
@@ -99,7 +114,8 @@ def main(argv=None) -> int:
            "spec_round": summary(spec_events, max(rounds, 1), spec_wall),
            "rounds": rounds, "mean_accepted": sum(spec.accepted_per_round or [0]) / max(rounds, 1),
            "equal": plain.tokens == spec.tokens == plain_ref[0].tokens == spec_ref[0].tokens,
-           "compiles_after_warmup": engine.stats.compiles_after_warmup}
+           "compiles_after_warmup": engine.stats.compiles_after_warmup,
+           "command_buffers": os.environ.get("DS4JAX_COMMAND_BUFFERS", "auto")}
     res["passed"] = bool(res["equal"] and plain.ok and spec.ok and res["compiles_after_warmup"] == 0)
     with open(os.path.join(args.out, "spec_anatomy.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -107,7 +123,9 @@ def main(argv=None) -> int:
     lines = [f"# A speculative round (k={args.k}) against a plain decode step ({res['device']}, jax {res['jax']})", "",
              (f"`python scripts/spec_anatomy.py`: the default model at batch 1, {args.new} new tokens from a 64-token "
              f"prompt, one traced run each after an untimed one; {rounds} rounds, mean accepted "
-             f"{res['mean_accepted']:.2f}."), "",
+             f"{res['mean_accepted']:.2f}; command buffers: `DS4JAX_COMMAND_BUFFERS={res['command_buffers']}` "
+             "(a kernel that a command-buffer graph replays may not show in a trace: `--command-buffers off` shows "
+             "every one)."), "",
              "| | wall ms | busy ms | kernels |", "|---|---|---|---|",
              f"| plain step | {p['wall_ms']:.3f} | {p['busy_ms']:.3f} | {p['kernels']:.0f} |",
              f"| speculative round | {s['wall_ms']:.3f} | {s['busy_ms']:.3f} | {s['kernels']:.0f} |", "",
