@@ -54,9 +54,16 @@ def test_with_the_executable_cache_the_pool_fills_it(tmp_path, monkeypatch):
         _capture_compile_call(f, [jnp.ones((3, 3)), jnp.ones((6,))])
         assert len(list(tmp_path.rglob("*.exe"))) == 2  # stored for the next process
         executable_cache.clear_memory()
-        with precompile.capturing() as jobs:  # a new process: loaded from disk, nothing left to compile
+        with precompile.capturing() as jobs:  # a new process: its job loads the stored program, on the pool
             precompile.run_captured(lambda: f(jnp.ones((3, 3)), k=3))
-        assert [j.compile for j in jobs] == [None]
+        before = compile_count()
+        [loaded] = precompile.compile_all(jobs)
+        assert loaded.totals.compiles == 0 and compile_count() == before  # deserialized, not compiled
+        x = jnp.ones((3, 3))
+        before = compile_count()
+        y = f(x, k=3)
+        assert compile_count() == before  # the call found what the pool loaded
+        assert jnp.allclose(y, jnp.tanh(jnp.tanh(jnp.tanh(x * 0.25) * 0.25) * 0.25))
     finally:
         executable_cache.enable(None)
 
