@@ -586,9 +586,16 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision (batch-invariant greedy)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: the random tiny model, smaller defaults")
     ap.add_argument("--name", default="serve", help="output file stem")
-    ap.add_argument("--engine-process", action="store_true",
-                    help="the engine in a process of its own, as `ds4jax serve --engine-process` runs it")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", dest="engine_process", action="store_true", default=None,
+                       help="the engine in a process of its own, as `ds4jax serve` runs it by default")
+    where.add_argument("--in-process", dest="engine_process", action="store_false",
+                       help="the engine on a thread of the server's process (`ds4jax serve --in-process`)")
     args = ap.parse_args(argv)
+    if args.engine_process is None:  # as `ds4jax serve` does
+        from ds4jax.serving.config import ServerConfig
+
+        args.engine_process = ServerConfig().engine_process
     defaults = ("1,2,4", 8, 16) if args.tiny else ("1,8,32,64", 128, 64)
     for name, value in zip(("clients", "new", "prompt_tokens"), defaults):
         if getattr(args, name) is None:

@@ -17,7 +17,7 @@ timeout "${1:-300}" python3 scripts/bench_engine.py --out "$OUT/engine" --models
     --ks 1,2,3,4 --b1-prompts 8 --repeats 2 --deadline-s $(( ${1:-300} - 30 )) >"$OUT/engine.log" 2>&1
 echo "engine bench: exit $? after $((SECONDS - t)) s" | tee -a "$log"
 t=$SECONDS
-timeout "${2:-240}" python3 scripts/bench_serve.py --out "$OUT/serve" --repeats 2 >"$OUT/serve.log" 2>&1
+timeout "${2:-240}" python3 scripts/bench_serve.py --out "$OUT/serve" --repeats 2 --in-process >"$OUT/serve.log" 2>&1
 echo "serve bench: exit $? after $((SECONDS - t)) s" | tee -a "$log"
 t=$SECONDS
 timeout "${3:-240}" python3 scripts/bench_serve.py --out "$OUT/serve" --repeats 2 --engine-process \

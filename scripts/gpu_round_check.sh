@@ -47,7 +47,7 @@ part branch "${1:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=/t
     python3 scripts/bench_engine.py --out "$OUT/branch/$b" --models default --batches 1,8 --ks 3 --b1-prompts 4 \
     --repeats 1; done; python3 scripts/command_buffers_report.py "$OUT/branch" --compare greedy_branch \
     --out "$OUT/branch/greedy_branch"'
-part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_in_process \
+part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_in_process --in-process \
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2
 part anatomy "${3:-100}" bash -c 'python3 scripts/spec_anatomy.py --out "$OUT/anatomy/auto";
     python3 scripts/spec_anatomy.py --out "$OUT/anatomy/off" --command-buffers off'
@@ -64,6 +64,6 @@ part scan "$SCAN_S" bash -c 'for r in 3 2; do DS4JAX_COMPILATION_CACHE=off DS4JA
     --engine-models default --deadline-s $((SCAN_S / 5)) --out "$OUT/scan/min$r/startup.json"; done'
 # a longer generation at 32 clients: the server's fixed costs per request (HTTP, hand-over, admission: tens of ms
 # in a burst) against 512 tokens' decoding instead of 128 (the goal's figure is the 128-token row of `serve`)
-part serve_long "${8:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_long" --name serve_in_process_new512 \
+part serve_long "${8:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_long" --name serve_in_process_new512 --in-process \
     --clients 32 --requests-per-client 1 --new 512 --repeats 2
 cat "$log"
