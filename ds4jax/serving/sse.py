@@ -5,9 +5,9 @@ Starlette's `StreamingResponse` watches for the disconnect (uvicorn speaks ASGI 
 stream: a second task, a cancel scope and a cancellation that formats the current task's repr. On the 2-core CPU
 the event loop's CPU per one-token streamed request was 610 us with it and is 344 us without (medians of five
 runs, `scripts/profile_serve_front_end.py`, docs/benchmarks/serve_front_end_cpu.jsonl). Here one plain asyncio task
-per stream waits for
-``http.disconnect`` and puts `LEFT` into the stream's inbox, which the stream's generator already waits on: the
-generator ends, its ``finally`` cancels the request's jobs (freeing their slots), and nothing is cancelled by force.
+per stream waits for ``http.disconnect`` and puts `LEFT` into the stream's inbox, which the stream's generator
+already waits on: the generator ends, its ``finally`` cancels the request's jobs (freeing their slots), and nothing
+is cancelled by force.
 """
 
 from __future__ import annotations
