@@ -37,13 +37,14 @@ class Captured(Exception):
 @dataclasses.dataclass
 class Job:
     name: str
-    compile: Callable[[], object] | None  # None: already compiled or loaded, nothing to do
+    # what the pool runs: a compile, or (executable cache) a stored program's load; None: in memory, nothing to do
+    compile: Callable[[], object] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     name: str
-    seconds: float  # wall time of this program's compile on its thread
+    seconds: float  # wall time of this program's job on its thread (its compile, or its load)
     totals: compiles.CompileTotals  # the XLA compilations it ran (cache hits included)
 
 
