@@ -87,3 +87,29 @@ def test_thread_count_defaults_to_cores_and_programs(monkeypatch):
     assert 1 <= precompile.threads(3) <= 3
     monkeypatch.setenv("DS4JAX_COMPILE_THREADS", "8")
     assert precompile.threads(3) == 3 and precompile.threads(0) == 1
+
+
+def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch):
+    """The fingerprint's digest program is one of the pool's jobs (run after the others it stood alone on a cold
+    warm-up's critical path), and the warm-up's own fingerprint call then compiles nothing."""
+    from ds4jax import Engine
+    from ds4jax.generation import programs as programs_module
+    from small_engine import MAX_CONTEXT, one_layer_model
+
+    names = []
+    compile_all = precompile.compile_all
+
+    def recording(jobs):
+        names.extend(j.name for j in jobs)
+        return compile_all(jobs)
+
+    monkeypatch.setattr(programs_module.precompile, "compile_all", recording)
+    engine = Engine(one_layer_model(seed=5), max_slots=2, max_context=MAX_CONTEXT, prefill_chunk=8,
+                    row_buckets=(2,), steps_per_call=2, snapshot_bytes=1 << 20)
+    report = engine.warmup()
+    assert any(n.endswith("snapshots._digests") for n in names), names
+    [row] = [p for p in report.programs if p.kind == "fingerprint"]
+    assert row.compiles >= 1  # counted from the pool's compile (a fresh seed: not in this process yet)
+    before = compile_count()
+    engine.fingerprint()  # cached on the engine
+    assert compile_count() == before

@@ -184,7 +184,10 @@ class EngineWarmup:
                 calls.append(("speculative", rows, self.steps_per_call,
                               lambda capped=capped: self._spec_call(capped())))
         snapshots_on = self.snapshots.budget_bytes > 0
-        if snapshots_on:
+        if snapshots_on:  # the weights' digests (every snapshot carries them), then the restore program
+            # the digest program compiles on the pool beside the others: run after them it stood alone on the
+            # critical path (H100: 4.8 s cold, 1.3 s cached of a 6.6 s cached warm-up)
+            calls.append(("fingerprint", 0, 0, self.fingerprint))
             rows = self.buckets.restore_rows
             calls.append(("restore", rows, 0, lambda rows=rows: self._restore_call(
                 pad(rows), np.zeros(rows, bool), np.zeros(rows, np.int32))))
@@ -195,16 +198,10 @@ class EngineWarmup:
             done = iter(precompile.compile_all(jobs))
             compiled = [next(done) if c else None for c in captured]
             rec.compile_threads = precompile.threads(sum(c is not None for c in compiled))
-        for (kind, rows, width, run), pre in zip(calls, compiled):
-            if kind != "restore":  # restore after the fingerprint
-                with rec.program(kind, rows, width, precompiled=pre):
-                    run()
-        if snapshots_on:  # restore and snapshot programs (snapshot_bytes=0: none)
-            with rec.program("fingerprint"):  # digests of the weights, which every snapshot carries
-                self.fingerprint()
-            kind, rows, width, run = calls[-1]
-            with rec.program(kind, rows, precompiled=compiled[-1]):
+        for (kind, rows, width, run), pre in zip(calls, compiled):  # the fingerprint before the restore
+            with rec.program(kind, rows, width, precompiled=pre):
                 run()
+        if snapshots_on:
             # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
             # pages: every paged write is dropped; slot 0 is reset below)
             with rec.program("snapshot-save", 1):
