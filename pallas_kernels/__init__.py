@@ -10,7 +10,12 @@ from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul_fp4 import BlockSizes as GroupedMatmulFp4BlockSizes
-from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4, grouped_matmul_fp4_reference
+from pallas_kernels.grouped_matmul_fp4 import (
+    grouped_gemv_fp4,
+    grouped_gemv_fp4_reference,
+    grouped_matmul_fp4,
+    grouped_matmul_fp4_reference,
+)
 from pallas_kernels.grouped_matmul_fp8 import BlockSizes as GroupedMatmulFp8BlockSizes
 from pallas_kernels.grouped_matmul_fp8 import grouped_matmul_fp8, grouped_matmul_fp8_reference
 from pallas_kernels.indexer_topk import BlockSizes as IndexerTopkBlockSizes
@@ -40,6 +45,8 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_reference",
     "GroupedMatmulFp4BlockSizes",
+    "grouped_gemv_fp4",
+    "grouped_gemv_fp4_reference",
     "grouped_matmul_fp4",
     "grouped_matmul_fp4_reference",
     "GroupedMatmulFp8BlockSizes",

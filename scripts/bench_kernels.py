@@ -12,6 +12,8 @@ Decode shapes at Flash dims (one query per request): for batch B and context L,
               read = the selected experts' bytes. The check is the jnp reference one tile at a time (lax.map: a
               prefill's 448 tiles would gather 15 GB of f32 weights at once); its time is not taken. The FP4
               kernel's first version (BlockSizes dots="group", decode="arith") and the two mixes are in SWEEP
+  fp4_gemv_gate_up, fp4_gemv_down: the same at decode batches through `grouped_gemv_fp4` (one row per selection,
+              no dot, no tiles; two selections of one expert read it twice, the roofline counts it once)
 Roofline: bytes the op must move (gathered rows, queries, indices, output) / bandwidth, both the nominal
 4.8 TB/s of an H200 and the bandwidth of a large on-device copy measured here (same timing method).
 
@@ -56,6 +58,7 @@ from pallas_kernels import (
     SparseAttentionBlockSizes,
     indexer_topk,
     grouped_matmul,
+    grouped_gemv_fp4,
     grouped_matmul_fp4,
     grouped_matmul_fp4_reference,
     grouped_matmul_reference,
@@ -85,7 +88,7 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulFp4BlockSizes(decode="arith"),
     ],
 }
-GROUPED_OPS = ("fp4_gate_up", "fp4_down", "bf16_gate_up", "bf16_down")
+GROUPED_OPS = ("fp4_gate_up", "fp4_down", "fp4_gemv_gate_up", "fp4_gemv_down", "bf16_gate_up", "bf16_down")
 GROUPED_PREFILL_TOKENS = 2048
 
 
@@ -314,7 +317,7 @@ def grouped_inputs(key, dims: Dims, op, tokens, n_sets):
     """One set of expert weights (FP4: random packed bytes, every code, at scale bytes 2^-9 .. 2^-3; bf16: normal
     * 0.02) and n_sets routings (top-k of random expert scores per token, sorted into tiles as the model does) with
     their activations [rows, k]. bytes = the selected experts' weight bytes (mean over the sets) + x + outputs."""
-    fp4, gate_up = op.startswith("fp4"), op.endswith("gate_up")
+    fp4, gate_up, gemv = op.startswith("fp4"), op.endswith("gate_up"), "gemv" in op
     k, n = (dims.hidden, dims.expert_width) if gate_up else (dims.expert_width, dims.hidden)
     n_w = 2 if gate_up else 1
     dt = jnp.dtype(dims.dtype)
@@ -333,15 +336,18 @@ def grouped_inputs(key, dims: Dims, op, tokens, n_sets):
     for i in range(n_sets):
         scores = jax.random.uniform(keys[2 * n_w + 2 * i], (tokens, dims.experts))
         experts = jnp.argsort(-scores, axis=1)[:, :dims.experts_per_token].reshape(-1).astype(jnp.int32)
-        _, tile_group = sort_into_tiles(experts, dims.experts, tile_rows(s))
-        rows = tile_group.shape[0] * tile_rows(s)
+        if gemv:  # one row per selection, the selections' experts as the groups (no tiles)
+            tile_group, rows = experts, s
+        else:
+            _, tile_group = sort_into_tiles(experts, dims.experts, tile_rows(s))
+            rows = tile_group.shape[0] * tile_rows(s)
         x = jax.random.normal(keys[2 * n_w + 2 * i + 1], (rows, k), jnp.float32).astype(dt)
         sets.append((x, ws, tile_group))
         used.append(len(set(np.asarray(experts).tolist())))
     rows = sets[0][0].shape[0]
     n_bytes = int(np.mean(used)) * per_expert * n_w + rows * k * dt.itemsize + n_w * rows * n * 4
-    shape = {"tokens": tokens, "selections": s, "rows": rows, "tile_m": tile_rows(s), "k": k, "n": n, "weights": n_w,
-             "experts_used": float(np.mean(used))}
+    shape = {"tokens": tokens, "selections": s, "rows": rows, "tile_m": 1 if gemv else tile_rows(s), "k": k, "n": n,
+             "weights": n_w, "experts_used": float(np.mean(used))}
     return sets, n_bytes, shape
 
 
@@ -424,8 +430,8 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
         elif op in GROUPED_OPS:
             sets, n_bytes, shape = grouped_inputs(key, dims, op, batch, n_sets)
             fp4 = op.startswith("fp4")
-            kern = functools.partial(grouped_matmul_fp4 if fp4 else grouped_matmul, block_sizes=block_sizes,
-                                     interpret=a.interpret)
+            kern = functools.partial(grouped_gemv_fp4 if "gemv" in op else grouped_matmul_fp4 if fp4 else
+                                     grouped_matmul, block_sizes=block_sizes, interpret=a.interpret)
             ref = _tilewise(grouped_matmul_fp4_reference if fp4 else grouped_matmul_reference)
             check = check_grouped
         else:
@@ -487,7 +493,7 @@ def sweep_kind(op):
         return "indexer"
     if op.startswith("sparse"):
         return "sparse"
-    return "fp4" if op.startswith("fp4") else None
+    return "fp4" if op.startswith("fp4") and "gemv" not in op else None
 
 
 def parse_variants(spec):
@@ -606,7 +612,7 @@ def main(argv=None):
             continue
         if op in GROUPED_OPS:  # per token too: decode batches and one prefill chunk (tiles of 64 rows)
             prefill = 200 if a.interpret else GROUPED_PREFILL_TOKENS
-            jobs += [(op, tokens, 0, None) for tokens in batches + [prefill]]
+            jobs += [(op, tokens, 0, None) for tokens in batches + ([] if "gemv" in op else [prefill])]
             continue
         for batch in batches:
             for ctx in contexts:

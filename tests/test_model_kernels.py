@@ -96,13 +96,19 @@ def test_routed_experts_dispatch_runs_the_grouped_kernel():
         assert names.count("grouped_matmul") == launches, (impl, names)
 
     p = params["layers"][1]["ffn"]
-    for n in (3, 200):  # 6 selections (16-row tiles) and 400 selections (64-row tiles)
+    for n in (1, 3, 200):  # one token's tiles (no sort), 6 selections (16-row tiles), 400 (64-row tiles)
         x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
         routing = moe.route(x, jnp.zeros((n,), jnp.int32), p, cfg, MlpType.TOPK)
         want = moe.routed_experts(x, routing, p["experts"], cfg, strategy="ragged")
         got = kernels.routed_experts(x, routing, p["experts"], cfg, impl=Impl.PALLAS_INTERPRET)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert re_mod.tile_rows(6) == 16 and re_mod.tile_rows(400) == 64
+    src, group = re_mod.one_token_tiles(jnp.asarray([5, 2, 7], jnp.int32), 4)
+    assert group.tolist() == [5, 2, 7] and src.tolist() == [0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1]
+    # the one-token path takes no sort (at decode batch 1 it was ~9 launches a layer)
+    one = jax.make_jaxpr(lambda x, r: kernels.routed_experts(x, r, p["experts"], cfg, impl=Impl.PALLAS_INTERPRET))(
+        x[:1], moe.route(x[:1], jnp.zeros((1,), jnp.int32), p, cfg, MlpType.TOPK))
+    assert " sort[" not in str(one.jaxpr) and "grouped_matmul" in str(one.jaxpr)
 
 
 def _three_kinds():

@@ -22,7 +22,7 @@ from ds4jax.model.layers import moe
 from ds4jax.model.layers.linear import linear
 from ds4jax.model.quantize import quantize_model
 from ds4jax.model.quantized import Format, QuantizedWeight, dense
-from ds4jax.runtime import kernels
+from ds4jax.runtime import kernels, routed_experts
 from ds4jax.runtime.target import Target
 
 
@@ -159,22 +159,28 @@ def test_gfx942_loads_fnuz_with_the_same_values(official, both, monkeypatch):
 
 @pytest.mark.parametrize("impl, strategy", [(kernels.Impl.PALLAS_INTERPRET, None), (kernels.Impl.REFERENCE, "gather"),
                                             (kernels.Impl.REFERENCE, "tiles"), (kernels.Impl.REFERENCE, "ragged")])
-def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, monkeypatch):
+@pytest.mark.parametrize("tokens", [(2, 5), (4, 9)], ids=["gemv", "tiles"])
+def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, tokens, monkeypatch):
+    """Under the kernels, FP4 experts go through an FP4 kernel, never a dequantized copy through the bf16 one: up to
+    `GEMV_SELECTIONS` (token, expert) selections the one-row-per-selection GEMV, above it the tile kernel."""
     quantized, plain = both
     cfg = quantized.config
     if strategy:
         monkeypatch.setenv("DS4JAX_MOE", strategy)
     pq, pb = quantized.params["layers"][2]["ffn"], plain.params["layers"][2]["ffn"]
-    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.hidden_size), jnp.float32)
-    ids = jnp.arange(10).reshape(2, 5)
+    x = jax.random.normal(jax.random.key(0), tokens + (cfg.hidden_size,), jnp.float32)
+    ids = jnp.arange(tokens[0] * tokens[1]).reshape(tokens)
+    gemv = tokens[0] * tokens[1] * cfg.num_experts_per_tok <= routed_experts.GEMV_SELECTIONS
     routed = functools.partial(kernels.routed_experts, impl=impl)
     run = jax.jit(lambda x, p: moe.moe(x, ids, p, cfg, MlpType.TOPK, routed=routed)[0])
     expected = run(x, pb)
     calls = []
     if impl is kernels.Impl.PALLAS_INTERPRET:  # the FP4 kernel itself, not a dequantized copy through the bf16 one
-        fp4 = pallas_kernels.grouped_matmul_fp4
-        monkeypatch.setattr(pallas_kernels, "grouped_matmul", lambda *a, **k: pytest.fail("bf16 kernel called"))
-        monkeypatch.setattr(pallas_kernels, "grouped_matmul_fp4", lambda *a, **k: calls.append(1) or fp4(*a, **k))
+        used, unused = ("grouped_gemv_fp4", "grouped_matmul_fp4")[::1 if gemv else -1]
+        fp4 = getattr(pallas_kernels, used)
+        for name in ("grouped_matmul", unused):
+            monkeypatch.setattr(pallas_kernels, name, lambda *a, name=name, **k: pytest.fail(f"{name} called"))
+        monkeypatch.setattr(pallas_kernels, used, lambda *a, **k: calls.append(1) or fp4(*a, **k))
     np.testing.assert_allclose(np.asarray(run(x, pq)), np.asarray(expected), rtol=1e-5, atol=1e-5)
     assert len(calls) == (2 if impl is kernels.Impl.PALLAS_INTERPRET else 0)  # gate + up, then down
 

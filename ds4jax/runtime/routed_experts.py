@@ -20,6 +20,7 @@ from ds4jax.model.quantized import Format, dense, is_quantized
 DECODE_TILE = 16  # Triton's smallest matmul extent: a decode selection fills one row of a 16-row tile
 PREFILL_TILE = 64
 PREFILL_ABOVE = 256  # selections above which tiles of 64 rows pay off (several tokens per expert)
+GEMV_SELECTIONS = 64  # FP4 experts: up to this many selections (decode up to batch 10 at k=6) one row each
 
 
 def tile_rows(selections: int) -> int:
@@ -45,12 +46,24 @@ def sort_into_tiles(experts: jax.Array, num_experts: int, tile_m: int) -> tuple[
     return src, jnp.where(first_row < ends[-1], group, -1)
 
 
+def one_token_tiles(experts: jax.Array, tile_m: int) -> tuple[jax.Array, jax.Array]:
+    """`sort_into_tiles` for one token's k selections, without the sort: tile i holds selection i in its first row
+    (the grouped kernels need no order between tiles). At decode batch 1 the sort, counts, searches and scatters
+    were ~9 kernel launches a layer for 6 selections."""
+    rows = jnp.arange(experts.shape[0] * tile_m, dtype=jnp.int32)
+    return jnp.where(rows % tile_m == 0, rows // tile_m, -1), experts.astype(jnp.int32)
+
+
+def _all_fp4(ws: tuple) -> bool:
+    return all(is_quantized(w) and w.format is Format.FP4 for w in ws)
+
+
 def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) -> tuple[jax.Array, ...]:
     """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes,
     FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
     formats, which no checkpoint has, would be dequantized whole first)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
-    if all(is_quantized(w) and w.format is Format.FP4 for w in ws):
+    if _all_fp4(ws):
         return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  interpret=interpret)
     if all(is_quantized(w) and w.format is Format.FP8 and w.block == ws[0].block for w in ws):
@@ -62,8 +75,13 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) ->
 def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config, *, interpret: bool) -> jax.Array:
     """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`."""
     n, k = routing.experts.shape
+    if n * k <= GEMV_SELECTIONS and _all_fp4((p["w1"], p["w3"], p["w2"])):
+        return _fp4_selections(x, routing, p, cfg, interpret)
     tile_m = tile_rows(n * k)
-    src, tile_group = sort_into_tiles(routing.experts.reshape(-1), cfg.num_routed_experts, tile_m)
+    if n == 1:
+        src, tile_group = one_token_tiles(routing.experts[0], tile_m)
+    else:
+        src, tile_group = sort_into_tiles(routing.experts.reshape(-1), cfg.num_routed_experts, tile_m)
     live = src >= 0
     token = jnp.where(live, src // k, n)  # padding rows: out of range, dropped by the scatter below
     xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
@@ -72,6 +90,21 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     (y,) = _grouped(h, (p["w2"],), tile_group, interpret)
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
+
+
+def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool) -> jax.Array:
+    """FP4 experts at decode: one row per (token, expert) selection through the GEMV kernel (no tiles, no sort):
+    the tile kernel's 16-row dots left it ALU-bound at decode, far from the packed bytes' floor."""
+    import pallas_kernels
+
+    n, k = routing.experts.shape
+    experts = routing.experts.reshape(-1).astype(jnp.int32)
+    pairs = lambda *ws: tuple((w.values, w.scales) for w in ws)  # noqa: E731
+    gate, up = pallas_kernels.grouped_gemv_fp4(jnp.repeat(x, k, axis=0), pairs(p["w1"], p["w3"]), experts,
+                                               interpret=interpret)
+    h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
+    (y,) = pallas_kernels.grouped_gemv_fp4(h, pairs(p["w2"]), experts, interpret=interpret)
+    return jnp.sum((y * routing.weights.reshape(-1)[:, None].astype(jnp.float32)).reshape(n, k, -1), axis=1)
 
 
 def __getattr__(name: str):

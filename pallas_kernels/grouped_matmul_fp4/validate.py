@@ -27,3 +27,11 @@ def validate_grouped_matmul_fp4_static(x, ws, tile_group) -> None:
             raise ValueError(f"ws[{i}] scales must be uint8 E8M0 [groups, k/32={k // FP4_GROUP}, n={n}], got "
                              f"{scales.dtype}{list(scales.shape)}")
     validate_tiles(x, tile_group)
+
+
+def validate_grouped_gemv_fp4_static(x, ws, group) -> None:
+    """The GEMV form (`gemv.grouped_gemv_fp4`): the same weights, and one group per row of x."""
+    if group.ndim != 1 or group.shape[0] != x.shape[0]:
+        raise ValueError(f"group must be [rows={x.shape[0]}] int32 (one expert per row), got "
+                         f"{group.dtype}{list(group.shape)}")
+    validate_grouped_matmul_fp4_static(x, ws, group)

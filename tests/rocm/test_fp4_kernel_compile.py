@@ -15,7 +15,7 @@ import pytest
 from lone_kernel import compile_alone
 
 from ds4jax.rocm_check.targets import TARGETS
-from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_matmul_fp4
+from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_gemv_fp4, grouped_matmul_fp4
 
 S = jax.ShapeDtypeStruct
 
@@ -35,3 +35,12 @@ def test_fp4_kernel_compiles_within_limits(case, target, dots):
     fn = grouped_matmul_fp4 if dots == "tile" else functools.partial(grouped_matmul_fp4,
                                                                      block_sizes=BlockSizes(dots=dots, decode="arith"))
     compile_alone(fn, CASES[case], target)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("case", ["decode_gate_up", "decode_down"])
+def test_fp4_gemv_compiles_within_limits(case, target):
+    """The decode form (`grouped_gemv_fp4`: one row per selection, no dot): batch 8's 48 selections."""
+    k, n, n_w = (4096, 2048, 2) if case == "decode_gate_up" else (2048, 4096, 1)
+    x, ws, _ = _args(48, 48, n_w, k, n)
+    compile_alone(grouped_gemv_fp4, (x, ws, S((48,), jnp.int32)), target)

@@ -1,0 +1,103 @@
+"""One row per expert selection with MXFP4 weights — the decode form of the FP4 grouped matmul (Triton backend;
+interpret on CPU).
+
+At decode each (token, expert) selection multiplies one row by its expert's weight. The tile kernel
+(`kernel.grouped_matmul_fp4`) pads every selection to a 16-row tile for Triton's dot and decodes the packed tile
+into the dot's operand layout, which made it ALU-bound far from the memory floor (flash_slice(4) decode, H200:
+463 us per step for gate + up at batch 1, where the packed bytes need ~20 us). Here there is no dot: program
+(selection, column block, k split) decodes its expert's packed tile [block_j, block_n] to float32 in registers
+(`fp4_times_scale`, exact) and multiply-accumulates it with the selection's even and odd inputs broadcast along
+the columns, one FMA per weight in the tile's own layout; the column sums are taken once at the end. No sort into
+tiles either: the selections' experts index the weights directly (a selection of group -1 writes zeros and reads
+no weight). Two selections of one expert read its bytes twice (at decode batch 8, ~10 % of 48 selections).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels._mxfp4 import fp4_times_scale, unpack_fp4
+from pallas_kernels.grouped_matmul.blocks import choose_k_splits
+from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
+from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
+from pallas_kernels.grouped_matmul_fp4.kernel import ROWS_PER_SCALE, _scale_rows
+from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4_static
+
+
+def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int):
+    w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
+    block_n = o_refs[0].shape[1]
+    g = group_ref[0]
+    n0 = pl.program_id(1) * block_n
+    j_base = pl.program_id(2) * j_per_split
+
+    def body(i, accs):  # accumulators [block_j, block_n]: one FMA per weight, no cross-lane work in the loop
+        j0 = pl.multiple_of(j_base + i * block_j, block_j)
+        xe = xe_ref[0, pl.ds(j0, block_j)].astype(jnp.float32)[:, None]
+        xo = xo_ref[0, pl.ds(j0, block_j)].astype(jnp.float32)[:, None]
+        out = []
+        for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
+            scale = _scale_rows(s_ref, g, j0, block_j, n0, block_n)
+            even, odd = unpack_fp4(p_ref[g, pl.ds(j0, block_j), pl.ds(n0, block_n)])
+            out.append(acc + xe * fp4_times_scale(even, scale) + xo * fp4_times_scale(odd, scale))
+        return tuple(out)
+
+    def store(o_ref, acc):  # the column sums: [1, block_n] (an empty selection's zeros sum to zeros too)
+        o_ref[...] = jnp.sum(acc, axis=0, keepdims=True)
+
+    write_tile(g, o_refs, j_per_split // block_j, body, shape=(block_j, block_n), store=store)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
+    """y[s] = x[s] @ W[group[s]] for each FP4 weight (see `grouped_gemv_fp4_reference`).
+
+    Args:
+      x: [selections, k] bf16/f32 (k % 32 == 0): one row per selection.
+      ws: tuple of (packed [groups, k/2, n] uint8, scales [groups, k/32, n] uint8 E8M0).
+      group: [selections] i32 expert of each row, -1 = none (zeros, no weight read).
+      block_sizes: `BlockSizes` (block_n, block_j, k_splits, num_warps, num_stages; `dots` / `decode` unused).
+    Returns:
+      tuple of [selections, n] f32, one per weight.
+    """
+    ws = tuple(tuple(w) for w in ws)
+    validate_grouped_gemv_fp4_static(x, ws, group)
+    rows, k = x.shape
+    kk, n = ws[0][0].shape[1:]
+    bs = block_sizes or BlockSizes()
+    block_n = min(bs.block_n, n)
+    block_j = max(ROWS_PER_SCALE, min(bs.block_j, kk) // ROWS_PER_SCALE * ROWS_PER_SCALE)
+    if n % block_n or kk % block_j:
+        raise ValueError(f"n={n} and k/2={kk} must be multiples of block_n={block_n} and block_j={block_j}")
+    n_blocks, j_blocks = n // block_n, kk // block_j
+    k_splits = choose_k_splits(bs.k_splits, tiles=rows, n_blocks=n_blocks, k_blocks=j_blocks)
+    x_even, x_odd = x[:, 0::2], x[:, 1::2]  # inputs 2j and 2j + 1: packed row j's low and high nibbles
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, j, t: (0,) * a.ndim)  # noqa: E731
+    x_spec = pl.BlockSpec((1, kk), lambda s, j, t: (s, 0))
+    flat_ws = [a for pair in ws for a in pair]
+    out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=1, n=n, block_n=block_n)
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits),
+        grid=(rows, n_blocks, k_splits),
+        in_specs=[pl.BlockSpec((1,), lambda s, j, t: (s,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
+                                                 interpret=interpret),
+        interpret=interpret,
+        name="grouped_gemv_fp4",
+    )(group, x_even, x_odd, *flat_ws)
+    return sum_splits(out)
+
+
+def grouped_gemv_fp4_reference(x, ws, group, *, block_sizes=None, interpret=False):
+    """The specification: each row times its own expert's dequantized weight (only those experts are read)."""
+    from pallas_kernels.grouped_matmul_fp4.reference import grouped_matmul_fp4_reference
+
+    del block_sizes, interpret
+    return grouped_matmul_fp4_reference(x, ws, group)  # a tile of one row per selection is the same sum

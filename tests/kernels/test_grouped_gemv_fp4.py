@@ -1,0 +1,62 @@
+"""grouped_gemv_fp4 (one row per expert selection, no dot: the decode form) vs its reference on random packed FP4 +
+E8M0 weights: k splits, repeated experts, empty selections (group -1: NaN rows, zeros out, no weight read), several
+weights, bf16 and f32 rows. Unused experts' scales are E8M0 255 (NaN): reading one would reach a live row.
+
+`TestInterpret` runs on CPU (interpret mode); `TestDevice` (marker `device`) compiles the same cases on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from grouped_tiles import Case, check_outputs
+from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_gemv_fp4, grouped_gemv_fp4_reference
+from test_grouped_matmul_fp4 import make_inputs
+
+CASES = [
+    Case("k_splits", groups=8, k=128, n=32, tile_m=1, tile_group=(5, 1, 6), live_rows=(1, 1, 1),
+         block_sizes=BlockSizes(block_n=16, block_j=16, k_splits=2)),
+    Case("repeated_and_empty", groups=8, k=64, n=32, tile_m=1, tile_group=(0, 3, -1, 3), live_rows=(1, 1, 0, 1),
+         block_sizes=BlockSizes(block_n=32, block_j=32)),
+    Case("four_scale_groups_per_step", groups=4, k=256, n=32, tile_m=1, tile_group=(1, -1, 3), live_rows=(1, 0, 1),
+         n_w=1, block_sizes=BlockSizes(block_n=16, block_j=64, k_splits=2)),
+    Case("bf16_default_blocks", groups=4, k=128, n=64, tile_m=1, tile_group=(3, 0, 2, 1, 0, 3),
+         live_rows=(1,) * 6, dtype="bfloat16"),
+]
+
+
+class Base:
+    INTERPRET = True
+
+    def check(self, case: Case):
+        x, ws, group = make_inputs(case)
+        got = grouped_gemv_fp4(x, ws, group, block_sizes=case.block_sizes, interpret=self.INTERPRET)
+        check_outputs(got, grouped_gemv_fp4_reference(x, ws, group), case, atol_relative_to_max=True)
+
+
+class TestInterpret(Base):
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_reference(self, case):
+        self.check(case)
+
+
+@pytest.mark.device
+class TestDevice(Base):
+    INTERPRET = False
+
+    @pytest.mark.parametrize("case", [
+        Case("flash_decode", groups=16, k=1024, n=512, tile_m=1, tile_group=(3, 9, 1, 15, 0, -1),
+             live_rows=(1,) * 5 + (0,), dtype="bfloat16"),
+        *CASES,
+    ], ids=str)
+    def test_matches_reference(self, case):
+        self.check(case)
+
+
+def test_validation_names_the_argument():
+    packed, scales = jnp.zeros((2, 32, 16), jnp.uint8), jnp.zeros((2, 2, 16), jnp.uint8)
+    with pytest.raises(ValueError, match="group must be"):
+        grouped_gemv_fp4(jnp.zeros((3, 64)), ((packed, scales),), jnp.zeros((2,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        grouped_gemv_fp4(jnp.zeros((2, 48)), ((packed, scales),), jnp.zeros((2,), jnp.int32), interpret=True)
