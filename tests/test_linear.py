@@ -35,6 +35,16 @@ def test_several_tokens_keep_the_plain_dot():
     assert dot.invars[0].aval.shape == (2, 3, IN)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_projection_of_one_row_goes_through_two(rows):
+    x = jax.random.normal(jax.random.key(2), (4, rows, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(3), (4, 32, 16), jnp.float32)
+    [dot] = _dots(linear.grouped_f32, x, w)
+    assert dot.invars[0].aval.shape == (4, max(rows, 2), 32)
+    y = linear.grouped_f32(x, w)
+    np.testing.assert_allclose(y, jnp.einsum("gni,gio->gno", x, w, precision="highest"), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.device
 def test_gpu_one_token_projection_writes_no_product():
     x = jax.ShapeDtypeStruct((1, 1, 4096), jnp.bfloat16)

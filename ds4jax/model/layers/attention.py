@@ -15,7 +15,7 @@ import numpy as np
 from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.layers import compressor, indexer
 from ds4jax.model import official_numerics as numerics
-from ds4jax.model.layers.linear import linear
+from ds4jax.model.layers.linear import grouped_f32, linear
 from ds4jax.model.layers.norms import rms_norm, unweighted_rms_norm
 from ds4jax.model.layers.rope import apply_rope, inv_frequencies
 
@@ -69,7 +69,7 @@ def output_projection(o: jax.Array, positions: jax.Array, p: dict, cfg: Config, 
     b, t = o.shape[:2]
     # heads of group k are contiguous; group-major layout ("gni,gio") is a batched matmul every backend supports
     grouped = o.reshape(b * t, cfg.o_groups, -1).transpose(1, 0, 2)
-    z = jnp.einsum("gni,gio->gno", grouped, p["wo_a"].astype(o.dtype), preferred_element_type=jnp.float32)
+    z = grouped_f32(grouped, p["wo_a"].astype(o.dtype))
     return linear(numerics.round_act(z.astype(o.dtype).transpose(1, 0, 2).reshape(b, t, -1), cfg), p["wo_b"])
 
 
