@@ -87,6 +87,12 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulFp4BlockSizes(dots="group"),
         GroupedMatmulFp4BlockSizes(decode="arith"),
     ],
+    "fp4gemv": [  # the default (gemv.GEMV_DEFAULT): dots="group", block_n=128, k_splits=16
+        GroupedMatmulFp4BlockSizes(),  # the first: 64 packed rows a step, each weight times its own scale
+        GroupedMatmulFp4BlockSizes(dots="group"),  # a scale group a step, its scale row once
+        GroupedMatmulFp4BlockSizes(dots="group", block_n=256, num_warps=8, k_splits=8),
+        GroupedMatmulFp4BlockSizes(block_n=128, block_j=32),
+    ],
 }
 GROUPED_OPS = ("fp4_gate_up", "fp4_down", "fp4_gemv_gate_up", "fp4_gemv_down", "bf16_gate_up", "bf16_down")
 GROUPED_PREFILL_TOKENS = 2048
@@ -484,7 +490,7 @@ def short(bs):
 
 
 VARIANT_CLASSES = {"sparse": SparseAttentionBlockSizes, "indexer": IndexerTopkBlockSizes,
-                   "fp4": GroupedMatmulFp4BlockSizes}
+                   "fp4": GroupedMatmulFp4BlockSizes, "fp4gemv": GroupedMatmulFp4BlockSizes}
 
 
 def sweep_kind(op):
@@ -493,7 +499,7 @@ def sweep_kind(op):
         return "indexer"
     if op.startswith("sparse"):
         return "sparse"
-    return "fp4" if op.startswith("fp4") and "gemv" not in op else None
+    return ("fp4gemv" if "gemv" in op else "fp4") if op.startswith("fp4") else None
 
 
 def parse_variants(spec):
@@ -623,7 +629,7 @@ def main(argv=None):
             continue
         if op in GROUPED_OPS:
             prefill = 200 if a.interpret else GROUPED_PREFILL_TOKENS
-            configs = [sweep_at] if sweep_at else [(b, 0) for b in batches + [prefill]]
+            configs = [sweep_at] if sweep_at else [(b, 0) for b in batches + ([] if "gemv" in op else [prefill])]
         else:
             configs = [sweep_at] if sweep_at else [(b, c) for b in batches for c in contexts]
         for batch, ctx in configs:

@@ -5,11 +5,14 @@ At decode each (token, expert) selection multiplies one row by its expert's weig
 (`kernel.grouped_matmul_fp4`) pads every selection to a 16-row tile for Triton's dot and decodes the packed tile
 into the dot's operand layout, which made it ALU-bound far from the memory floor (flash_slice(4) decode, H200:
 463 us per step for gate + up at batch 1, where the packed bytes need ~20 us). Here there is no dot: program
-(selection, column block, k split) decodes its expert's packed tile [block_j, block_n] to float32 in registers
-(`fp4_times_scale`, exact) and multiply-accumulates it with the selection's even and odd inputs broadcast along
-the columns, one FMA per weight in the tile's own layout; the column sums are taken once at the end. No sort into
-tiles either: the selections' experts index the weights directly (a selection of group -1 writes zeros and reads
-no weight). Two selections of one expert read its bytes twice (at decode batch 8, ~10 % of 48 selections).
+(selection, column block, k split) takes its expert's packed rows one scale group (16 rows, 32 inputs) a step,
+decodes them to float32 in registers (E2M1 values from integer ops, exact; no FP4 hardware assumed, which MI300
+lacks), multiplies them by the selection's even and odd inputs broadcast along the columns and by the group's one
+scale row, and accumulates in the tile's own layout; the column sums are taken once at the end. No sort into tiles
+either: the selections' experts index the weights directly (a selection of group -1 writes zeros and reads no
+weight). Two selections of one expert read its bytes twice (at decode batch 8, ~10 % of 48 selections).
+On the H100 it is ~20 % faster than the tile kernel at batch 1 and 8 (`GEMV_DEFAULT`) and still bound by the
+decode's integer work (22-33 % of the bandwidth over every tile tried), not by the bytes.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
-from pallas_kernels._mxfp4 import fp4_times_scale, unpack_fp4
+from pallas_kernels._mxfp4 import E2M1_BIAS_BITS, e8m0_to_float_max, fp4_times_scale, unpack_fp4
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
 from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
@@ -29,12 +33,37 @@ from pallas_kernels.grouped_matmul_fp4.kernel import ROWS_PER_SCALE, _scale_rows
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4_static
 
 
-def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int):
+# H100, Flash dims, batch 1 and 8 (`bench_kernels.py --ops fp4_gemv_gate_up,fp4_gemv_down --sweep`): a scale group a
+# step with 128 columns and 16 k splits took 63.5 / 406 us for gate + up and 34.1 / 218 us for down, against 80.3 /
+# 500 and 39.0 / 228 us for 64 packed rows a step (dots="tile", block_n 64, the heuristic's 2-3 splits); every
+# variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel
+GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group")
+
+
+def _fp4_values(codes):
+    """int32 E2M1 codes -> float32 values (no scale): `fp4_times_scale` with the scale multiply left out."""
+    v = lax.bitcast_convert_type(((codes & 7) << 22) + E2M1_BIAS_BITS, jnp.float32)
+    bits = lax.bitcast_convert_type(jnp.minimum(v, v * 2.0 - 1.0), jnp.int32) | ((codes & 8) << 28)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, dots: str):
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
     block_n = o_refs[0].shape[1]
     g = group_ref[0]
     n0 = pl.program_id(1) * block_n
     j_base = pl.program_id(2) * j_per_split
+
+    def body_group(i, accs):  # dots="group": one scale group (16 packed rows) a step, one [1, n] scale row
+        j0 = pl.multiple_of(j_base + i * ROWS_PER_SCALE, ROWS_PER_SCALE)
+        xe = xe_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
+        xo = xo_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
+        out = []
+        for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
+            scale = e8m0_to_float_max(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
+            even, odd = unpack_fp4(p_ref[g, pl.ds(j0, ROWS_PER_SCALE), pl.ds(n0, block_n)])
+            out.append(acc + (xe * _fp4_values(even) + xo * _fp4_values(odd)) * scale)
+        return tuple(out)
 
     def body(i, accs):  # accumulators [block_j, block_n]: one FMA per weight, no cross-lane work in the loop
         j0 = pl.multiple_of(j_base + i * block_j, block_j)
@@ -50,7 +79,10 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
     def store(o_ref, acc):  # the column sums: [1, block_n] (an empty selection's zeros sum to zeros too)
         o_ref[...] = jnp.sum(acc, axis=0, keepdims=True)
 
-    write_tile(g, o_refs, j_per_split // block_j, body, shape=(block_j, block_n), store=store)
+    if dots == "group":
+        write_tile(g, o_refs, j_per_split // ROWS_PER_SCALE, body_group, shape=(ROWS_PER_SCALE, block_n), store=store)
+    else:
+        write_tile(g, o_refs, j_per_split // block_j, body, shape=(block_j, block_n), store=store)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -61,7 +93,11 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
       x: [selections, k] bf16/f32 (k % 32 == 0): one row per selection.
       ws: tuple of (packed [groups, k/2, n] uint8, scales [groups, k/32, n] uint8 E8M0).
       group: [selections] i32 expert of each row, -1 = none (zeros, no weight read).
-      block_sizes: `BlockSizes` (block_n, block_j, k_splits, num_warps, num_stages; `dots` / `decode` unused).
+      block_sizes: `BlockSizes` (None: `GEMV_DEFAULT`; block_n, block_j, k_splits, num_warps, num_stages; dots
+        "tile": block_j packed
+        rows a step, each weight decoded times its own scale (the scale tile loaded per packed row); "group": one
+        scale group (16 packed rows) a step, its scale row loaded once and applied to the step's products;
+        `decode` unused).
     Returns:
       tuple of [selections, n] f32, one per weight.
     """
@@ -69,7 +105,7 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     validate_grouped_gemv_fp4_static(x, ws, group)
     rows, k = x.shape
     kk, n = ws[0][0].shape[1:]
-    bs = block_sizes or BlockSizes()
+    bs = block_sizes or GEMV_DEFAULT
     block_n = min(bs.block_n, n)
     block_j = max(ROWS_PER_SCALE, min(bs.block_j, kk) // ROWS_PER_SCALE * ROWS_PER_SCALE)
     if n % block_n or kk % block_j:
@@ -82,7 +118,7 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     flat_ws = [a for pair in ws for a in pair]
     out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=1, n=n, block_n=block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits),
+        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits, dots=bs.dots),
         grid=(rows, n_blocks, k_splits),
         in_specs=[pl.BlockSpec((1,), lambda s, j, t: (s,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
         out_specs=out_specs,

@@ -21,6 +21,10 @@ CASES = [
          block_sizes=BlockSizes(block_n=32, block_j=32)),
     Case("four_scale_groups_per_step", groups=4, k=256, n=32, tile_m=1, tile_group=(1, -1, 3), live_rows=(1, 0, 1),
          n_w=1, block_sizes=BlockSizes(block_n=16, block_j=64, k_splits=2)),
+    Case("group_steps", groups=8, k=128, n=32, tile_m=1, tile_group=(5, -1, 1, 5), live_rows=(1, 0, 1, 1),
+         block_sizes=BlockSizes(block_n=16, dots="group", k_splits=2)),
+    Case("group_steps_bf16", groups=4, k=256, n=64, tile_m=1, tile_group=(3, 0, 2), live_rows=(1, 1, 1),
+         n_w=1, dtype="bfloat16", block_sizes=BlockSizes(dots="group")),
     Case("bf16_default_blocks", groups=4, k=128, n=64, tile_m=1, tile_group=(3, 0, 2, 1, 0, 3),
          live_rows=(1,) * 6, dtype="bfloat16"),
 ]

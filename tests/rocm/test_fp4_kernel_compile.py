@@ -39,8 +39,9 @@ def test_fp4_kernel_compiles_within_limits(case, target, dots):
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("case", ["decode_gate_up", "decode_down"])
-def test_fp4_gemv_compiles_within_limits(case, target):
+@pytest.mark.parametrize("blocks", [BlockSizes(), BlockSizes(dots="group", block_n=128)], ids=["tile", "group"])
+def test_fp4_gemv_compiles_within_limits(case, target, blocks):
     """The decode form (`grouped_gemv_fp4`: one row per selection, no dot): batch 8's 48 selections."""
     k, n, n_w = (4096, 2048, 2) if case == "decode_gate_up" else (2048, 4096, 1)
     x, ws, _ = _args(48, 48, n_w, k, n)
-    compile_alone(grouped_gemv_fp4, (x, ws, S((48,), jnp.int32)), target)
+    compile_alone(functools.partial(grouped_gemv_fp4, block_sizes=blocks), (x, ws, S((48,), jnp.int32)), target)
