@@ -53,6 +53,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 from ds4jax.runtime.routed_experts import sort_into_tiles, tile_rows
 from pallas_kernels import (
+    GroupedMatmulBlockSizes,
     GroupedMatmulFp4BlockSizes,
     IndexerTopkBlockSizes,
     SparseAttentionBlockSizes,
@@ -86,6 +87,14 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulFp4BlockSizes(dots="group", decode="arith"),  # the first version (16-deep dots, arithmetic)
         GroupedMatmulFp4BlockSizes(dots="group"),
         GroupedMatmulFp4BlockSizes(decode="arith"),
+    ],
+    "grouped": [  # bf16 prefill tiles (tile_m 64): the default block_n=64, block_k=64, num_warps=4, num_stages=2;
+        # wider column blocks re-read each tile's rows fewer times (x is re-read once per column block)
+        GroupedMatmulBlockSizes(block_n=128, block_k=32, num_stages=2),  # 40 KB: fits MI300's LDS
+        GroupedMatmulBlockSizes(block_n=128, block_k=32, num_warps=8, num_stages=3),  # 60 KB
+        GroupedMatmulBlockSizes(block_n=128, block_k=64, num_warps=8, num_stages=2),  # 80 KB: sm90 only
+        GroupedMatmulBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=2),  # 72 KB: sm90 only
+        GroupedMatmulBlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3),  # 216 KB: sm90 only
     ],
     "fp4gemv": [  # the default (gemv.GEMV_DEFAULT): dots="group", block_n=128, k_splits=16
         GroupedMatmulFp4BlockSizes(),  # the first: 64 packed rows a step, each weight times its own scale
@@ -490,7 +499,8 @@ def short(bs):
 
 
 VARIANT_CLASSES = {"sparse": SparseAttentionBlockSizes, "indexer": IndexerTopkBlockSizes,
-                   "fp4": GroupedMatmulFp4BlockSizes, "fp4gemv": GroupedMatmulFp4BlockSizes}
+                   "fp4": GroupedMatmulFp4BlockSizes, "fp4gemv": GroupedMatmulFp4BlockSizes,
+                   "grouped": GroupedMatmulBlockSizes}
 
 
 def sweep_kind(op):
@@ -499,6 +509,8 @@ def sweep_kind(op):
         return "indexer"
     if op.startswith("sparse"):
         return "sparse"
+    if op.startswith("bf16"):
+        return "grouped"
     return ("fp4gemv" if "gemv" in op else "fp4") if op.startswith("fp4") else None
 
 

@@ -157,3 +157,29 @@ def test_gpu_steps_have_no_while_loops(role, platform):
         lowering_platforms=(platform,)).as_text()
     assert text.count("stablehlo.custom_call") >= 3  # the Pallas kernels are in (lowered for the GPU)
     assert text.count("stablehlo.while") == 0
+
+
+def test_routed_experts_dispatch_hands_the_kernel_the_architectures_tiles(monkeypatch):
+    """Prefill tiles on sm90 are Hopper's wide ones (too big for MI300's LDS); decode tiles and other targets keep
+    the tiles every target fits. The dispatch itself: what `grouped_matmul` receives."""
+    import pallas_kernels
+    from ds4jax.model.layers import moe
+    from ds4jax.runtime import kernels
+
+    cfg = ds4jax.tiny(num_layers=2, attention_types=(AttentionType.SLIDING, AttentionType.SLIDING),
+                      mlp_types=(MlpType.HASH, MlpType.TOPK))
+    p = jax.eval_shape(lambda k: P.init(cfg, k, jnp.bfloat16), jax.random.key(0))["layers"][1]["ffn"]
+    seen = []
+    monkeypatch.setattr(pallas_kernels, "grouped_matmul", lambda x, ws, tg, **kw: seen.append(kw["block_sizes"])
+                        or tuple(jnp.zeros((x.shape[0], w.shape[2]), jnp.float32) for w in ws))
+    for arch in ("sm90", "gfx942", None):
+        monkeypatch.setattr(kernels, "kernel_arch", lambda impl, arch=arch: arch)
+        for n in (1, 200):  # decode (16-row tiles) and prefill (64-row tiles)
+            x = jax.ShapeDtypeStruct((n, cfg.hidden_size), jnp.bfloat16)
+            jax.eval_shape(lambda x, p: kernels.routed_experts(
+                x, moe.route(x, jnp.zeros((x.shape[0],), jnp.int32), p, cfg, MlpType.TOPK), p["experts"], cfg,
+                impl=Impl.PALLAS), x, p)
+    wide = pallas_kernels.GroupedMatmulBlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3)
+    narrow = pallas_kernels.GroupedMatmulBlockSizes(block_k=64, num_stages=2)
+    decode = pallas_kernels.GroupedMatmulBlockSizes(block_k=64)
+    assert seen == [decode, decode, wide, wide] + [decode, decode, narrow, narrow] * 2

@@ -108,10 +108,10 @@ def indexer_topk(q, w, keys, key_rows, n_valid, *, k: int, impl: Impl, key_scale
 
 def routed_experts(x, routing, p, cfg, *, impl: Impl):
     """[n, e] tokens -> [n, e] f32 sum of their selected experts: `moe.routed_experts` (its strategies) or the
-    grouped-matmul kernel over expert-sorted tiles (its default tiles fit every target's shared memory)."""
+    grouped-matmul kernel over expert-sorted tiles (the architecture's tiles: `GroupedMatmulBlockSizes.get_default`)."""
     if impl is Impl.REFERENCE:
         return moe.routed_experts(x, routing, p, cfg)
-    return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET)
+    return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET, arch=kernel_arch(impl))
 
 
 def sinkhorn(logits, iters: int, eps: float, *, impl: Impl):

@@ -58,7 +58,8 @@ def _all_fp4(ws: tuple) -> bool:
     return all(is_quantized(w) and w.format is Format.FP4 for w in ws)
 
 
-def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) -> tuple[jax.Array, ...]:
+def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, arch: str | None = None
+             ) -> tuple[jax.Array, ...]:
     """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes,
     FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
     formats, which no checkpoint has, would be dequantized whole first)."""
@@ -69,10 +70,13 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool) ->
     if all(is_quantized(w) and w.format is Format.FP8 and w.block == ws[0].block for w in ws):
         return pallas_kernels.grouped_matmul_fp8(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  block=ws[0].block, interpret=interpret)
-    return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, interpret=interpret)
+    tiles = pallas_kernels.GroupedMatmulBlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0], arch=arch)
+    return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, block_sizes=tiles,
+                                         interpret=interpret)
 
 
-def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config, *, interpret: bool) -> jax.Array:
+def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config, *, interpret: bool,
+                           arch: str | None = None) -> jax.Array:
     """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`."""
     n, k = routing.experts.shape
     if n * k <= GEMV_SELECTIONS and _all_fp4((p["w1"], p["w3"], p["w2"])):
@@ -85,9 +89,9 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     live = src >= 0
     token = jnp.where(live, src // k, n)  # padding rows: out of range, dropped by the scatter below
     xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
-    gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret)
+    gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret, arch)
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
-    (y,) = _grouped(h, (p["w2"],), tile_group, interpret)
+    (y,) = _grouped(h, (p["w2"],), tile_group, interpret, arch)
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
 
