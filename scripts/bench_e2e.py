@@ -184,8 +184,7 @@ def write_markdown(res: dict, path: str, notes: str | None) -> None:
              f"{s.get('device')}; ds4jax: jax {s.get('jax')}, kernels={res['kernels']}, {s.get('params_b', 0):.2f} B "
              f"params (MTP included, not run); HF: transformers {h.get('transformers')}, torch {h.get('torch')}, "
              f"eager attention, {h.get('params_b', 0):.2f} B params. Measured in this run: copy bandwidth "
-             f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s (device-timed: the roofline's denominator; host-timed "
-             f"{s.get('copy_bandwidth_host_timed_tb_s') or 0:.2f} TB/s), bf16 matmul "
+             f"{common.bandwidth_note(s)}, bf16 matmul "
              f"{s.get('matmul_tflop_s') or 0:.0f} TFLOP/s.",
              "", f"Commit `{res['commit']}`; command: `{res['command']}`", ""]
     for side, where in res.get("reused", {}).items():

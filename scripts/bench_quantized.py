@@ -193,7 +193,7 @@ def write_markdown(res: dict, path: str) -> None:
     fails = res["failures"] if "failures" in res else failures(res) + ["the run stopped before it finished"]
     lines = [f"# FP8 dense + FP4 experts vs bf16: `flash_slice({res['layers']})`", "",
              f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth "
-             f"{res['copy_bandwidth_tb_s'] or 0:.2f} TB/s (device-timed), bf16 matmul {res['matmul_tflop_s'] or 0:.0f} "
+             f"{common.bandwidth_note(res)}, bf16 matmul {res['matmul_tflop_s'] or 0:.0f} "
              f"TFLOP/s. Weights: bf16 {res['weight_gb']['bf16']:.2f} GB, FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} "
              "GB. Written by `scripts/bench_quantized.py`.", "",
              "| case | format | ms (per step) | bytes read | roofline ms | fraction | speedup vs bf16 |",
@@ -257,10 +257,13 @@ def main(argv=None) -> int:
     kernels = args.kernels or ("pallas_interpret" if args.smoke else "pallas")
     cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
     gpu = jax.default_backend() != "cpu"
-    host_bw, device_bw = copy_bandwidth() if gpu else (None, None)
+    host_bw, device_bw, device_bw_error = copy_bandwidth() if gpu else (None, None, None)
     res = {"layers": args.layers if not args.smoke else "tiny", "device": str(jax.devices()[0]),
            "jax": jax.__version__, "kernels": kernels, "target": str(device_target()),
            "copy_bandwidth_tb_s": (device_bw or host_bw) / 1e12 if gpu else None,
+           "copy_bandwidth_host_timed_tb_s": host_bw / 1e12 if gpu else None,
+           "copy_bandwidth_device_timed_tb_s": device_bw / 1e12 if device_bw else None,
+           "copy_bandwidth_device_timed_error": device_bw_error,
            "matmul_tflop_s": matmul_flops() / 1e12 if gpu else None, "weight_gb": {}, "modes": {}, "checks": {}}
     bw = (res["copy_bandwidth_tb_s"] or 1.0) * 1e12
     peak = (res["matmul_tflop_s"] or 1.0) * 1e12

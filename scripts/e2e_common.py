@@ -157,3 +157,16 @@ def active_params(cfg, params) -> float:
             size = size / cfg.num_routed_experts * cfg.num_experts_per_tok
         total += size
     return total
+
+
+def bandwidth_note(s: dict) -> str:
+    """The roofline's denominator and which timing it is: device-timed when the profiler trace gave it, else
+    host-timed with the reason (never a host figure labelled device-timed); results written before both were
+    recorded show the one figure they have."""
+    device, host = s.get("copy_bandwidth_device_timed_tb_s"), s.get("copy_bandwidth_host_timed_tb_s")
+    if device:
+        return f"{device:.2f} TB/s (device-timed: the roofline's denominator; host-timed {host or 0:.2f} TB/s)"
+    if host is None:
+        return f"{s.get('copy_bandwidth_tb_s') or 0:.2f} TB/s (timing not recorded)"
+    why = s.get("copy_bandwidth_device_timed_error") or "not measured"
+    return f"{host:.2f} TB/s (host-timed, the roofline's denominator: the device-timed measurement failed: {why})"

@@ -51,3 +51,15 @@ def test_failures_name_each_reason():
     res["sides"]["hf"] = {"error": "side hf exited with status 1"}
     reasons = bench_e2e.failures(res)
     assert len(reasons) == 3 and any("HF check" in r for r in reasons) and any("boom" in r for r in reasons)
+
+
+def test_bandwidth_note_never_calls_a_host_figure_device_timed():
+    import e2e_common
+
+    note = e2e_common.bandwidth_note
+    assert note({"copy_bandwidth_device_timed_tb_s": 4.3, "copy_bandwidth_host_timed_tb_s": 3.65}).startswith(
+        "4.30 TB/s (device-timed")
+    failed = note({"copy_bandwidth_device_timed_tb_s": None, "copy_bandwidth_host_timed_tb_s": 2.89,
+                   "copy_bandwidth_device_timed_error": "RuntimeError: no device events"})
+    assert failed.startswith("2.89 TB/s (host-timed") and "no device events" in failed and "device-timed:" not in failed
+    assert note({"copy_bandwidth_tb_s": 3.0}) == "3.00 TB/s (timing not recorded)"  # results from before both
