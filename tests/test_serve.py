@@ -294,6 +294,40 @@ def test_disconnect_cancels_and_frees_the_slot(served, monkeypatch):
     assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_whole_response_client_that_leaves_is_cancelled(served, monkeypatch):
+    """Non-streamed: the client gives up (a read timeout closes the connection) while the engine holds the first
+    token; `sse.watch` tells the handler at once, which cancels the job and frees its slot."""
+    import threading
+    import time
+
+    server, base = served
+    idle = time.monotonic() + GUARD_S
+    while server.driver.depth() != (0, 0) and time.monotonic() < idle:
+        time.sleep(0.05)
+    before = metric(httpx.get(base + "/metrics").text, "ds4jax_generations_total", outcome="cancelled")
+    make = server.driver.on_tokens
+    held = threading.Event()
+    monkeypatch.setattr(server.driver, "on_tokens", lambda job: holding_first_token(make(job), job, held))
+
+    def leave():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 20, "temperature": 0},
+                       timeout=httpx.Timeout(GUARD_S, read=2.0))
+
+    client = threading.Thread(target=leave)
+    client.start()
+    assert held.wait(GUARD_S), _driver_state(server)
+    client.join(GUARD_S)
+    monkeypatch.undo()
+    deadline = time.monotonic() + GUARD_S
+    while metric(httpx.get(base + "/metrics").text, "ds4jax_generations_total", outcome="cancelled") != before + 1:
+        assert time.monotonic() < deadline, _driver_state(server)
+        time.sleep(0.05)
+    while server.driver.depth() != (0, 0):
+        assert time.monotonic() < deadline, _driver_state(server)
+        time.sleep(0.05)
+
+
 def test_sigterm_drain_names_what_it_cancelled():
     """What SIGTERM does (`server._Uvicorn.handle_exit`): stop accepting (health and new requests 503), give the
     in-flight request the grace period, cancel it when that runs out, and report it; its stream ends with an error

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ds4jax.generation.requests import MAX_FORCED, Budget, ErrorCode, Request
-from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod
+from ds4jax.serving import chat, logprobs as logprobs_mod, params as params_mod, sse
 from ds4jax.serving.config import ServerConfig
 from ds4jax.serving.driver import Driver, Job, NotAccepting, QueueFull, mark
 from ds4jax.serving.errors import APIError, ServerCode
@@ -37,7 +37,6 @@ from ds4jax.serving.responses import Choice, Shape
 from ds4jax.serving.sse import SSEResponse
 
 log = logging.getLogger("ds4jax.serve")
-DISCONNECT_POLL_S = 0.25  # how often a whole-response request checks that its client is still there
 # The engine thread waits for the GIL while the event loop encodes and writes tokens; at CPython's default switch
 # interval (5 ms) each engine call could start that much late. 0.5 ms doubled the tokens/s of 32 streams over a
 # fake engine of 10 ms calls on the 2-core CPU (scripts/bench_serve.py measures the real one).
@@ -215,16 +214,17 @@ class Server:
         return sink
 
     async def _whole(self, request, shape: Shape, choices, jobs, inbox, prompt_tokens: int) -> Response:
+        """The whole response once every choice has finished; a client that leaves first gets its jobs cancelled
+        (their slots freed) as soon as it goes: `sse.watch` puts `LEFT` into the inbox this waits on (it polled
+        `request.is_disconnected()` every 0.25 s before)."""
         pending = len(jobs)
+        watcher = asyncio.get_running_loop().create_task(sse.watch(request.receive, inbox))
         try:
             while pending:
-                try:
-                    index, kind, value = await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        log.info("%s: the client left; cancelling", shape.id)
-                        return Response(status_code=499)
-                    continue
+                index, kind, value = await inbox.get()
+                if kind == "left":
+                    log.info("%s: the client left; cancelling", shape.id)
+                    return Response(status_code=499)
                 if kind == "tokens":
                     choices[index].extend(value)
                 else:
@@ -234,6 +234,7 @@ class Server:
                         raise _result_error(value)
             return JSONResponse(shape.whole(choices, prompt_tokens))
         finally:
+            watcher.cancel()
             for job in jobs:
                 if job.result is None:
                     self.driver.cancel(job)

@@ -29,7 +29,7 @@ class SSEResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.get_running_loop().create_task(_watch(receive, self.inbox))
+        watcher = asyncio.get_running_loop().create_task(watch(receive, self.inbox))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
@@ -40,8 +40,9 @@ class SSEResponse(Response):
             await self.body_iterator.aclose()  # (ended already, or stopped mid-way: its finally frees the slots)
 
 
-async def _watch(receive, inbox: asyncio.Queue) -> None:
-    """Until the client disconnects (or the response completes: uvicorn then answers ``http.disconnect`` too)."""
+async def watch(receive, inbox: asyncio.Queue) -> None:
+    """Until the client disconnects (or the response completes: uvicorn then answers ``http.disconnect`` too), then
+    `LEFT` into the inbox. Also the whole-response path's watcher (`app._whole`, after the request body is read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
     inbox.put_nowait(LEFT)
