@@ -31,15 +31,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 log=$OUT/session.log
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "commit ${COMMIT:-unknown}"; } >>"$log" 2>&1
-part() {  # part NAME SECONDS CMD...: skipped at 0 (`timeout 0` would mean no limit); its folder packed at the end
-  local name=$1 secs=$2; shift 2
-  [ "$secs" -gt 0 ] || { echo "$name: skipped" >>"$log"; return; }
-  local t=$SECONDS
-  mkdir -p "$OUT/$name"
-  timeout "$secs" "$@" >"$OUT/$name/log.txt" 2>&1
-  echo "$name: exit $? after $((SECONDS - t)) s" >>"$log"
-  tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
-}
+source scripts/gpu_parts.sh  # part NAME SECONDS CMD...
 export OUT
 # flash_slice(4) in bf16 is 68 GB: on a card of less memory (an H100: 80 GB, ~64 GB usable) the parts that load
 # it fail with an OOM after spending their time, so they are skipped there and the scan part measures the default
