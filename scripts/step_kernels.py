@@ -6,7 +6,8 @@ Issue 27 asks for <= 150 kernels per decode step at batch 1; a profile names ker
 `input_reduce_fusion_53`, which says nothing about the model. Here each launching instruction (a fusion, a custom
 call such as a Pallas kernel, an unfused copy / sort / scatter) is counted under its `op_name` metadata, cut to the
 layer scope and the module path below it, per computation (the entry, and the bodies of loops: a scanned layer kind
-runs its body once per layer of the kind; `trip` gives the count where XLA knows it).
+runs its body once per layer of the kind; `trip` gives the count where XLA knows it; a loop's condition counts
+too).
 
     PYTHONPATH=. python scripts/step_kernels.py --out /tmp/kernels --program decode --rows 1
     PYTHONPATH=. python scripts/step_kernels.py --hlo /tmp/kernels/decode_r1.hlo.txt   # re-read a saved module

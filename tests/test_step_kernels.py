@@ -1,0 +1,77 @@
+"""scripts/step_kernels.py reads an optimized HLO module's launches: the entry's and its loops' (times the known trip
+count), not fusion bodies or free ops, each under its layer scope and the innermost ds4jax frame of its stack."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import step_kernels  # noqa: E402
+
+HLO = '''HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "/x/site-packages/jax/_src/numpy.py"
+2 "/work/ds4jax/model/layers/linear.py"
+
+FunctionNames
+1 "einsum"
+2 "_one_row"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=2 function_name_id=2 line=53 end_line=53 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=2 parent_frame_id=0}
+2 {file_location_id=1 parent_frame_id=1}
+
+%fused_computation (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %m = f32[4]{0} multiply(%p0, %p0)
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %f1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/while/body/layer1+2j_csa/mul" stack_frame_id=2}
+  %f2 = f32[4]{0} fusion(%f1), kind=kInput, calls=%fused_computation, metadata={op_name="jit(step)/while/body/layer1+2j_csa/add"}
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %f2)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main (a: f32[4], /*index=1*/b: s32[]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = s32[] parameter(1)
+  %e = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/target/embed/mul"}
+  %tup = (s32[], f32[4]{0}) tuple(%b, %e)
+  %w = (s32[], f32[4]{0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %k = f32[4]{0} custom-call(%e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/target/layer0_sliding/sinkhorn"}
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+'''
+
+
+def test_launches_count_loop_bodies_by_trip_count_and_skip_free_ops():
+    res = step_kernels.launches(HLO)
+    # entry: a fusion and a custom call; the loop's body (2) and condition (its compare) each of 3 trips
+    assert res["per_step"] == 2 + 2 * 3 + 1 * 3 and res["in_loops_of_unknown_trip"] == 0
+    assert res["computations"]["body"]["trip"] == 3 and res["computations"]["main"]["launches"] == 2
+    assert "fused_computation" not in res["computations"] and res["computations"]["cond"]["launches"] == 1
+    assert res["by_kind"]["custom-call:__gpu$xla.gpu.triton"] == 1 and res["by_kind"]["fusion:kLoop"] == 4
+
+
+def test_each_launch_is_named_by_layer_scope_and_innermost_ds4jax_frame():
+    res = step_kernels.launches(HLO)
+    assert res["by_scope"]["layer1+2j_csa/mul"] == 3 and res["by_scope"]["layer0_sliding/sinkhorn"] == 1
+    assert res["by_scope"]["(outside layers)/embed"] == 1
+    # frame 2 is jax's einsum called from linear._one_row: the ds4jax frame names the launch
+    assert res["by_source"]["ds4jax/model/layers/linear.py:_one_row:53"] == 3
+    assert res["by_source"]["(no stack frame)"] == 2 + 3 + 3  # the entry's two, f2 and the loop's compare 3 times
