@@ -56,7 +56,7 @@ ENTRY %main (a: f32[4], /*index=1*/b: s32[]) -> f32[4] {
   %k = f32[4]{0} custom-call(%e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/target/layer0_sliding/sinkhorn"}
   ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
 }
-'''
+'''  # noqa: E501 (HLO lines as XLA prints them)
 
 
 def test_launches_count_loop_bodies_by_trip_count_and_skip_free_ops():
