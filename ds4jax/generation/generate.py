@@ -17,7 +17,7 @@ import numpy as np
 from typing import Callable
 
 from ds4jax.errors import ArgumentError, DeviceMemoryError, RuntimeFailure
-from ds4jax.generation import buckets
+from ds4jax.generation import buckets, compile_ahead
 from ds4jax.generation.engine import Engine, bucket, default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.requests import ErrorCode, GenerateResult, Request, row_seed  # noqa: F401 (re-exported)
 from ds4jax.model.finite import nonfinite_error
@@ -119,6 +119,7 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
                         stop_ids=tuple(params.stop_ids), speculative=k or None,  # k: the pools may take more
                         on_token=None if on_token is None else (lambda ev, r=r: on_token(r, ev.token) and None))
                 for r, p in enumerate(prompts)]
+    compile_ahead.start(engine, streaming=on_token is not None)  # decode programs compiling beside the prefill's
     results = engine.generate(requests)
     for r, res in enumerate(results):
         if check_finite and res.error is ErrorCode.NON_FINITE:  # name the first layer that produced them

@@ -311,17 +311,31 @@ def _load(key: str):
         return None
 
 
+_fresh_lock = threading.Lock()
+_fresh_depth = 0  # threads inside `fresh_compiles` (the warm-up's pool, a compile ahead, a call's own compile)
+_fresh_before: float | None = None
+
+
 @contextlib.contextmanager
 def fresh_compiles():
-    """Within: compiles are never written to JAX's persistent cache (see `_fresh_compile`). Process-wide: enter it
-    on one thread around every compile that needs it (precompile's pool does)."""
+    """Within: compiles are never written to JAX's persistent cache (see `_fresh_compile`). Process-wide (a JAX
+    config value), so counted: the first thread in sets it, the last one out restores it. Two threads that each
+    saved and restored it (a one-shot `generate` compiles its decode program ahead, beside the prefill's compile)
+    would otherwise restore the other's setting: a compile written to JAX's cache, or the cache left off."""
+    global _fresh_depth, _fresh_before
     name = "jax_persistent_cache_min_compile_time_secs"
-    before = getattr(jax.config, name)
-    jax.config.update(name, float("inf"))
+    with _fresh_lock:
+        if _fresh_depth == 0:
+            _fresh_before = getattr(jax.config, name)
+            jax.config.update(name, float("inf"))
+        _fresh_depth += 1
     try:
         yield
     finally:
-        jax.config.update(name, before)
+        with _fresh_lock:
+            _fresh_depth -= 1
+            if _fresh_depth == 0:
+                jax.config.update(name, _fresh_before)
 
 
 def _fresh_compile(lowered):
