@@ -24,12 +24,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale, unpack_fp4
-from pallas_kernels.grouped_matmul.blocks import choose_k_splits
-from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write_tile
+from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
+from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
 
-ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale: the depth of each dot
 
 
 def _scale_rows(s_ref, g, j0, block_j: int, n0, block_n: int):
@@ -99,33 +98,7 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     """
     ws = tuple(tuple(w) for w in ws)
     validate_grouped_matmul_fp4_static(x, ws, tile_group)
-    rows, k = x.shape
-    kk, n = ws[0][0].shape[1:]
-    tiles = tile_group.shape[0]
-    tile_m = rows // tiles
-    bs = block_sizes or BlockSizes.get_default(x.dtype, tile_m)
+    bs = block_sizes or BlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0])
     bs.validate()
-    block_n = min(bs.block_n, n)
-    block_j = max(ROWS_PER_SCALE, min(bs.block_j, kk) // ROWS_PER_SCALE * ROWS_PER_SCALE)
-    if n % block_n or kk % block_j:
-        raise ValueError(f"n={n} and k/2={kk} must be multiples of block_n={block_n} and block_j={block_j}")
-    n_blocks, j_blocks = n // block_n, kk // block_j
-    k_splits = choose_k_splits(bs.k_splits, tiles=tiles, n_blocks=n_blocks, k_blocks=j_blocks)
-    x_even, x_odd = x[:, 0::2], x[:, 1::2]  # inputs 2j and 2j + 1: packed row j's low and high nibbles
-    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j, s: (0,) * a.ndim)
-    x_spec = pl.BlockSpec((tile_m, kk), lambda t, j, s: (t, 0))
-    flat_ws = [a for pair in ws for a in pair]
-    out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
-    out = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits, dots=bs.dots,
-                          decode=bs.decode, precision=_backend.dot_precision(x.dtype)),
-        grid=(tiles, n_blocks, k_splits),
-        in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), x_spec, x_spec] + [whole(a) for a in flat_ws],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_backend.compiler_params(num_warps=bs.num_warps, num_stages=bs.num_stages,
-                                                 interpret=interpret),
-        interpret=interpret,
-        name="grouped_matmul_fp4",
-    )(tile_group, x_even, x_odd, *flat_ws)
-    return sum_splits(out)
+    return launch(_kernel, x, ws, tile_group, bs, name="grouped_matmul_fp4", interpret=interpret, dots=bs.dots,
+                  decode=bs.decode, precision=_backend.dot_precision(x.dtype))
