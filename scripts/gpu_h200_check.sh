@@ -13,15 +13,8 @@
 # (seconds per part; 0 skips one; defaults 330 230 0 0 fit one 600 s call; then e.g. `... 0 0 110 200`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-log=$OUT/session.log
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "commit ${COMMIT:-unknown}"; } >>"$log" 2>&1
-source scripts/gpu_parts.sh  # part NAME SECONDS CMD...
-export OUT
-GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc 0-9)
-BIG=$([ "${GPU_MIB:-0}" -ge 100000 ] && echo 1 || echo 0)
+source scripts/gpu_parts.sh  # wheels, OUT, the session log, BIG_GPU, part NAME SECONDS CMD...
+BIG=$BIG_GPU
 [ "$BIG" = 1 ] || echo "GPU memory ${GPU_MIB:-unknown} MiB: e2e and quantized skipped (flash_slice(4) needs ~68 GB)" >>"$log"
 part e2e "$([ "$BIG" = 1 ] && echo "${1:-330}" || echo 0)" python3 scripts/bench_e2e.py --out "$OUT/e2e" \
     --sides ds4jax,hf --commit "${COMMIT:-unknown}" \

@@ -26,18 +26,9 @@
 # `... gpu_round_check.sh 0 0 0 0 0 0 300`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/gpu_wheels.sh  # PYTHONPATH, and the carried serve wheels (.whl/)
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-log=$OUT/session.log
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "commit ${COMMIT:-unknown}"; } >>"$log" 2>&1
-source scripts/gpu_parts.sh  # part NAME SECONDS CMD...
-export OUT
-# flash_slice(4) in bf16 is 68 GB: on a card of less memory (an H100: 80 GB, ~64 GB usable) the parts that load
-# it fail with an OOM after spending their time, so they are skipped there and the scan part measures the default
-# model alone
-GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc 0-9)
-BIG_GPU=$([ "${GPU_MIB:-0}" -ge 100000 ] && echo 1 || echo 0)
+source scripts/gpu_parts.sh  # wheels, OUT, the session log, BIG_GPU, part NAME SECONDS CMD...
+# on a card under 100 GB the parts that load flash_slice(4) in bf16 are skipped and the scan part measures the
+# default model alone
 if [ "$BIG_GPU" = 0 ]; then
   echo "GPU memory ${GPU_MIB:-unknown} MiB: e2e skipped, scan on the default model only (flash_slice(4) needs ~68 GB)" >>"$log"
   export SCAN_MODELS=${SCAN_MODELS:-default}
