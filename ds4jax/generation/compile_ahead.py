@@ -63,9 +63,12 @@ def start(engine, *, streaming: bool) -> bool:
         for k in engine.policy.ks:  # padding rows capped at k: the program of k drafts (as the warm-up does)
             calls.append(lambda rows=rows, k=k: engine._spec_call(
                 pad(rows)._replace(k_cap=np.full(rows, k, np.int32))))
-    with precompile.capturing() as jobs:
-        for call in calls:
-            precompile.run_captured(call)
+    try:
+        with precompile.capturing() as jobs:
+            for call in calls:
+                precompile.run_captured(call)
+    except Exception:  # noqa: BLE001 (tracing or lowering failed: the call meets it again and reports it)
+        return False
     if not any(job.compile is not None for job in jobs):
         return False
     engine.programs = AfterCompile(engine.programs, _executor().submit(precompile.compile_all, jobs))
