@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 from pallas_kernels._util import cdiv
 
+# Architectures with ~227 KB of shared memory per block (Hopper, datacenter Blackwell): the wide prefill tile
+# needs 221 KB; sm80 (163 KB), sm89 / sm120 (~100 KB) and every ROCm target (64 KB LDS on MI300) do not have it
+WIDE_SHARED_MEMORY = ("sm90", "sm100")
 # Programs that keep every SM of an H200 (132) streaming weights with a few programs each; MI300X has 304 CUs.
 TARGET_PROGRAMS = 4 * 132
 MIN_K_BLOCKS_PER_SPLIT = 4
@@ -34,25 +37,20 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, dtype=None, tile_m: int = 16, arch: str | None = None) -> "BlockSizes":
-        """Tiles that fit MI300's LDS on every target, except bf16 prefill tiles on sm90 and later.
+        """Tiles that fit MI300's LDS on every target, except bf16 prefill tiles where `WIDE_SHARED_MEMORY`.
 
         Prefill (tile_m 64) re-reads a tile's rows once per column block: on an H100 (`bench_kernels.py --ops
         bf16_gate_up,bf16_down --sweep --sweep-at 2048:0`, docs/benchmarks/kernels_grouped_prefill_h100.md)
-        block_n 256, block_k 64, 8 warps, 3 stages (221 KB of shared memory for gate + up: Hopper's 227 KB, not
-        MI300's 64) took 3.44 / 2.00 ms for gate + up / down at 2048 tokens against 4.70 / 3.01 ms for the tile below
-        (89 / 81 % of the bandwidth against 65 / 54 %)."""
+        block_n 256, block_k 64, 8 warps, 3 stages (221 KB of shared memory for gate + up: `WIDE_SHARED_MEMORY`
+        targets only) took 3.44 / 2.00 ms for gate + up / down at 2048 tokens against 4.70 / 3.01 ms for the tile
+        below (89 / 81 % of the bandwidth against 65 / 54 %)."""
         wide = dtype is not None and jnp.dtype(dtype).itemsize == 4
         block_k = 32 if wide else 64
-        if tile_m > 16 and not wide and _sm(arch) >= 90:
+        if tile_m > 16 and not wide and arch in WIDE_SHARED_MEMORY:
             return cls(block_n=256, block_k=64, num_warps=8, num_stages=3)
         if tile_m > 16:  # prefill tiles: fewer stages keep (64 + 2 * 64) x 64 bf16 x 2 stages = 48 KB
             return cls(block_k=block_k, num_stages=2)
         return cls(block_k=block_k)
-
-
-def _sm(arch: str | None) -> int:
-    """The compute capability of an NVIDIA arch name ("sm90" -> 90); 0 for anything else (ROCm, None)."""
-    return int(arch[2:]) if arch and arch.startswith("sm") and arch[2:].isdigit() else 0
 
 
 def choose_k_splits(k_splits: int | None, *, tiles: int, n_blocks: int, k_blocks: int) -> int:

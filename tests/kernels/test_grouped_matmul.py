@@ -83,3 +83,18 @@ def test_validation_names_the_argument():
         grouped_matmul(x, (w,), jnp.zeros((3,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match=r"ws\[1\]"):
         grouped_matmul(x, (w, jnp.zeros((4, 16, 8))), jnp.zeros((2,), jnp.int32), interpret=True)
+
+
+def test_prefill_tiles_per_architecture():
+    """Hopper's wide prefill tile (221 KB of shared memory) only where a block can have it; decode tiles and f32
+    everywhere the same; every other target (ROCm's 64 KB LDS, sm80, consumer sm120) the tile that fits 64 KB."""
+    from pallas_kernels.grouped_matmul.blocks import BlockSizes
+
+    wide = BlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3)
+    narrow = BlockSizes(block_k=64, num_stages=2)
+    for arch in ("sm90", "sm100"):
+        assert BlockSizes.get_default("bfloat16", 64, arch=arch) == wide
+        assert BlockSizes.get_default("bfloat16", 16, arch=arch) == BlockSizes(block_k=64)
+        assert BlockSizes.get_default("float32", 64, arch=arch) == BlockSizes(block_k=32, num_stages=2)
+    for arch in ("gfx942", "gfx950", "sm80", "sm120", None):
+        assert BlockSizes.get_default("bfloat16", 64, arch=arch) == narrow
