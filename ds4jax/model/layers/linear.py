@@ -46,7 +46,7 @@ def _one_row(x: jax.Array, w) -> jax.Array:
     elements (its algebraic simplifier's dot strength reduction; no flag turns it off), and on the decode step at
     batch 1 it then wrote the [in, out] float32 product to memory between two kernels: 4x the weight's bytes for
     wq_a, wkv, the compressors, the router and the shared expert (`scripts/step_kernels.py`,
-    `scripts/probe_gemv.py`). With two rows the dot stays a GEMM that reads the weight once; the pad fuses into the
+    `scripts/probe_gemv.py`). With two rows the dot stays a GEMM that reads the weight once; the pad fuses with the
     producer of x (flash_slice(2) decode at batch 1 on an H100, 8 steps per call: 1.24 -> 1.03 ms per step;
     304 -> 278 launches for flash_slice(4)). ROCm's XLA shares the simplifier. The zero row costs nothing on a
     memory-bound GEMV."""
