@@ -139,6 +139,7 @@ def launches(text: str, depth: int = 2) -> dict:
     runs = scheduled(comps)
     chain = frames(text)
     per_comp, by_scope, by_kind, by_source = {}, collections.Counter(), collections.Counter(), collections.Counter()
+    by_layer = collections.Counter()
     total = unknown = 0
     for name, mult in runs.items():
         items = []
@@ -158,6 +159,7 @@ def launches(text: str, depth: int = 2) -> dict:
             by_scope[where] += weight
             by_kind[kind] += weight
             by_source[src] += weight
+            by_layer[where.split("/")[0] if where.startswith("layer") else "(outside layers)"] += weight
         if items:
             per_comp[name] = {"trip": mult, "launches": len(items), "items": items}
         if mult is None:
@@ -165,8 +167,8 @@ def launches(text: str, depth: int = 2) -> dict:
         else:
             total += len(items) * mult
     return {"per_step": total, "in_loops_of_unknown_trip": unknown, "by_scope": dict(by_scope.most_common()),
-            "by_kind": dict(by_kind.most_common()),
-            "by_source": dict(by_source.most_common()), "computations": per_comp}
+            "by_kind": dict(by_kind.most_common()), "by_source": dict(by_source.most_common()),
+            "by_layer": dict(sorted(by_layer.items())), "computations": per_comp}
 
 
 def compile_step(args) -> str:
@@ -190,7 +192,9 @@ def render(res: dict, title: str) -> str:
     lines = [f"# Kernel launches per step: {title}", "",
              f"**{res['per_step']}** launches per step (static count from the optimized HLO: loop bodies times their "
              f"trip count{f'; {unknown} in loops of unknown trip count' if unknown else ''}).",
-             "", "| scope | launches per step |", "|---|---|"]
+             "", "| layer (scope; a scanned body counts once per layer it runs) | launches per step |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in res["by_layer"].items()]
+    lines += ["", "| scope | launches per step |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in res["by_scope"].items()]
     lines += ["", "| source (innermost ds4jax frame) | launches per step |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in res["by_source"].items()]

@@ -72,6 +72,7 @@ def test_each_launch_is_named_by_layer_scope_and_innermost_ds4jax_frame():
     res = step_kernels.launches(HLO)
     assert res["by_scope"]["layer1+2j_csa/mul"] == 3 and res["by_scope"]["layer0_sliding/sinkhorn"] == 1
     assert res["by_scope"]["(outside layers)/embed"] == 1
+    assert res["by_layer"] == {"(outside layers)": 1 + 3, "layer0_sliding": 1, "layer1+2j_csa": 2 * 3}
     # frame 2 is jax's einsum called from linear._one_row: the ds4jax frame names the launch
     assert res["by_source"]["ds4jax/model/layers/linear.py:_one_row:53"] == 3
     assert res["by_source"]["(no stack frame)"] == 2 + 3 + 3  # the entry's two, f2 and the loop's compare 3 times
