@@ -23,8 +23,6 @@ import concurrent.futures
 import os
 import threading
 
-import numpy as np
-
 from ds4jax.runtime import precompile
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -52,21 +50,15 @@ def start(engine, *, streaming: bool) -> bool:
     """Start compiling `engine`'s decode and speculative programs (for a streaming call only under "always");
     False when it did not: the setting, nothing to compile (the programs are in memory already), or programs that
     compile stage by stage (a layer split)."""
-    if setting() == "off" or (streaming and setting() != "always"):
+    chosen = setting()
+    if chosen == "off" or (streaming and chosen != "always"):
         return False
     if not engine.programs.precompiles or isinstance(engine.programs, AfterCompile):
         return False
-    pad = lambda rows: engine._padding_rows([None] * rows)  # noqa: E731
-    calls = []
-    for rows in engine.row_buckets:
-        calls.append(lambda rows=rows: engine._decode_call(pad(rows)))
-        for k in engine.policy.ks:  # padding rows capped at k: the program of k drafts (as the warm-up does)
-            calls.append(lambda rows=rows, k=k: engine._spec_call(
-                pad(rows)._replace(k_cap=np.full(rows, k, np.int32))))
     try:
         with precompile.capturing() as jobs:
-            for call in calls:
-                precompile.run_captured(call)
+            for *_, run in engine._decode_program_calls():  # the warm-up's decode and speculative calls
+                precompile.run_captured(run)
     except Exception:  # noqa: BLE001 (tracing or lowering failed: the call meets it again and reports it)
         return False
     if not any(job.compile is not None for job in jobs):

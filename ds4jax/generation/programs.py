@@ -169,6 +169,20 @@ class EngineWarmup:
                 raise PoolError("warmup() needs an idle engine with nothing parked")
             return self._warmup()
 
+    def _decode_program_calls(self) -> list[tuple[str, int, int, Callable[[], object]]]:
+        """(kind, rows, width, run once on padding rows) of the decode program of every row bucket and its
+        speculative ones (padding rows capped at k: the program of k drafts); the warm-up's, and what a one-shot
+        engine compiles ahead (`compile_ahead`)."""
+        pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
+        calls = []
+        for rows in self.row_buckets:
+            calls.append(("decode", rows, self.steps_per_call, lambda rows=rows: self._decode_call(pad(rows))))
+            for k in self.policy.ks:
+                capped = lambda rows=rows, k=k: pad(rows)._replace(k_cap=np.full(rows, k, np.int32))  # noqa: E731
+                calls.append(("speculative", rows, self.steps_per_call,
+                              lambda capped=capped: self._spec_call(capped())))
+        return calls
+
     def _warmup(self) -> WarmupReport:
         rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
         pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
@@ -177,12 +191,7 @@ class EngineWarmup:
         for rows, width in self.buckets.prefill:
             calls.append(("prefill", rows, width, lambda rows=rows, width=width: self._prefill_call(
                 pad(rows), z(rows, width), z(rows), z(rows, width), np.zeros(rows, bool))))
-        for rows in self.row_buckets:
-            calls.append(("decode", rows, self.steps_per_call, lambda rows=rows: self._decode_call(pad(rows))))
-            for k in self.policy.ks:  # padding rows capped at k: the program of k drafts
-                capped = lambda rows=rows, k=k: pad(rows)._replace(k_cap=np.full(rows, k, np.int32))  # noqa: E731
-                calls.append(("speculative", rows, self.steps_per_call,
-                              lambda capped=capped: self._spec_call(capped())))
+        calls += self._decode_program_calls()
         snapshots_on = self.snapshots.budget_bytes > 0
         if snapshots_on:  # the weights' digests (every snapshot carries them), then the restore program
             # the digest program compiles on the pool beside the others: run after them it stood alone on the

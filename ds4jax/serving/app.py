@@ -34,7 +34,6 @@ from ds4jax.serving.errors import APIError, ServerCode
 from ds4jax.serving.handoff import Handoff
 from ds4jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ds4jax.serving.responses import Choice, Shape
-from ds4jax.serving.sse import SSEResponse
 
 log = logging.getLogger("ds4jax.serve")
 # The engine thread waits for the GIL while the event loop encodes and writes tokens; at CPython's default switch
@@ -196,7 +195,7 @@ class Server:
         prompt_tokens = sum(map(len, p.prompts))
         if p.stream:
             self.metrics.requests.labels(route, "200").inc()
-            return SSEResponse(self._events(shape, choices, jobs, inbox, p, prompt_tokens), inbox, SSE_HEADERS)
+            return sse.SSEResponse(self._events(shape, choices, jobs, inbox, p, prompt_tokens), inbox, SSE_HEADERS)
         return self._answer(route, await self._whole(request, shape, choices, jobs, inbox, prompt_tokens))
 
     def _engine_request(self, p, ids, choice: int, job: Job) -> Request:

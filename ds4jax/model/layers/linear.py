@@ -59,10 +59,9 @@ def grouped_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [g, n, i] @ w [g, i, o] -> [g, n, o] float32 (a batched matmul every backend supports); one row (n = 1)
     goes through two, as in `_one_row` (attention's wo_a at decode batch 1 was a multiply + reduce kernel reading
     its 67 MB at ~30 % of the bandwidth, every layer)."""
-    if x.shape[1] == 1:
-        z = jnp.einsum("gni,gio->gno", jnp.pad(x, ((0, 0), (0, 1), (0, 0))), w, preferred_element_type=jnp.float32)
-        return z[:, :1]
-    return jnp.einsum("gni,gio->gno", x, w, preferred_element_type=jnp.float32)
+    rows = x.shape[1]
+    x = jnp.pad(x, ((0, 0), (0, 1), (0, 0))) if rows == 1 else x
+    return jnp.einsum("gni,gio->gno", x, w, preferred_element_type=jnp.float32)[:, :rows]
 
 
 def linear(x: jax.Array, w) -> jax.Array:
