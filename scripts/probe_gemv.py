@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_kernels  # noqa: E402  (scripts/: the launch counter)
 
 K, N, N2 = 4096, 1024, 512
 
@@ -58,21 +63,18 @@ def variants():
 
 
 def inspect(text: str) -> dict:
-    entry = text[text.index("\nENTRY"):]
-    body = entry[: entry.index("\n}")]
-    launches, big = 0, []
-    for line in body.splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = (\(?[^=]*?\)?) (\w[\w\-]*)\(", line)
-        if not m or m.group(3) in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
-            continue
-        launches += 1
-        for dims in re.findall(r"f32\[([\d,]+)\]", m.group(2)):
-            n = 1
-            for d in dims.split(","):
-                n *= int(d)
-            if n >= K * N2 // 4:
-                big.append(f"{m.group(1)}: f32[{dims}]")
-    return {"launches": launches, "materialized": big}
+    """Launches per call (`step_kernels.launches`) and the launches whose float32 output has >= K * N2 / 4
+    elements."""
+    comps, big = step_kernels.parse(text), []
+    for comp in step_kernels.scheduled(comps):
+        for name, opcode, line in comps[comp]["instrs"]:
+            if opcode in step_kernels.FREE_OPCODES:
+                continue
+            out = line.split("=", 1)[1].split(f" {opcode}(", 1)[0]
+            for dims in re.findall(r"f32\[([\d,]+)\]", out):
+                if math.prod(int(d) for d in dims.split(",")) >= K * N2 // 4:
+                    big.append(f"{name}: f32[{dims}]")
+    return {"launches": step_kernels.launches(text)["per_step"], "materialized": big}
 
 
 def main(argv=None) -> int:

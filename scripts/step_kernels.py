@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # opcodes that launch nothing at run time (views, tuples, control flow whose bodies are counted themselves)
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
          "after-all", "add-dependency", "partition-id", "replica-id", "opt-barrier", "copy-done", "async-done",
          "get-dimension-size"}
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -144,7 +144,7 @@ def launches(text: str, depth: int = 2) -> dict:
     for name, mult in runs.items():
         items = []
         for iname, opcode, line in comps[name]["instrs"]:
-            if opcode in _FREE:
+            if opcode in FREE_OPCODES:
                 continue
             m = _OP_NAME.search(line)
             where = scope(m.group(1), depth) if m else "(no metadata)"
