@@ -25,6 +25,8 @@ from pallas_kernels.indexer_topk import (
     validate_indexer_topk_dynamic,
     validate_indexer_topk_static,
 )
+from pallas_kernels.mhc_pre import BlockSizes as MhcPreBlockSizes
+from pallas_kernels.mhc_pre import mhc_pre, mhc_pre_reference, validate_mhc_pre_static
 from pallas_kernels.sinkhorn import BlockSizes as SinkhornBlockSizes
 from pallas_kernels.sinkhorn import sinkhorn, sinkhorn_reference, validate_sinkhorn_static
 from pallas_kernels.sparse_attention import BlockSizes as SparseAttentionBlockSizes
@@ -53,18 +55,22 @@ __all__ = [
     "grouped_matmul_fp8",
     "grouped_matmul_fp8_reference",
     "IndexerTopkBlockSizes",
+    "MhcPreBlockSizes",
     "SinkhornBlockSizes",
     "SparseAttentionBlockSizes",
     "finalize_partials",
     "indexer_topk",
     "indexer_topk_reference",
     "merge_partials",
+    "mhc_pre",
+    "mhc_pre_reference",
     "sinkhorn",
     "sinkhorn_reference",
     "sparse_attention",
     "sparse_attention_reference",
     "validate_indexer_topk_dynamic",
     "validate_indexer_topk_static",
+    "validate_mhc_pre_static",
     "validate_sinkhorn_static",
     "validate_sparse_attention_dynamic",
     "validate_sparse_attention_static",

@@ -49,6 +49,13 @@ def gather_rows(ref, ids, valid):
     return _triton().load(ref.at[rows, cols], mask=jnp.broadcast_to(valid[:, None], (n, d)), other=other)
 
 
+def load_at(ref, indices, valid):
+    """ref[indices] where valid, else 0: `indices` one int32 index array per dim of ref (broadcastable to valid's
+    shape, in range wherever valid is false too: the interpreter gathers every lane), a masked gather."""
+    other = jnp.zeros((), ref.dtype)
+    return _triton().load(ref.at[tuple(indices)], mask=valid, other=other)
+
+
 def load_1d(ref, pos, valid, other):
     """ref [n], pos [...] i32, valid [...] bool -> ref[pos] where valid, else `other` (invalid slots never read)."""
     return _triton().load(ref.at[jnp.where(valid, pos, 0)], mask=valid, other=other)

@@ -31,6 +31,10 @@ def _norm(h):  # rms_norm's shape of work: float32 statistics, one cast back
     return (h32 * lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
 
 
+def _pad2(x):  # one token [1, 1, K] -> [2, K], a zero row added
+    return jnp.pad(x.reshape(1, K), ((0, 1), (0, 0)))
+
+
 def variants():
     """name -> (function, example args): the projection of a normed one-token hidden state."""
     x3 = jax.ShapeDtypeStruct((1, 1, K), jnp.bfloat16)
@@ -54,6 +58,12 @@ def variants():
                       (x3, stacked)),
         "pad2_zero_two": (lambda x, w, v: tuple(dot2d(jnp.pad(_norm(x).reshape(1, K), ((0, 1), (0, 0))), m[0])[:1]
                                                 for m in (w, v)), (x3, stacked, stacked2)),
+        # two rows without a pad kernel of their own: a broadcast (which XLA's Triton GEMM fusion takes into its
+        # operand), or the zero row padded on before the norm (the pad fused into the norm's input)
+        "broadcast2": (lambda x, w: dot2d(jnp.broadcast_to(_norm(x).reshape(1, K), (2, K)), w[0])[:1], (x3, stacked)),
+        "pad2_before_norm": (lambda x, w: dot2d(_norm(_pad2(x)), w[0])[:1], (x3, stacked)),
+        "pad2_before_norm_two": (lambda x, w, v: tuple(dot2d(_norm(_pad2(x)), m[0])[:1] for m in (w, v)),
+                                 (x3, stacked, stacked2)),
         "concat_self": (lambda x, w: dot2d(jnp.concatenate([_norm(x).reshape(1, K)] * 2), w[0])[:1], (x3, stacked)),
         "dot2d_bf16_out": (lambda x, w: lax.dot_general(_norm(x).reshape(1, K), w[0], (((1,), (0,)), ((), ()))),
                            (x3, stacked)),

@@ -299,15 +299,19 @@ def test_dispatch_under_a_mesh_uses_shard_map():
     attn = lambda *a: kernels.sparse_attention(*a, scale=0.1, impl=kernels.Impl.PALLAS_INTERPRET)
     plain = str(jax.make_jaxpr(attn)(*args))
     assert "pallas_call" in plain and "shard_map" not in plain
-    sinkhorn = lambda lg: kernels.sinkhorn(lg, 20, 1e-6, impl=kernels.Impl.PALLAS_INTERPRET)
-    logits = S((2, 3, 4, 4), np.float32)
-    assert "shard_map" not in str(jax.make_jaxpr(sinkhorn)(logits))
+    mhc_cfg = ds4jax.tiny()
+    m, e = mhc_cfg.hc_mult, mhc_cfg.hidden_size
+    hc = {"fn": S((m * e, 2 * m + m * m), np.float32), "scale": S((3,), np.float32),
+          "base": S((2 * m + m * m,), np.float32)}
+    mhc = lambda x, p, w: kernels.mhc_pre(x, p, w, cfg=mhc_cfg, impl=kernels.Impl.PALLAS_INTERPRET)
+    mhc_args = (S((2, 3, m, e), np.float32), hc, S((e,), np.float32))
+    assert "shard_map" not in str(jax.make_jaxpr(mhc)(*mhc_args))
     layout = make_mesh(tensor=2, expert=2)
     with layout.active():
         sharded = str(jax.make_jaxpr(attn)(*args))
-        sharded_sinkhorn = str(jax.make_jaxpr(sinkhorn)(logits))
+        sharded_mhc = str(jax.make_jaxpr(mhc)(*mhc_args))
     assert "shard_map" in sharded and "pallas_call" in sharded
-    assert "shard_map" in sharded_sinkhorn and "pallas_call" in sharded_sinkhorn
+    assert "shard_map" in sharded_mhc and "pallas_call" in sharded_mhc
 
     cfg = ds4jax.tiny(num_heads=4, o_groups=4)
     abstract = params_lib.abstract(cfg, np.float32)

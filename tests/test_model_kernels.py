@@ -132,15 +132,17 @@ def _abstract_step(cfg, role, dtype, rows=2, tokens=1):
 
 
 @pytest.mark.parametrize("role", [ds4jax.Role.TARGET, ds4jax.Role.DRAFT], ids=["target", "draft"])
-def test_sinkhorn_dispatch_runs_the_kernel(role):
-    """Under pallas_interpret every mHC Sinkhorn of a step is one launch of the Sinkhorn kernel (two a block: the
-    attention and the FFN hyper-connections; the draft is one block), and none under the reference."""
+def test_mhc_dispatch_runs_the_fused_kernel(role):
+    """Under pallas_interpret every hyper-connection pre-step of a step is one launch of the fused mHC kernel (two
+    a block: the attention and the FFN ones; the draft is one block) and the head's is one `mhc_head`; under the
+    reference none of them (nor the stand-alone Sinkhorn kernel) runs."""
     cfg = _three_kinds()
     step, args = _abstract_step(cfg, role, jnp.float32)
     blocks = cfg.num_layers if role is ds4jax.Role.TARGET else 1
-    for impl, launches in ((Impl.PALLAS_INTERPRET, 2 * blocks), (Impl.REFERENCE, 0)):
+    for impl, pre, head in ((Impl.PALLAS_INTERPRET, 2 * blocks, 1), (Impl.REFERENCE, 0, 0)):
         names = list(_kernel_launches(jax.make_jaxpr(functools.partial(step, kernels=impl))(*args).jaxpr))
-        assert names.count("sinkhorn") == launches, (role, impl, names)
+        assert (names.count("mhc_pre"), names.count("mhc_head"), names.count("sinkhorn")) == (pre, head, 0), (
+            role, impl, names)
 
 
 @pytest.mark.parametrize("role,platform", [(ds4jax.Role.TARGET, "cuda"), (ds4jax.Role.TARGET, "rocm"),

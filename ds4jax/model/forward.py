@@ -4,6 +4,7 @@
 The pooled prefill / decode / draft-extend steps live in `ds4jax.runtime.steps` and reuse the same blocks.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -13,7 +14,7 @@ from ds4jax.model import layer_stack, sharding
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.model.layers.attention import attention_sequence
 from ds4jax.model.layers.linear import linear
-from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre
+from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre_normed
 from ds4jax.model.layers import moe_sharded
 from ds4jax.model.layers.moe import Routing, moe
 from ds4jax.model.layers.norms import rms_norm
@@ -29,16 +30,17 @@ class BlockAux(NamedTuple):
 
 
 def block(x: jax.Array, token_ids: jax.Array, p: dict, cfg: Config, mlp: MlpType, attention: AttentionFn,
-          routed=None, sinkhorn=None):
+          routed=None, mhc_pre=None):
     """One decoder block on hyper-connection streams x [b, t, m, e] -> (x', BlockAux).
 
-    `routed` replaces the routed-experts computation (see `moe.moe`), `sinkhorn` the mHC Sinkhorn projection
-    (see `mhc.hc_weights`); None = the model's own."""
-    post, comb, collapsed = hc_pre(x, p["hc_attn"], cfg, sinkhorn_fn=sinkhorn)
-    y, attn_extra = attention(rms_norm(collapsed, p["attn_norm"], cfg.rms_norm_eps))
+    `routed` replaces the routed-experts computation (see `moe.moe`), `mhc_pre(x, hc_params, norm_weight)` the
+    hyper-connection pre-step with the sub-layer's RMSNorm (see `mhc.hc_pre_normed`); None = the model's own."""
+    pre_step = mhc_pre or functools.partial(hc_pre_normed, cfg=cfg)
+    post, comb, h = pre_step(x, p["hc_attn"], p["attn_norm"])
+    y, attn_extra = attention(h)
     x = hc_post(y, x, post, comb)
-    post, comb, collapsed = hc_pre(x, p["hc_ffn"], cfg, sinkhorn_fn=sinkhorn)
-    y, routing = _moe(rms_norm(collapsed, p["ffn_norm"], cfg.rms_norm_eps), token_ids, p["ffn"], cfg, mlp, routed)
+    post, comb, h = pre_step(x, p["hc_ffn"], p["ffn_norm"])
+    y, routing = _moe(h, token_ids, p["ffn"], cfg, mlp, routed)
     return hc_post(y, x, post, comb), BlockAux(routing, attn_extra)
 
 
@@ -55,9 +57,14 @@ def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:
     return jnp.broadcast_to(e[..., None, :], e.shape[:-1] + (cfg.hc_mult, e.shape[-1]))
 
 
-def logits_from_streams(x: jax.Array, head_params: dict, norm: jax.Array, head: jax.Array, cfg: Config) -> jax.Array:
-    """[..., m, e] -> [..., v]: hc_head reduction, final RMSNorm, vocab projection (float32 logits)."""
-    y = rms_norm(hc_head(x, head_params, cfg), norm, cfg.rms_norm_eps)
+def logits_from_streams(x: jax.Array, head_params: dict, norm: jax.Array, head: jax.Array, cfg: Config,
+                        mhc_head=None) -> jax.Array:
+    """[..., m, e] -> [..., v]: hc_head reduction, final RMSNorm, vocab projection (float32 logits).
+    `mhc_head(x, head_params, norm)` replaces the reduction with the norm (one kernel); None = the model's own."""
+    if mhc_head is None:
+        y = rms_norm(hc_head(x, head_params, cfg), norm, cfg.rms_norm_eps)
+    else:
+        y = mhc_head(x, head_params, norm)
     return jnp.einsum("...e,ev->...v", y, head.astype(y.dtype), preferred_element_type=jnp.float32)
 
 

@@ -94,7 +94,7 @@ def kernels_of(case: Case, gpu: GpuTarget) -> list[TritonKernel]:
     """The Triton kernels of `case` on `gpu`; targets that share a lowering platform and tiles share one lowering."""
     dtype = jnp.dtype(DTYPES[case.dtype])
     key = (case, gpu.lowering, tuple(dispatch.block_sizes(op, dtype, gpu.name)
-                                     for op in ("sparse_attention", "indexer_topk", "sinkhorn")))
+                                     for op in ("sparse_attention", "indexer_topk", "mhc_pre")))
     if key not in _LOWERED:
         _LOWERED[key] = triton_kernels(lower_step(case, gpu))
     return _LOWERED[key]

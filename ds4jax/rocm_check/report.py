@@ -63,7 +63,7 @@ def check(rows: list[Row]) -> list[str]:
 
 def _tiles(gpu: GpuTarget) -> list[str]:
     out = []
-    for op in ("sparse_attention", "indexer_topk", "sinkhorn"):
+    for op in ("sparse_attention", "indexer_topk", "mhc_pre"):
         for name, dtype in DTYPES.items():
             bs = dispatch.block_sizes(op, jnp.dtype(dtype), gpu.name)
             fields = ", ".join(f"{f.name}={getattr(bs, f.name)}" for f in dataclasses.fields(bs)

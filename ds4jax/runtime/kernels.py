@@ -27,6 +27,7 @@ import jax
 
 from ds4jax.model import sharding
 from ds4jax.model.layers import linear, mhc, moe
+from ds4jax.model.layers.norms import rms_norm
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
@@ -60,12 +61,12 @@ def kernel_arch(impl: Impl) -> str | None:
 
 
 def block_sizes(op: str, dtype, arch: str | None):
-    """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk" / "sinkhorn") on
+    """The `BlockSizes` the dispatcher hands kernel `op` ("sparse_attention" / "indexer_topk" / "mhc_pre") on
     `arch`."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
     cls = {"sparse_attention": pallas_kernels.SparseAttentionBlockSizes,
            "indexer_topk": pallas_kernels.IndexerTopkBlockSizes,
-           "sinkhorn": pallas_kernels.SinkhornBlockSizes}[op]
+           "mhc_pre": pallas_kernels.MhcPreBlockSizes}[op]
     return cls.get_default(dtype, arch=arch)
 
 
@@ -114,16 +115,29 @@ def routed_experts(x, routing, p, cfg, *, impl: Impl):
     return routed_experts_grouped(x, routing, p, cfg, interpret=impl is Impl.PALLAS_INTERPRET, arch=kernel_arch(impl))
 
 
-def sinkhorn(logits, iters: int, eps: float, *, impl: Impl):
-    """The mHC Sinkhorn projection of [..., m, m] logits -> [..., m, m] f32: `mhc.sinkhorn` (an XLA loop) or the
-    one-launch kernel. Under a mesh the kernel sees every token whole: a few KB, per token, no partitioning."""
-    import pallas_kernels  # here, not at the top: see __getattr__ below
+def mhc_pre(x, p, norm_weight, *, cfg, impl: Impl):
+    """A block's hyper-connection pre-step with its sub-layer's RMSNorm: streams [..., m, e] -> (post [..., m],
+    comb [..., m, m], normalised input [..., e]). REFERENCE: `mhc.hc_pre_normed` (the model's own); otherwise an
+    XLA matmul for the mixes, then everything else in one kernel (`pallas_kernels.mhc_pre`). Under a mesh the
+    kernel sees every token whole: the streams of a step's tokens, no partitioning."""
     if impl is Impl.REFERENCE:
-        return mhc.sinkhorn(logits, iters, eps)
-    kernel = lambda lg: pallas_kernels.sinkhorn(
-        lg, iters=iters, eps=eps, block_sizes=block_sizes("sinkhorn", lg.dtype, kernel_arch(impl)),
-        interpret=impl is Impl.PALLAS_INTERPRET)
-    return sharded_kernels.replicated(kernel, logits)  # shard_map under a mesh
+        return mhc.hc_pre_normed(x, p, norm_weight, cfg)
+    return _mhc_kernel(x, p, norm_weight, cfg=cfg, impl=impl, head=False)
+
+
+def mhc_head(x, p, norm_weight, *, cfg, impl: Impl):
+    """The final hyper-connection (no Sinkhorn, no post) with the final RMSNorm: [..., m, e] -> [..., e]."""
+    if impl is Impl.REFERENCE:
+        return rms_norm(mhc.hc_head(x, p, cfg), norm_weight, cfg.rms_norm_eps)
+    return _mhc_kernel(x, p, norm_weight, cfg=cfg, impl=impl, head=True)
+
+
+def _mhc_kernel(x, p, norm_weight, *, cfg, impl: Impl, head: bool):
+    import pallas_kernels  # here, not at the top: see __getattr__ below
+    kernel = lambda *args: pallas_kernels.mhc_pre(  # noqa: E731
+        *args, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps, head=head,
+        block_sizes=block_sizes("mhc_pre", x.dtype, kernel_arch(impl)), interpret=impl is Impl.PALLAS_INTERPRET)
+    return sharded_kernels.replicated(kernel, mhc.raw_mixes(x, p["fn"]), x, p["scale"], p["base"], norm_weight)
 
 
 def fp8_linear(x, w, *, impl: Impl):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
-from ds4jax.runtime.kernels import Impl, dense_linears, resolve, routed_experts, sinkhorn
+from ds4jax.runtime.kernels import Impl, dense_linears, mhc_head, mhc_pre, resolve, routed_experts
 from ds4jax.runtime import data_parallel, pool_layout as layout
 from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
 from ds4jax.model import layer_stack
@@ -131,18 +131,18 @@ def _pooled_block(x, token_ids, p, pool, rows, g, at: LayerAt, cfg: Config, spec
         return y, (new, selection)
 
     routed = functools.partial(routed_experts, impl=impl)
-    x, aux = block(x, token_ids, p, cfg, at.mlp, attention, routed, functools.partial(sinkhorn, impl=impl))
+    x, aux = block(x, token_ids, p, cfg, at.mlp, attention, routed, functools.partial(mhc_pre, cfg=cfg, impl=impl))
     new, selection = aux.attention
     return x, _store_layer(pool, new, rows, at), selection
 
 
-def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits):
+def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits, impl: Impl):
     if mode is Logits.NONE:
         return None
     if mode is Logits.LAST:
         last = jnp.clip(batch.n_tokens - 1, 0, streams.shape[1] - 1)
         streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)[:, 0]
-    return logits_from_streams(streams, head_params, norm, head, cfg)
+    return logits_from_streams(streams, head_params, norm, head, cfg, functools.partial(mhc_head, cfg=cfg, impl=impl))
 
 
 def step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
@@ -202,7 +202,8 @@ def _layers_and_logits(params, pool: KVPool, batch: StepBatch, streams_in, *, cf
             x, pool, _ = _pooled_block(x, token_ids, mtp["block"], pool, slots, g, at, view, spec, kernels)
         head_params, norm = mtp["hc_head"], mtp["norm"]
     pool = pool.replace(lengths=pool.lengths.at[slots].add(batch.n_tokens, mode="drop"))
-    out = StepOutput(_logits(x, head_params, norm, params.get("head"), batch, cfg, logits), x, tuple(selections))
+    out = StepOutput(_logits(x, head_params, norm, params.get("head"), batch, cfg, logits, kernels), x,
+                     tuple(selections))
     return out, pool
 
 

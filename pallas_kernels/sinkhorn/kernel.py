@@ -35,18 +35,17 @@ from pallas_kernels.sinkhorn.blocks import BlockSizes, launch_block
 from pallas_kernels.sinkhorn.validate import validate_sinkhorn_static
 
 
-def _kernel(x_ref, o_ref, *, tokens: int, m: int, block: int, iters: int, eps: float):
-    start = pl.program_id(0) * block
-    mp = next_pow2(m)  # Triton tensors need power-of-two extents: an m that is not one is padded (masked)
-    edge = None if mp == m else m
-    bounds = (edge_bound(tokens, block), edge, edge)  # None: that dim needs no mask
-    x = _backend.load_tile(x_ref, (start, 0, 0), (block, mp, mp), bounds).astype(jnp.float32)
-    if edge is not None:  # padded logits: -inf (softmax 0) in a real row, and 0 through the normalisations
+def project_tile(x, *, m: int, iters: int, eps: float):
+    """The projection of a [block, mp, mp] f32 tile of logits (mp = next_pow2(m); entries past m are padding,
+    whatever they hold) -> [block, mp, mp] f32, padding 0. Shared with the fused mHC kernel (`mhc_pre`)."""
+    mp = x.shape[-1]
+    keep = lambda c: c  # noqa: E731
+    if mp != m:  # padded logits: -inf (softmax 0) in a real row, and 0 through the normalisations
         i = lax.broadcasted_iota(jnp.int32, x.shape, 1)
         j = lax.broadcasted_iota(jnp.int32, x.shape, 2)
         real = (i < m) & (j < m)
         x = jnp.where(j < m, x, -jnp.inf)
-    keep = (lambda c: c) if edge is None else (lambda c: jnp.where(real, c, 0.0))
+        keep = lambda c: jnp.where(real, c, 0.0)  # noqa: E731
     rows = lambda c: jnp.sum(c, axis=2, keepdims=True)  # noqa: E731
     cols = lambda c: jnp.sum(c, axis=1, keepdims=True)  # noqa: E731
     e = jnp.exp(x - jnp.max(x, axis=2, keepdims=True))
@@ -57,8 +56,16 @@ def _kernel(x_ref, o_ref, *, tokens: int, m: int, block: int, iters: int, eps: f
         c = keep(c / (rows(c) + eps))
         return keep(c / (cols(c) + eps))
 
-    c = lax.fori_loop(0, iters - 1, step, c)
-    _backend.store_tile(o_ref, (start, 0, 0), c, bounds)
+    return lax.fori_loop(0, iters - 1, step, c)
+
+
+def _kernel(x_ref, o_ref, *, tokens: int, m: int, block: int, iters: int, eps: float):
+    start = pl.program_id(0) * block
+    mp = next_pow2(m)  # Triton tensors need power-of-two extents: an m that is not one is padded (masked)
+    edge = None if mp == m else m
+    bounds = (edge_bound(tokens, block), edge, edge)  # None: that dim needs no mask
+    x = _backend.load_tile(x_ref, (start, 0, 0), (block, mp, mp), bounds).astype(jnp.float32)
+    _backend.store_tile(o_ref, (start, 0, 0), project_tile(x, m=m, iters=iters, eps=eps), bounds)
 
 
 @functools.partial(jax.jit, static_argnames=("iters", "eps", "block_sizes", "interpret"))

@@ -24,6 +24,7 @@ from pallas_kernels import (IndexerTopkBlockSizes, SparseAttentionBlockSizes, gr
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.grouped_matmul_fp4 import grouped_matmul_fp4
 from pallas_kernels.grouped_matmul_fp8 import grouped_matmul_fp8
+from pallas_kernels.mhc_pre import mhc_pre
 
 S = jax.ShapeDtypeStruct
 T, H, D, HI, DI = 4, 64, 512, 64, 128
@@ -100,6 +101,15 @@ def _sinkhorn(tokens, m=4):
     return functools.partial(sinkhorn, iters=20, eps=1e-6), (S((tokens, m, m), jnp.float32),)
 
 
+def _mhc_pre(tokens, m=4, e=4096, head=False, dtype=jnp.bfloat16):
+    """The fused mHC pre-step at Flash dims: decode (one program, chunked hidden), a prefill tail, m = 3 padded,
+    a hidden size that is not a power of two (7168, the full Flash), the head's variant."""
+    n = m if head else 2 * m + m * m
+    args = (S((tokens, n), jnp.float32), S((tokens, m, e), dtype), S((1 if head else 3,), jnp.float32),
+            S((n,), jnp.float32), S((e,), jnp.float32))
+    return functools.partial(mhc_pre, iters=20, hc_eps=1e-6, rms_eps=1e-6, head=head), args
+
+
 CASES = {
     "grouped_decode_gate_up": _grouped(96, 6, 2, 4096, 2048),
     "grouped_prefill_down": _grouped(448 * 64, 448, 1, 2048, 4096),
@@ -125,6 +135,11 @@ CASES = {
     "sinkhorn_prefill_tail": _sinkhorn(16384 + 5),
     "sinkhorn_m8": _sinkhorn(100, m=8),
     "sinkhorn_m3_padded": _sinkhorn(100, m=3),
+    "mhc_pre_decode": _mhc_pre(1),
+    "mhc_pre_prefill_tail": _mhc_pre(2048 + 3),
+    "mhc_pre_m3_e7168": _mhc_pre(8, m=3, e=7168),
+    "mhc_pre_small_one_chunk": _mhc_pre(5, m=2, e=64, dtype=jnp.float32),
+    "mhc_head_decode": _mhc_pre(8, head=True),
 }
 
 

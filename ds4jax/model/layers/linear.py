@@ -29,17 +29,17 @@ def fp8_matmul(fn):
         _FP8_MATMUL.reset(token)
 
 
-def _project(x: jax.Array, w) -> jax.Array:
+def _project(x: jax.Array, w, precision=None) -> jax.Array:
     fn = _FP8_MATMUL.get()
     if fn is not None and is_quantized(w) and w.format is Format.FP8 and w.ndim == 2:
         y = fn(x.reshape(-1, x.shape[-1]), w)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if math.prod(x.shape[:-1]) == 1 and w.ndim == 2:
-        return _one_row(x, w)
-    return jnp.einsum("...i,io->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32)
+        return _one_row(x, w, precision)
+    return jnp.einsum("...i,io->...o", x, dense(w, x.dtype), preferred_element_type=jnp.float32, precision=precision)
 
 
-def _one_row(x: jax.Array, w) -> jax.Array:
+def _one_row(x: jax.Array, w, precision=None) -> jax.Array:
     """One token's projection as a two-row matmul (a zero row added, then dropped).
 
     XLA:GPU rewrites a dot whose left side is a vector into multiply + reduce when the weight has fewer than ~10M
@@ -51,7 +51,8 @@ def _one_row(x: jax.Array, w) -> jax.Array:
     304 -> 278 launches for flash_slice(4)). ROCm's XLA shares the simplifier. The zero row costs nothing on a
     memory-bound GEMV."""
     x2 = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
-    y = jax.lax.dot_general(x2, dense(w, x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x2, dense(w, x.dtype), (((1,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
     return y[:1].reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -68,6 +69,6 @@ def linear(x: jax.Array, w) -> jax.Array:
     return _project(x, w).astype(x.dtype)
 
 
-def linear_f32(x: jax.Array, w) -> jax.Array:
-    """A projection whose result stays float32 (router logits, indexer head weights)."""
-    return _project(x, w)
+def linear_f32(x: jax.Array, w, precision=None) -> jax.Array:
+    """A projection whose result stays float32 (router logits, indexer head weights); `precision` as XLA's."""
+    return _project(x, w, precision)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.model.config import Config
+from ds4jax.model.layers.norms import rms_norm
 
 
 def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
@@ -16,12 +17,21 @@ def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return jnp.einsum("...i,io->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
+def raw_mixes(x: jax.Array, fn: jax.Array) -> jax.Array:
+    """fn x_flat without the reciprocal RMS (a per-token scalar the fused kernel applies after the matmul):
+    [..., outputs] float32. A plain einsum, also for one token: fn's few outputs (2m + m*m) make XLA:GPU's
+    strength-reduced form (multiply + two reductions, no [in, out] product written) faster than `linear`'s two-row
+    GEMM (H100, Flash dims, one token: 3.0 against 4.7 us with its pad; `scripts/bench_mhc.py`)."""
+    flat = x.reshape(x.shape[:-2] + (-1,)).astype(jnp.float32)
+    return jnp.einsum("...i,io->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax + eps, column normalise, then (iters-1) x (row, column) normalisations. [..., m, m].
 
     The specification, kept by the cache-free `forward` (HF parity, training: differentiable) and by the steps
-    under the reference kernels (CPU, TPU). The pooled GPU steps pass `hc_pre(..., sinkhorn_fn=)` the Pallas kernel
-    (`pallas_kernels.sinkhorn`, via `ds4jax.runtime.kernels.sinkhorn`): one launch for the whole projection. As
+    under the reference kernels (CPU, TPU). The pooled GPU steps run the whole pre-step in one Pallas kernel
+    (`pallas_kernels.mhc_pre`, via `ds4jax.runtime.kernels.mhc_pre`), whose Sinkhorn is an in-kernel loop. As
     an XLA `fori_loop` on a GPU each of the iters-1 steps costs a few small kernel launches (twice a layer: decode
     was launch-bound on the H200), and unrolled, XLA's GPU compiler needs minutes for a decode loop (H200, jax
     0.11.2: the engine's `decode_loop` of the tiny config did not finish compiling in 80 s, against 8 s as a
@@ -39,31 +49,39 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
-def hc_weights(x: jax.Array, p: dict, cfg: Config, sinkhorn_fn=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The token's mixing weights, float32: (pre [..., m], post [..., m], comb [..., m, m] doubly stochastic).
-
-    `sinkhorn_fn(logits, iters, eps)` replaces the projection (a kernel of the same result); None = `sinkhorn`."""
+def hc_weights(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The token's mixing weights, float32: (pre [..., m], post [..., m], comb [..., m, m] doubly stochastic)."""
     m = cfg.hc_mult
     mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
     scale, base = p["scale"].astype(jnp.float32), p["base"].astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + cfg.hc_eps
     post = 2 * jax.nn.sigmoid(mix[..., m : 2 * m] * scale[1] + base[m : 2 * m])
     comb_logits = mix[..., 2 * m :] * scale[2] + base[2 * m :]
-    project = sinkhorn if sinkhorn_fn is None else sinkhorn_fn
-    comb = project(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    comb = sinkhorn(comb_logits.reshape(comb_logits.shape[:-1] + (m, m)), cfg.hc_sinkhorn_iters, cfg.hc_eps)
     return pre, post, comb
 
 
-def hc_pre(x: jax.Array, p: dict, cfg: Config, sinkhorn_fn=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e]); `sinkhorn_fn` as `hc_weights`."""
-    pre, post, comb = hc_weights(x, p, cfg, sinkhorn_fn)
+def hc_pre(x: jax.Array, p: dict, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (post [..., m], comb [..., m, m], collapsed sub-layer input [..., e])."""
+    pre, post, comb = hc_weights(x, p, cfg)
     collapsed = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
     return post, comb, collapsed
 
 
+def hc_pre_normed(x: jax.Array, p: dict, norm_weight: jax.Array, cfg: Config):
+    """`hc_pre` then the sub-layer's RMSNorm: (post, comb, normalised sub-layer input [..., e]). The pooled GPU
+    steps replace this pair by one kernel (`ds4jax.runtime.kernels.mhc_pre`)."""
+    post, comb, collapsed = hc_pre(x, p, cfg)
+    return post, comb, rms_norm(collapsed, norm_weight, cfg.rms_norm_eps)
+
+
 def hc_post(y: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """X'_k = post_k * y + sum_j comb[j, k] X_j (input stream j is the row index), in float32, one cast."""
-    mixed = jnp.einsum("...jk,...je->...ke", comb, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    """X'_k = post_k * y + sum_j comb[j, k] X_j (input stream j is the row index), in float32, one cast.
+
+    The m-term sum is written as a broadcast product summed over j, not an einsum: XLA:GPU made the einsum a GEMM
+    kernel of its own beside the elementwise one (two launches a call, twice a layer, at decode); as a sum the
+    whole update is one loop fusion."""
+    mixed = jnp.sum(comb[..., :, :, None] * x.astype(jnp.float32)[..., :, None, :], axis=-3)
     return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(x.dtype)
 
 
