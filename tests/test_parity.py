@@ -295,12 +295,14 @@ def _drop_previous_window(f):
 
 
 # Each entry breaks one block the way a plausible bug would. Functions are patched where they are looked up
-# (`ds4jax.model` imports hc_*, rms_norm by name; the layers call each other through module attributes).
+# (`ds4jax.model` imports hc_post by name; the blocks reach hc_head and the norms through `mhc`; the layers call
+# each other through module attributes).
 PERTURBATIONS: dict[str, Callable[[], tuple]] = {
     "mhc_sinkhorn_one_iteration_short": _around(mhc, "sinkhorn", lambda f: lambda lg, n, eps: f(lg, n - 1, eps)),
     "mhc_comb_transposed": _around(model, "hc_post", lambda f: lambda y, x, post, comb: f(y, x, post, comb.mT)),
-    "mhc_head_uniform_mix": _replace(model, "hc_head", lambda x, p, cfg: jnp.mean(x, axis=-2)),
-    "rmsnorm_weight_ignored": _around(model, "rms_norm", lambda f: lambda x, w, eps: f(x, jnp.ones_like(w), eps)),
+    "mhc_head_uniform_mix": _replace(mhc, "hc_head", lambda x, p, cfg: jnp.mean(x, axis=-2)),
+    # the sub-layers' norms and the final one (`mhc.hc_pre_normed`, `mhc.hc_head_normed`)
+    "rmsnorm_weight_ignored": _around(mhc, "rms_norm", lambda f: lambda x, w, eps: f(x, jnp.ones_like(w), eps)),
     "query_head_norm_dropped": _replace(attention, "unweighted_rms_norm", lambda x, eps: x),
     "rope_output_not_inverted": _around(attention, "apply_rope", lambda f: lambda x, t, fr, inverse=False: f(x, t, fr)),
     "yarn_ignored": _replace(attention, "layer_inv_freq", lambda cfg, kind: rope.inv_frequencies(

@@ -14,7 +14,7 @@ from ds4jax.model import layer_stack, sharding
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.model.layers.attention import attention_sequence
 from ds4jax.model.layers.linear import linear
-from ds4jax.model.layers.mhc import hc_head, hc_post, hc_pre_normed
+from ds4jax.model.layers.mhc import hc_head_normed, hc_post, hc_pre_normed
 from ds4jax.model.layers import moe_sharded
 from ds4jax.model.layers.moe import Routing, moe
 from ds4jax.model.layers.norms import rms_norm
@@ -60,11 +60,9 @@ def embed(params: dict, token_ids: jax.Array, cfg: Config) -> jax.Array:
 def logits_from_streams(x: jax.Array, head_params: dict, norm: jax.Array, head: jax.Array, cfg: Config,
                         mhc_head=None) -> jax.Array:
     """[..., m, e] -> [..., v]: hc_head reduction, final RMSNorm, vocab projection (float32 logits).
-    `mhc_head(x, head_params, norm)` replaces the reduction with the norm (one kernel); None = the model's own."""
-    if mhc_head is None:
-        y = rms_norm(hc_head(x, head_params, cfg), norm, cfg.rms_norm_eps)
-    else:
-        y = mhc_head(x, head_params, norm)
+    `mhc_head(x, head_params, norm)` replaces the reduction with the norm (one kernel; see `mhc.hc_head_normed`);
+    None = the model's own."""
+    y = (mhc_head or functools.partial(hc_head_normed, cfg=cfg))(x, head_params, norm)
     return jnp.einsum("...e,ev->...v", y, head.astype(y.dtype), preferred_element_type=jnp.float32)
 
 

@@ -27,7 +27,6 @@ import jax
 
 from ds4jax.model import sharding
 from ds4jax.model.layers import linear, mhc, moe
-from ds4jax.model.layers.norms import rms_norm
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
 from ds4jax.runtime.routed_experts import routed_experts_grouped
@@ -128,7 +127,7 @@ def mhc_pre(x, p, norm_weight, *, cfg, impl: Impl):
 def mhc_head(x, p, norm_weight, *, cfg, impl: Impl):
     """The final hyper-connection (no Sinkhorn, no post) with the final RMSNorm: [..., m, e] -> [..., e]."""
     if impl is Impl.REFERENCE:
-        return rms_norm(mhc.hc_head(x, p, cfg), norm_weight, cfg.rms_norm_eps)
+        return mhc.hc_head_normed(x, p, norm_weight, cfg)
     return _mhc_kernel(x, p, norm_weight, cfg=cfg, impl=impl, head=True)
 
 

@@ -106,11 +106,10 @@ class TestMhcPreInterpret(MhcPreTestBase):
         self.check(case)
 
     def test_reference_is_the_models_pre_step(self):
-        """The kernel package may not import ds4jax, so its spec restates `mhc.hc_pre_normed` (the mixes applied
-        after the matmul instead of before): they must agree, layer and head."""
+        """The kernel package may not import ds4jax, so its spec restates `mhc.hc_pre_normed` / `hc_head_normed`
+        (the mixes applied after the matmul instead of before): they must agree, layer and head."""
         import ds4jax
         from ds4jax.model.layers import mhc
-        from ds4jax.model.layers.norms import rms_norm
 
         cfg = ds4jax.tiny()
         m, e = cfg.hc_mult, cfg.hidden_size
@@ -122,7 +121,7 @@ class TestMhcPreInterpret(MhcPreTestBase):
             kw = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps, head=head)
             got = mhc_pre_reference(mhc.raw_mixes(x, p["fn"]), x, scale, base, weight, **kw)
             if head:
-                want = rms_norm(mhc.hc_head(x, p, cfg), weight, cfg.rms_norm_eps)
+                want = mhc.hc_head_normed(x, p, weight, cfg)
             else:
                 want = mhc.hc_pre_normed(x, p, weight, cfg)
             chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)

@@ -90,3 +90,9 @@ def hc_head(x: jax.Array, p: dict, cfg: Config) -> jax.Array:
     mix = _mixes(x, p["fn"], cfg.rms_norm_eps)
     pre = jax.nn.sigmoid(mix * p["scale"].astype(jnp.float32) + p["base"].astype(jnp.float32)) + cfg.hc_eps
     return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def hc_head_normed(x: jax.Array, p: dict, norm_weight: jax.Array, cfg: Config) -> jax.Array:
+    """`hc_head` then the final RMSNorm: [..., m, e] -> [..., e]. The pooled GPU steps replace this pair by one
+    kernel (`ds4jax.runtime.kernels.mhc_head`)."""
+    return rms_norm(hc_head(x, p, cfg), norm_weight, cfg.rms_norm_eps)
