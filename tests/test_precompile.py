@@ -113,3 +113,38 @@ def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch)
     before = compile_count()
     engine.fingerprint()  # cached on the engine
     assert compile_count() == before
+
+
+def test_capturing_with_threads_compiles_each_job_while_the_next_is_captured():
+    """`capturing(threads=n)`: a job's compile starts when it is captured, not when capture ends (the warm-up's
+    Python lowering overlaps the compiles); compile_all waits for those and returns them in order."""
+    import threading
+
+    first_compiling = threading.Event()
+    order = []
+
+    def compile_first():
+        first_compiling.set()
+        order.append("first")
+
+    def capture(name, fn):
+        precompile.capture(precompile.Job(name, fn))
+
+    with precompile.capturing(threads=2) as jobs:
+        assert precompile.run_captured(lambda: capture("first", compile_first))
+        assert first_compiling.wait(timeout=60)  # started on the pool while still capturing
+        assert precompile.run_captured(lambda: capture("second", lambda: order.append("second")))
+        assert precompile.run_captured(lambda: capture("in memory", None))
+    results = precompile.compile_all(jobs)
+    assert [r.name if r else None for r in results] == ["first", "second", None]
+    assert sorted(order) == ["first", "second"]
+
+
+def test_a_failed_pipelined_job_is_raised_by_compile_all():
+    def boom():
+        raise RuntimeError("compile failed here")
+
+    with precompile.capturing(threads=1) as jobs:
+        precompile.run_captured(lambda: precompile.capture(precompile.Job("bad", boom)))
+    with pytest.raises(RuntimeError, match="compile failed here"):
+        precompile.compile_all(jobs)

@@ -160,8 +160,9 @@ class EngineWarmup:
     def warmup(self) -> WarmupReport:
         """Compile every program the engine can run, once each (on padding rows, which write nothing): a prefill
         program per prefill row bucket, a decode (and speculative) program per row bucket, and with snapshots on
-        the restore and snapshot programs; then the slot reset. Fused programs are lowered first and compiled side
-        by side on a thread pool (`runtime/precompile.py`, ``DS4JAX_COMPILE_THREADS``), then each runs once.
+        the restore and snapshot programs; then the slot reset. Fused programs are lowered one by one, each
+        compiling on a thread pool from the moment it is lowered, so the compiles overlap each other and the
+        lowering of the next (`runtime/precompile.py`, ``DS4JAX_COMPILE_THREADS``); then each runs once.
         Returns the programs with their compile seconds (`print(engine.warmup())` shows the table; `.compiles`
         counts XLA compilations)."""
         with self._exclusive("warmup()"):
@@ -201,12 +202,13 @@ class EngineWarmup:
             calls.append(("restore", rows, 0, lambda rows=rows: self._restore_call(
                 pad(rows), np.zeros(rows, bool), np.zeros(rows, np.int32))))
         compiled = [None] * len(calls)
-        if self.programs.precompiles:  # lowered here, compiled side by side, then run below
-            with precompile.capturing() as jobs:
+        if self.programs.precompiles:  # lowered here, compiled side by side (each from its capture on), then run
+            threads = precompile.threads(len(calls))
+            with precompile.capturing(threads=threads) as jobs:
                 captured = [precompile.run_captured(run) for *_, run in calls]
             done = iter(precompile.compile_all(jobs))
             compiled = [next(done) if c else None for c in captured]
-            rec.compile_threads = precompile.threads(sum(c is not None for c in compiled))
+            rec.compile_threads = min(threads, max(1, sum(c is not None for c in compiled)))
         for (kind, rows, width, run), pre in zip(calls, compiled):  # the fingerprint before the restore
             with rec.program(kind, rows, width, precompiled=pre):
                 run()

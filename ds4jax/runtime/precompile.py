@@ -12,6 +12,10 @@ where the later call looks: JAX's in-process cache of the jitted function (an AO
             precompile.run_captured(thunk)  # the thunk's first `cached_jit` call is captured, not run
     results = precompile.compile_all(jobs)
 
+`capturing(threads=n)` starts each job's compile on the pool as soon as it is captured, so the first programs
+compile while the next ones trace and lower (an Engine warm-up's capture pass is seconds of Python: serial
+before the pool, it stood on the critical path); `compile_all` then waits for those jobs.
+
 `DS4JAX_COMPILE_THREADS` sets the pool size (default: one per core, at most one per program; 1 = serial).
 """
 
@@ -39,6 +43,8 @@ class Job:
     name: str
     # what the pool runs: a compile, or (executable cache) a stored program's load; None: in memory, nothing to do
     compile: Callable[[], object] | None
+    # set when `capturing(threads=...)` started the compile at capture: its `Compiled`, once done
+    started: concurrent.futures.Future | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +59,30 @@ def active() -> bool:
 
 
 def capture(job: Job) -> None:
-    """Called by a program wrapper in capture mode: record the job and unwind the caller."""
+    """Called by a program wrapper in capture mode: record the job (starting its compile on the capture's pool,
+    if it has one) and unwind the caller."""
+    pool = getattr(_state, "pool", None)
+    if pool is not None and job.compile is not None:
+        job.started = pool.submit(_timed, job, fresh=True)
     _state.jobs.append(job)
     raise Captured(job.name)
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[list[Job]]:
+def capturing(threads: int | None = None) -> Iterator[list[Job]]:
+    """Capture program calls (see the module's docstring). `threads`: compile each job on a pool of that many
+    threads from the moment it is captured (None: `compile_all` compiles them all afterwards)."""
     if active():
         raise RuntimeError("precompile.capturing() is not reentrant")
-    _state.jobs = jobs = []
+    pool = None if threads is None else concurrent.futures.ThreadPoolExecutor(max(1, threads), "ds4jax-compile")
+    jobs: list[Job] = []
+    _state.jobs, _state.pool = jobs, pool
     try:
         yield jobs
     finally:
-        _state.jobs = None
+        _state.jobs = _state.pool = None
+        if pool is not None:
+            pool.shutdown(wait=False)  # the jobs it holds still run; compile_all waits for them
 
 
 def run_captured(thunk: Callable[[], object]) -> bool:
@@ -91,21 +107,25 @@ def threads(n_jobs: int) -> int:
     return max(1, min(n_jobs, os.cpu_count() or 1))
 
 
-def _timed(job: Job) -> Compiled:
-    before, start = compiles.thread_totals(), time.perf_counter()
-    job.compile()
-    return Compiled(job.name, time.perf_counter() - start, compiles.thread_totals() - before)
+def _timed(job: Job, fresh: bool = False) -> Compiled:
+    """Run one job on this thread; `fresh`: inside its own `_fresh_scope` (a job started at capture: there is no
+    scope around the pool, and the scope is counted, so overlapping jobs nest)."""
+    with _fresh_scope() if fresh else contextlib.nullcontext():
+        before, start = compiles.thread_totals(), time.perf_counter()
+        job.compile()
+        return Compiled(job.name, time.perf_counter() - start, compiles.thread_totals() - before)
 
 
 def compile_all(jobs: list[Job]) -> list[Compiled | None]:
-    """Compile the captured jobs on a thread pool; one entry per job (None where there was nothing to do). The
-    first failure is raised after every job has finished."""
-    todo = [j for j in jobs if j.compile is not None]
-    if not todo:
-        return [None] * len(jobs)
-    with _fresh_scope(), concurrent.futures.ThreadPoolExecutor(threads(len(todo)), "ds4jax-compile") as pool:
-        futures = {id(j): pool.submit(_timed, j) for j in todo}
-        concurrent.futures.wait(futures.values())
+    """Compile the captured jobs on a thread pool (or wait for those `capturing(threads=...)` started); one entry
+    per job (None where there was nothing to do). The first failure is raised after every job has finished."""
+    todo = [j for j in jobs if j.compile is not None and j.started is None]
+    futures = {id(j): j.started for j in jobs if j.started is not None}
+    if todo:
+        with _fresh_scope(), concurrent.futures.ThreadPoolExecutor(threads(len(todo)), "ds4jax-compile") as pool:
+            futures.update({id(j): pool.submit(_timed, j) for j in todo})
+            concurrent.futures.wait(futures.values())
+    concurrent.futures.wait(futures.values())
     return [futures[id(j)].result() if j.compile is not None else None for j in jobs]
 
 
