@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Issue 22 on the GPU: where a new process's start-up goes (scripts/startup_timeline.py), cold and cached, for the
-# CLI's first token and the Engine's warm-up, under variants: this tree against $BEFORE (another tree, e.g. main's
-# before a change: `git archive main ds4jax pallas_kernels scripts pyproject.toml | tar -x -C .before`), XLA's
-# autotuner off for the CLI (a one-shot, one-row run), and a streaming CLI run that compiles its decode program
-# beside the prefill's. Each run is a fresh process, each cold run an empty cache directory.
-# Usage (on the device): OUT=/path [BEFORE=.before] bash scripts/gpu_startup_probe.sh
+# CLI's first token (`ds4jax generate --prompt "def fibonacci(n):" --max-new-tokens 64`) and the Engine's warm-up
+# (default model), under variants. Each run is a fresh process; each variant a cold run on an empty cache directory,
+# then a cached one on it.
+# Usage (on the device): OUT=/path [BEFORE=.before] bash scripts/gpu_startup_probe.sh VARIANT...
+#   VARIANT = KIND:LABEL[:ENV=VALUE[;ENV=VALUE...]], KIND one of cli, warmup, warmup_before (the warm-up of the
+#   tree in $BEFORE, e.g. `git archive main ds4jax pallas_kernels scripts pyproject.toml | tar -x -C .before`)
+#   e.g.  cli:base  cli:at0:XLA_FLAGS=--xla_gpu_autotune_level=0  warmup:base  warmup_before:base
+# A variant with `speed` in its label also runs scripts/warmup_probe.py --speed (decode tokens/s after a warm-up)
+# under the same environment.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
@@ -18,18 +22,27 @@ timeline() {  # label tree limit env... -- args
         --out "$res/$label.json" "$@" >"$res/$label.out" 2>"$res/$label.err"
     echo "$label: exit $? after $((SECONDS - t)) s" >>"$log"
 }
-pair() {  # label tree env... -- args: a cold run on an empty cache, then a cached one on it
-    local label=$1 tree=$2; shift 2
-    local cache; cache=$(mktemp -d)
-    timeline "${label}_cold" "$tree" 150 DS4JAX_COMPILATION_CACHE="$cache" "$@"
-    timeline "${label}_cached" "$tree" 60 DS4JAX_COMPILATION_CACHE="$cache" "$@"
-}
-pair cli "$PWD" -- -- "${CLI[@]}"
-pair cli_autotune0 "$PWD" XLA_FLAGS=--xla_gpu_autotune_level=0 -- -- "${CLI[@]}"
-pair cli_ahead "$PWD" DS4JAX_COMPILE_AHEAD=always -- -- "${CLI[@]}"
-pair warmup "$PWD" -- --warmup
-[ -n "${BEFORE:-}" ] && pair warmup_before "$PWD/$BEFORE" DS4JAX_DEFAULT_CHECKPOINT="$PWD/checkpoints/default" -- --warmup
-pair cli_again "$PWD" -- -- "${CLI[@]}"
+for variant in "$@"; do
+    IFS=: read -r kind label envspec <<<"$variant"
+    envs=(); [ -n "${envspec:-}" ] && IFS=';' read -r -a envs <<<"$envspec"
+    tree=$PWD; args=(-- "${CLI[@]}")
+    case $kind in
+        cli) ;;
+        warmup) args=(--warmup) ;;
+        warmup_before) args=(--warmup); tree=$PWD/${BEFORE:?BEFORE names the other tree}
+                       envs+=("DS4JAX_DEFAULT_CHECKPOINT=$PWD/checkpoints/default") ;;
+        *) echo "unknown kind $kind" >>"$log"; continue ;;
+    esac
+    cache=$(mktemp -d)
+    timeline "${kind}_${label}_cold" "$tree" 150 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
+    timeline "${kind}_${label}_cached" "$tree" 60 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
+    if [[ $label == *speed* ]]; then
+        t=$SECONDS
+        env PYTHONPATH="$tree" DS4JAX_COMPILATION_CACHE=off "${envs[@]}" timeout 120 python3 scripts/warmup_probe.py \
+            --label "${kind}_$label" --out "$OUT/warmup_probe.jsonl" --speed >>"$res/speed.log" 2>&1
+        echo "${kind}_$label speed: exit $? after $((SECONDS - t)) s" >>"$log"
+    fi
+done
 python3 scripts/startup_timeline.py --render "$res"/*.json >"$OUT/timeline.md" 2>>"$log"
 tar czf "$OUT/timeline.tgz" -C "$OUT" timeline && rm -rf "$res"
 cat "$log" "$OUT/timeline.md"
