@@ -104,6 +104,18 @@ def _hooks() -> None:
     from ds4jax.commands import options
     from ds4jax.runtime import executable_cache
 
+    from jax._src import xla_bridge
+
+    backends, ready = xla_bridge.backends, []
+
+    def timed_backends(*a, **k):  # the first return: JAX's backends (CUDA context, plugin, allocator) are up
+        out = backends(*a, **k)
+        if not ready:
+            ready.append(True)
+            event("backend_ready")
+        return out
+
+    xla_bridge.backends = timed_backends
     say = options.Progress.__call__
     options.Progress.__call__ = lambda self, message: (event("progress", message=message[:120]), say(self, message))
     _wrap(executable_cache, "_load", "exe_load")
