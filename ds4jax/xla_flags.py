@@ -1,4 +1,4 @@
-"""XLA flags ds4jax sets before JAX starts a GPU backend: one switch for GPU command buffers (graphs).
+"""XLA flags ds4jax sets before JAX starts a GPU backend: GPU command buffers (graphs) and parallel LLVM compilation.
 
 XLA:GPU records runs of kernels into command buffers (CUDA graphs / HIP graphs). Its default set leaves out `while`
 and `conditional`, so each iteration of a while loop -- ds4jax's decode and speculative calls are while loops of up
@@ -17,8 +17,18 @@ workaround. So:
     DS4JAX_COMMAND_BUFFERS=on     XLA's default set
     DS4JAX_COMMAND_BUFFERS=off    no command buffers
 
-An explicit `--xla_gpu_enable_command_buffer` in XLA_FLAGS always wins. XLA reads XLA_FLAGS when the first backend
-starts, so `apply()` runs when `ds4jax` is imported; a backend started earlier keeps its flags (a warning says so).
+XLA:GPU generates each program's kernels as one LLVM module and compiles it to PTX and then to a cubin on one
+thread, unless `--xla_gpu_enable_llvm_module_compilation_parallelism` splits the module and compiles the parts on
+the compiler's thread pool (the same kernels, compiled side by side; where the backend cannot link split modules
+XLA compiles one as before). Code generation is most of a cold compile of our programs (on the H200: LLVM to PTX
+and PTX to cubin were 221 of 271 summed compile seconds of a warm-up, docs/benchmarks/warmup_probe.md), and a
+single program's compile is what a new user's first token waits for. So:
+
+    DS4JAX_PARALLEL_COMPILE=auto  (default) on where a CUDA GPU is expected, nothing set otherwise
+    DS4JAX_PARALLEL_COMPILE=on / off
+
+An explicit flag in XLA_FLAGS always wins, for both settings. XLA reads XLA_FLAGS when the first backend starts, so
+`apply()` runs when `ds4jax` is imported; a backend started earlier keeps its flags (a warning says so).
 """
 
 from __future__ import annotations
@@ -90,6 +100,28 @@ def records_conditionals(xla_flags: str) -> bool:
     return "CONDITIONAL" in value and "-CONDITIONAL" not in value
 
 
+PARALLEL_ENV = "DS4JAX_PARALLEL_COMPILE"
+PARALLEL_FLAG = "--xla_gpu_enable_llvm_module_compilation_parallelism"
+
+
+def parallel_compile(environ=os.environ, cuda: bool | None = None) -> bool:
+    """Whether `apply` turns on parallel LLVM compilation: DS4JAX_PARALLEL_COMPILE, `auto` resolved by whether JAX
+    will start a CUDA GPU (ROCm is left at XLA's default until measured there)."""
+    chosen = environ.get(PARALLEL_ENV, "auto").lower()
+    if chosen not in ("auto", "on", "off"):
+        raise ValueError(f"{PARALLEL_ENV}={chosen!r}: expected auto, on or off")
+    if chosen != "auto":
+        return chosen == "on"
+    return cuda_expected(environ) if cuda is None else cuda
+
+
+def flags_with_parallel(xla_flags: str, on: bool) -> str:
+    """XLA_FLAGS with parallel LLVM compilation turned on when `on` (an explicit setting is left alone)."""
+    if not on or PARALLEL_FLAG in xla_flags:
+        return xla_flags
+    return f"{xla_flags} {PARALLEL_FLAG}=true".strip()
+
+
 def flags_with_mode(xla_flags: str, chosen: str) -> str:
     """XLA_FLAGS with the command-buffer flag for mode `chosen` appended (an explicit setting is left alone)."""
     value = VALUES[chosen]
@@ -99,13 +131,15 @@ def flags_with_mode(xla_flags: str, chosen: str) -> str:
 
 
 def apply(environ=os.environ) -> None:
-    new = flags_with_mode(environ.get("XLA_FLAGS", ""), mode(environ))
-    if new == environ.get("XLA_FLAGS", ""):
+    old = environ.get("XLA_FLAGS", "")
+    new = flags_with_parallel(flags_with_mode(old, mode(environ)), parallel_compile(environ))
+    if new == old:
         return
     from jax._src import xla_bridge  # private: the only way to know whether backends already read XLA_FLAGS
 
     if xla_bridge.backends_are_initialized():
-        warnings.warn(f"ds4jax: a JAX backend started before ds4jax was imported; {new.split()[-1]} is not "
+        added = " ".join(new.split()[len(old.split()):])
+        warnings.warn(f"ds4jax: a JAX backend started before ds4jax was imported; {added} is not "
                       f"applied (set XLA_FLAGS yourself or import ds4jax first)", stacklevel=2)
         return
     environ["XLA_FLAGS"] = new
