@@ -22,10 +22,12 @@ thread, unless `--xla_gpu_enable_llvm_module_compilation_parallelism` splits the
 the compiler's thread pool (the same kernels, compiled side by side; where the backend cannot link split modules
 XLA compiles one as before). Code generation is most of a cold compile of our programs (on the H200: LLVM to PTX
 and PTX to cubin were 221 of 271 summed compile seconds of a warm-up, docs/benchmarks/warmup_probe.md), and a
-single program's compile is what a new user's first token waits for. So:
+single program's compile is what a new user's first token waits for. Whether the split pays on our programs is
+not measured yet (`scripts/gpu_startup_probe.sh cli:par:DS4JAX_PARALLEL_COMPILE=on cli:serial ...` measures it),
+so it is opt-in:
 
-    DS4JAX_PARALLEL_COMPILE=auto  (default) on where a CUDA GPU is expected, nothing set otherwise
-    DS4JAX_PARALLEL_COMPILE=on / off
+    DS4JAX_PARALLEL_COMPILE=off  (default) nothing set
+    DS4JAX_PARALLEL_COMPILE=on   the flag set (on any GPU; XLA ignores it on the CPU)
 
 An explicit flag in XLA_FLAGS always wins, for both settings. XLA reads XLA_FLAGS when the first backend starts, so
 `apply()` runs when `ds4jax` is imported; a backend started earlier keeps its flags (a warning says so).
@@ -104,15 +106,13 @@ PARALLEL_ENV = "DS4JAX_PARALLEL_COMPILE"
 PARALLEL_FLAG = "--xla_gpu_enable_llvm_module_compilation_parallelism"
 
 
-def parallel_compile(environ=os.environ, cuda: bool | None = None) -> bool:
-    """Whether `apply` turns on parallel LLVM compilation: DS4JAX_PARALLEL_COMPILE, `auto` resolved by whether JAX
-    will start a CUDA GPU (ROCm is left at XLA's default until measured there)."""
-    chosen = environ.get(PARALLEL_ENV, "auto").lower()
-    if chosen not in ("auto", "on", "off"):
-        raise ValueError(f"{PARALLEL_ENV}={chosen!r}: expected auto, on or off")
-    if chosen != "auto":
-        return chosen == "on"
-    return cuda_expected(environ) if cuda is None else cuda
+def parallel_compile(environ=os.environ) -> bool:
+    """Whether `apply` turns on parallel LLVM compilation (DS4JAX_PARALLEL_COMPILE=on; off by default until measured
+    on a GPU)."""
+    chosen = environ.get(PARALLEL_ENV, "off").lower()
+    if chosen not in ("on", "off"):
+        raise ValueError(f"{PARALLEL_ENV}={chosen!r}: expected on or off")
+    return chosen == "on"
 
 
 def flags_with_parallel(xla_flags: str, on: bool) -> str:

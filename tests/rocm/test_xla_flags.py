@@ -68,17 +68,15 @@ def test_apply_sets_xla_flags_before_backends_start(monkeypatch):
     assert "XLA_FLAGS" not in env
 
 
-@pytest.mark.parametrize("value, cuda, on", [
-    (None, True, True), (None, False, False), ("auto", True, True), ("off", True, False), ("ON", False, True),
-])
-def test_parallel_compile_switch(value, cuda, on):
+@pytest.mark.parametrize("value, on", [(None, False), ("off", False), ("ON", True), ("on", True)])
+def test_parallel_compile_switch(value, on):
     env = {} if value is None else {xla_flags.PARALLEL_ENV: value}
-    assert xla_flags.parallel_compile(env, cuda=cuda) is on
+    assert xla_flags.parallel_compile(env) is on
 
 
 def test_parallel_compile_bad_value_is_named():
     with pytest.raises(ValueError, match="DS4JAX_PARALLEL_COMPILE"):
-        xla_flags.parallel_compile({xla_flags.PARALLEL_ENV: "sometimes"}, cuda=True)
+        xla_flags.parallel_compile({xla_flags.PARALLEL_ENV: "sometimes"})
 
 
 def test_parallel_flag_is_appended_once_and_an_explicit_one_wins():
@@ -89,13 +87,16 @@ def test_parallel_flag_is_appended_once_and_an_explicit_one_wins():
     assert xla_flags.flags_with_parallel(mine, True) == mine
 
 
-def test_apply_sets_both_on_a_cuda_host(monkeypatch):
+def test_apply_sets_the_parallel_flag_only_when_asked(monkeypatch):
     from jax._src import xla_bridge
 
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.setattr(xla_flags, "_cuda_installed", lambda: True)
     monkeypatch.setattr(xla_flags, "_rocm_installed", lambda: False)
     env = {}
+    xla_flags.apply(env)
+    assert env["XLA_FLAGS"] == f"{OFF}+WHILE,+CONDITIONAL"
+    env = {xla_flags.PARALLEL_ENV: "on"}
     xla_flags.apply(env)
     assert env["XLA_FLAGS"] == f"{OFF}+WHILE,+CONDITIONAL {xla_flags.PARALLEL_FLAG}=true"
     env = {"JAX_PLATFORMS": "cpu"}  # the suite's case: nothing to set
