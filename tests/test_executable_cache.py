@@ -34,6 +34,12 @@ def cache_dir(tmp_path, monkeypatch):
     executable_cache.enable(None)
 
 
+def entries(cache_dir) -> list:
+    """The stored executables, once every background write has finished (`executable_cache.flush`)."""
+    executable_cache.flush()
+    return sorted(cache_dir.rglob("*.exe"))
+
+
 def test_off_by_default_is_plain_jit():
     assert not executable_cache.enabled()
     out, total = _step(jnp.ones(3), jnp.zeros(3), scale=2.0)
@@ -44,7 +50,7 @@ def test_off_by_default_is_plain_jit():
 def test_disk_hit_skips_tracing_and_matches_jit(cache_dir):
     x = jnp.arange(4, dtype=jnp.float32)
     first = _step(x, jnp.ones(4), scale=3.0)
-    assert TRACES == [3.0] and len(list(cache_dir.rglob("*.exe"))) == 1
+    assert TRACES == [3.0] and len(entries(cache_dir)) == 1
     executable_cache.enable(str(cache_dir))  # a new process: memory empty, disk full
     acc = jnp.ones(4)
     again = _step(x, acc, scale=3.0)
@@ -62,7 +68,7 @@ def test_key_covers_static_args_shapes_and_dtypes(cache_dir):
     _step(jnp.ones(5), jnp.ones(5), scale=2.0)
     _step(jnp.ones(5, jnp.bfloat16), jnp.ones(5, jnp.bfloat16), scale=2.0)
     _step(jnp.ones(5, jnp.bfloat16), jnp.ones(5, jnp.bfloat16), scale=2.0)  # in memory
-    assert len(TRACES) == 4 and len(list(cache_dir.rglob("*.exe"))) == 4
+    assert len(TRACES) == 4 and len(entries(cache_dir)) == 4
 
 
 def test_key_covers_the_trace_context(cache_dir):
@@ -75,7 +81,7 @@ def test_key_covers_the_trace_context(cache_dir):
     with jax.default_device(jax.devices()[-1]):
         _step(x, jnp.ones(4), scale=1.0)
     _step(x, jnp.ones(4), scale=1.0)  # back in the first context: in memory
-    assert TRACES == [1.0] * 3 and len(list(cache_dir.rglob("*.exe"))) == 3
+    assert TRACES == [1.0] * 3 and len(entries(cache_dir)) == 3
     executable_cache.enable(str(cache_dir))  # a new process: each context loads its own entry from disk
     with jax.default_matmul_precision("bfloat16"):
         _step(x, jnp.ones(4), scale=1.0)
@@ -89,12 +95,12 @@ def test_a_context_without_a_stable_name_runs_uncached(cache_dir, monkeypatch):
     monkeypatch.setattr(executable_cache, "_trace_context", lambda: (Opaque(),))
     out, _ = _step(jnp.ones(2), jnp.ones(2), scale=1.0)
     np.testing.assert_array_equal(out, [2, 2])
-    assert TRACES == [] and not list(cache_dir.rglob("*.exe"))
+    assert TRACES == [] and not entries(cache_dir)
 
 
 def test_corrupt_entry_is_a_miss(cache_dir):
     _step(jnp.ones(2), jnp.ones(2), scale=1.0)
-    (entry,) = cache_dir.rglob("*.exe")
+    (entry,) = entries(cache_dir)
     entry.write_bytes(b"not an executable")
     executable_cache.enable(str(cache_dir))
     out, _ = _step(jnp.ones(2), jnp.ones(2), scale=1.0)
@@ -143,7 +149,7 @@ def test_a_warm_up_loads_stored_programs_on_the_pool(cache_dir, monkeypatch):
     for s in scales:
         _step(x, jnp.ones(3), scale=s)
     assert TRACES == list(scales)
-    next(cache_dir.rglob("*.exe")).write_bytes(b"corrupt")  # one of the three
+    entries(cache_dir)[0].write_bytes(b"corrupt")  # one of the three
     executable_cache.enable(str(cache_dir))  # a new process
     threads, load = [], executable_cache._load
     monkeypatch.setattr(executable_cache, "_load",
@@ -158,3 +164,16 @@ def test_a_warm_up_loads_stored_programs_on_the_pool(cache_dir, monkeypatch):
     for s in scales:
         np.testing.assert_array_equal(_step(x, jnp.ones(3), scale=s)[0], 1 + s * x)
     assert len(TRACES) == 4 and TRACES[3] in scales  # the corrupt entry's call compiled it
+
+
+def test_stores_are_written_in_the_background_and_flushed(cache_dir, monkeypatch):
+    """A compile returns before its executable is on disk (the write is off a cold run's path to its first call);
+    `flush` waits for it, and so does `clear_memory` (what a test's "new process" does first)."""
+    release, write = threading.Event(), executable_cache._write
+    monkeypatch.setattr(executable_cache, "_write", lambda *a: release.wait(60) and write(*a))
+    out, _ = _step(jnp.ones(2), jnp.ones(2), scale=9.0)  # returns while the write waits
+    np.testing.assert_array_equal(out, [10, 10])
+    assert not list(cache_dir.rglob("*.exe"))
+    release.set()
+    executable_cache.clear_memory()
+    assert len(list(cache_dir.rglob("*.exe"))) == 1

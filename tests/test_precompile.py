@@ -52,6 +52,7 @@ def test_with_the_executable_cache_the_pool_fills_it(tmp_path, monkeypatch):
     try:
         f = _program(0.25)
         _capture_compile_call(f, [jnp.ones((3, 3)), jnp.ones((6,))])
+        executable_cache.flush()  # the writes run in the background
         assert len(list(tmp_path.rglob("*.exe"))) == 2  # stored for the next process
         executable_cache.clear_memory()
         with precompile.capturing() as jobs:  # a new process: its job loads the stored program, on the pool

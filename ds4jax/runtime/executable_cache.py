@@ -25,6 +25,7 @@ whose entries are native code run as is. A corrupt or incompatible entry is a mi
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -48,18 +49,23 @@ _by_signature: dict[tuple, Any] = {}  # a call's hashable signature -> its execu
 MAX_HINTED = 4  # a run's start-up programs (the CLI's first token needs one, its second one more)
 PARALLEL_CPUS = 4  # with fewer cores, only the first hinted program is prefetched
 _pending: dict[str, concurrent.futures.Future] = {}
+_writer: concurrent.futures.ThreadPoolExecutor | None = None  # `_store`'s background writes
+_writer_lock = threading.Lock()
+_writes: list[concurrent.futures.Future] = []
 _hint: dict[str, Any] = {"path": None, "read": [], "seen": []}
 
 
 def enable(directory: str | None) -> None:
     """Cache executables under `directory` (None disables)."""
     global _directory
+    flush()
     _directory = directory
     clear_memory()
 
 
 def clear_memory() -> None:
-    """Forget the executables loaded in this process (the disk entries stay)."""
+    """Forget the executables loaded in this process (the disk entries stay, every pending write finished)."""
+    flush()
     _memory.clear()
     _by_signature.clear()
     _pending.clear()  # a thread still loading one finishes into a future nobody reads
@@ -352,13 +358,33 @@ def _compile_and_store(jitted: Callable, key: str, args: tuple, static: dict):
 
 
 def _store(key: str, compiled):
-    """Write `compiled` under `key` (best effort) and return it."""
+    """Write `compiled` under `key` on a background thread (best effort) and return it at once: serializing and
+    writing an executable (0.2 s for the default model's prefill on an H100 host, 0.3 s on the 2-core CPU;
+    docs/benchmarks/startup_timeline_h100/) no longer stands between a cold run's compile and its first call.
+    `flush()` waits for the writes; so do `enable`, `clear_memory` and the interpreter's exit."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:  # one thread: writes are few, and a second would only contend for the cores
+            _writer = concurrent.futures.ThreadPoolExecutor(1, "ds4jax-store")
+            atexit.register(flush)
+        _writes.append(_writer.submit(_write, _path(key), compiled))
+    return compiled
+
+
+def flush() -> None:
+    """Wait for the executables `_store` is still writing."""
+    with _writer_lock:
+        pending = list(_writes)
+        _writes.clear()
+    concurrent.futures.wait(pending)
+
+
+def _write(path: str, compiled) -> None:
     from jax.experimental.serialize_executable import serialize
 
     try:
         device_ids = [d.id for d in compiled._executable.xla_executable.local_devices()]
         blob = pickle.dumps((*serialize(compiled), device_ids))
-        path = _path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))  # write then rename: readers never see half a file
         with os.fdopen(fd, "wb") as f:
@@ -366,4 +392,3 @@ def _store(key: str, compiled):
         os.replace(tmp, path)
     except Exception:  # unserializable (closed-over constants; sort comparators at
         pass  # XLA:CPU optimization level 0) or a read-only cache: runs, uncached
-    return compiled
