@@ -12,14 +12,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
-res=$OUT/timeline; mkdir -p "$res"
+source scripts/warmup_probe_lib.sh  # probe(): warmup_probe.py --speed, cache off, into $res / $log
+dir=$OUT/timeline; mkdir -p "$dir"
 CLI=(generate --prompt "def fibonacci(n):" --max-new-tokens 64)
 timeline() {  # label tree limit env... -- args
     local label=$1 tree=$2 limit=$3; shift 3
     local envs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
     local t=$SECONDS
     env PYTHONPATH="$tree" "${envs[@]}" timeout "$limit" python3 scripts/startup_timeline.py --label "$label" \
-        --out "$res/$label.json" "$@" >"$res/$label.out" 2>"$res/$label.err"
+        --out "$dir/$label.json" "$@" >"$dir/$label.out" 2>"$dir/$label.err"
     echo "$label: exit $? after $((SECONDS - t)) s" >>"$log"
 }
 for variant in "$@"; do
@@ -36,13 +37,10 @@ for variant in "$@"; do
     cache=$(mktemp -d)
     timeline "${kind}_${label}_cold" "$tree" 150 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
     timeline "${kind}_${label}_cached" "$tree" 60 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
-    if [[ $label == *speed* ]]; then
-        t=$SECONDS
-        env PYTHONPATH="$tree" DS4JAX_COMPILATION_CACHE=off "${envs[@]}" timeout 120 python3 scripts/warmup_probe.py \
-            --label "${kind}_$label" --out "$OUT/warmup_probe.jsonl" --speed >>"$res/speed.log" 2>&1
-        echo "${kind}_$label speed: exit $? after $((SECONDS - t)) s" >>"$log"
+    if [[ $label == *speed* ]]; then  # its output in speed.log, its exit status there and on stdout
+        (res=$OUT/warmup_probe.jsonl log=$dir/speed.log; probe "${kind}_$label" 120 PYTHONPATH="$tree" "${envs[@]}")
     fi
 done
-python3 scripts/startup_timeline.py --render "$res"/*.json >"$OUT/timeline.md" 2>>"$log"
-tar czf "$OUT/timeline.tgz" -C "$OUT" timeline && rm -rf "$res"
+python3 scripts/startup_timeline.py --render "$dir"/*.json >"$OUT/timeline.md" 2>>"$log"
+tar czf "$OUT/timeline.tgz" -C "$OUT" timeline && rm -rf "$dir"
 cat "$log" "$OUT/timeline.md"

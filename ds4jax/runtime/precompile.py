@@ -63,7 +63,7 @@ def capture(job: Job) -> None:
     if it has one) and unwind the caller."""
     pool = getattr(_state, "pool", None)
     if pool is not None and job.compile is not None:
-        job.started = pool.submit(_timed, job, fresh=True)
+        job.started = pool.submit(_timed, job)
     _state.jobs.append(job)
     raise Captured(job.name)
 
@@ -107,10 +107,9 @@ def threads(n_jobs: int) -> int:
     return max(1, min(n_jobs, os.cpu_count() or 1))
 
 
-def _timed(job: Job, fresh: bool = False) -> Compiled:
-    """Run one job on this thread; `fresh`: inside its own `_fresh_scope` (a job started at capture: there is no
-    scope around the pool, and the scope is counted, so overlapping jobs nest)."""
-    with _fresh_scope() if fresh else contextlib.nullcontext():
+def _timed(job: Job) -> Compiled:
+    """Run one job on this thread, inside its own `_fresh_scope` (counted, so the jobs running side by side nest)."""
+    with _fresh_scope():
         before, start = compiles.thread_totals(), time.perf_counter()
         job.compile()
         return Compiled(job.name, time.perf_counter() - start, compiles.thread_totals() - before)
@@ -122,7 +121,7 @@ def compile_all(jobs: list[Job]) -> list[Compiled | None]:
     todo = [j for j in jobs if j.compile is not None and j.started is None]
     futures = {id(j): j.started for j in jobs if j.started is not None}
     if todo:
-        with _fresh_scope(), concurrent.futures.ThreadPoolExecutor(threads(len(todo)), "ds4jax-compile") as pool:
+        with concurrent.futures.ThreadPoolExecutor(threads(len(todo)), "ds4jax-compile") as pool:
             futures.update({id(j): pool.submit(_timed, j) for j in todo})
             concurrent.futures.wait(futures.values())
     concurrent.futures.wait(futures.values())
@@ -132,7 +131,7 @@ def compile_all(jobs: list[Job]) -> list[Compiled | None]:
 @contextlib.contextmanager
 def _fresh_scope():
     """executable_cache compiles must not be served by JAX's persistent cache (see `_fresh_compile`); the
-    setting is process-wide, so it is made once around the pool instead of per thread."""
+    setting is process-wide and counted (`executable_cache.fresh_compiles`), so each job holds it while it runs."""
     from ds4jax.runtime import executable_cache
 
     with executable_cache.fresh_compiles() if executable_cache.enabled() else contextlib.nullcontext():
