@@ -2,8 +2,8 @@
 
 `generate()` builds an engine for one call and never warms it up: each program compiles at its first call, so
 the decode program's compile starts only after the prefill's has finished and run. `start` lowers the decode (and
-speculative) programs of every row bucket here, as the warm-up's capture pass does, and compiles them on a
-background thread beside the prefill's compile on the calling thread (XLA compiles without the GIL). The engine's
+speculative) programs of every row bucket here, as the warm-up's capture pass does, and compiles each on a
+background thread from the moment it is lowered, beside the prefill's compile on the calling thread (XLA compiles without the GIL). The engine's
 programs become `AfterCompile`, whose decode and speculate wait for it first, so a program is never compiled
 twice; a compile that failed there is left to the call, which compiles it itself and raises its own error.
 
@@ -56,7 +56,9 @@ def start(engine, *, streaming: bool) -> bool:
     if not engine.programs.precompiles or isinstance(engine.programs, AfterCompile):
         return False
     try:
-        with precompile.capturing() as jobs:
+        # one thread: each program compiles from the moment it is lowered, while the next one lowers (as in the
+        # warm-up), beside the prefill's compile on the calling thread
+        with precompile.capturing(threads=1) as jobs:
             for *_, run in engine._decode_program_calls():  # the warm-up's decode and speculative calls
                 precompile.run_captured(run)
     except Exception:  # noqa: BLE001 (tracing or lowering failed: the call meets it again and reports it)
