@@ -100,8 +100,18 @@ def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt) -> LayerPools:
         arr, i = getattr(pool, a.name), at.rank(a.layers)
         if not arr.shape[0]:  # no layers: a scale array without an FP8 cache (the field stays None)
             continue
-        fields[a.field] = arr.at[i, rows].get(mode="fill", fill_value=0) if a.per_slot else PagedLayer(arr, i)
+        fields[a.field] = _slot_rows(arr, i, rows) if a.per_slot else PagedLayer(arr, i)
     return LayerPools(**fields)
+
+
+def _slot_rows(arr: jax.Array, i, rows: jax.Array) -> jax.Array:
+    """arr[i, rows] with the null slot (rows == max_slots: a padding row) read as zeros. Not `mode="fill"`: JAX
+    lowers that to an in-range gather plus a reduction of the index vector's bounds, which XLA:GPU left as a
+    kernel of its own per array and layer (~8 launches of a batch-1 decode step); here the gather is in range by
+    construction and the one comparison fuses with it."""
+    inside = rows < arr.shape[1]
+    got = arr.at[i, jnp.where(inside, rows, 0)].get(mode="promise_in_bounds")
+    return jnp.where(inside.reshape(inside.shape + (1,) * (got.ndim - 1)), got, jnp.zeros((), got.dtype))
 
 
 def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) -> KVPool:

@@ -40,7 +40,7 @@ def _project(x: jax.Array, w, precision=None) -> jax.Array:
 
 
 def _one_row(x: jax.Array, w, precision=None) -> jax.Array:
-    """One token's projection as a two-row matmul (a zero row added, then dropped).
+    """One token's projection as a two-row matmul (the row repeated, the copy dropped).
 
     XLA:GPU rewrites a dot whose left side is a vector into multiply + reduce when the weight has fewer than ~10M
     elements (its algebraic simplifier's dot strength reduction; no flag turns it off), and on the decode step at
@@ -50,7 +50,10 @@ def _one_row(x: jax.Array, w, precision=None) -> jax.Array:
     producer of x (flash_slice(2) decode at batch 1 on an H100, 8 steps per call: 1.24 -> 1.03 ms per step;
     304 -> 278 launches for flash_slice(4)). ROCm's XLA shares the simplifier. The zero row costs nothing on a
     memory-bound GEMV."""
-    x2 = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
+    # the second row a broadcast of the first, not a zero pad: XLA's Triton GEMM fusion takes a broadcast into its
+    # operand, while a pad after a producer it cannot fuse with (a Pallas call: the mHC pre-step) is a kernel of
+    # its own (two a layer at decode batch 1). Not yet measured on a GPU.
+    x2 = jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1]))
     y = jax.lax.dot_general(x2, dense(w, x.dtype), (((1,), (0,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)
     return y[:1].reshape(*x.shape[:-1], y.shape[-1])
