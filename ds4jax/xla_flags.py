@@ -1,4 +1,4 @@
-"""XLA flags ds4jax sets before JAX starts a GPU backend: GPU command buffers (graphs) and parallel LLVM compilation.
+"""XLA flags ds4jax sets before JAX starts a GPU backend: GPU command buffers (graphs).
 
 XLA:GPU records runs of kernels into command buffers (CUDA graphs / HIP graphs). Its default set leaves out `while`
 and `conditional`, so each iteration of a while loop -- ds4jax's decode and speculative calls are while loops of up
@@ -17,19 +17,11 @@ workaround. So:
     DS4JAX_COMMAND_BUFFERS=on     XLA's default set
     DS4JAX_COMMAND_BUFFERS=off    no command buffers
 
-XLA:GPU generates each program's kernels as one LLVM module and compiles it to PTX and then to a cubin on one
-thread, unless `--xla_gpu_enable_llvm_module_compilation_parallelism` splits the module and compiles the parts on
-the compiler's thread pool (the same kernels, compiled side by side; where the backend cannot link split modules
-XLA compiles one as before). Code generation is most of a cold compile of our programs (on the H200: LLVM to PTX
-and PTX to cubin were 221 of 271 summed compile seconds of a warm-up, docs/benchmarks/warmup_probe.md), and a
-single program's compile is what a new user's first token waits for. Whether the split pays on our programs is
-not measured yet (`scripts/gpu_startup_probe.sh cli:par:DS4JAX_PARALLEL_COMPILE=on cli:serial ...` measures it),
-so it is opt-in:
+There is no switch for XLA:GPU's parallel LLVM compilation: `--xla_gpu_enable_llvm_module_compilation_parallelism`
+is not a flag of the XLA in jax 0.11.2 (a process given it aborts at backend start: "Unknown flag in XLA_FLAGS",
+seen on the H200, docs/benchmarks/startup_timeline_h200/), so the opt-in that set it is gone.
 
-    DS4JAX_PARALLEL_COMPILE=off  (default) nothing set
-    DS4JAX_PARALLEL_COMPILE=on   the flag set (on any GPU; XLA ignores it on the CPU)
-
-An explicit flag in XLA_FLAGS always wins, for both settings. XLA reads XLA_FLAGS when the first backend starts, so
+An explicit flag in XLA_FLAGS always wins. XLA reads XLA_FLAGS when the first backend starts, so
 `apply()` runs when `ds4jax` is imported; a backend started earlier keeps its flags (a warning says so).
 """
 
@@ -102,26 +94,6 @@ def records_conditionals(xla_flags: str) -> bool:
     return "CONDITIONAL" in value and "-CONDITIONAL" not in value
 
 
-PARALLEL_ENV = "DS4JAX_PARALLEL_COMPILE"
-PARALLEL_FLAG = "--xla_gpu_enable_llvm_module_compilation_parallelism"
-
-
-def parallel_compile(environ=os.environ) -> bool:
-    """Whether `apply` turns on parallel LLVM compilation (DS4JAX_PARALLEL_COMPILE=on; off by default until measured
-    on a GPU)."""
-    chosen = environ.get(PARALLEL_ENV, "off").lower()
-    if chosen not in ("on", "off"):
-        raise ValueError(f"{PARALLEL_ENV}={chosen!r}: expected on or off")
-    return chosen == "on"
-
-
-def flags_with_parallel(xla_flags: str, on: bool) -> str:
-    """XLA_FLAGS with parallel LLVM compilation turned on when `on` (an explicit setting is left alone)."""
-    if not on or PARALLEL_FLAG in xla_flags:
-        return xla_flags
-    return f"{xla_flags} {PARALLEL_FLAG}=true".strip()
-
-
 def flags_with_mode(xla_flags: str, chosen: str) -> str:
     """XLA_FLAGS with the command-buffer flag for mode `chosen` appended (an explicit setting is left alone)."""
     value = VALUES[chosen]
@@ -132,7 +104,7 @@ def flags_with_mode(xla_flags: str, chosen: str) -> str:
 
 def apply(environ=os.environ) -> None:
     old = environ.get("XLA_FLAGS", "")
-    new = flags_with_parallel(flags_with_mode(old, mode(environ)), parallel_compile(environ))
+    new = flags_with_mode(old, mode(environ))
     if new == old:
         return
     from jax._src import xla_bridge  # private: the only way to know whether backends already read XLA_FLAGS

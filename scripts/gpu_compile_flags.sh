@@ -13,7 +13,6 @@ probe baseline 90
 probe no_triton_gemm 90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
 probe autotune_0 90 XLA_FLAGS=--xla_gpu_autotune_level=0
 probe no_triton_gemm_autotune_0 90 "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
-probe llvm_parallel 90 XLA_FLAGS=--xla_gpu_enable_llvm_module_compilation_parallelism=true
 cache=$(mktemp -d)
 DS4JAX_COMPILATION_CACHE=$cache timeout 90 python3 scripts/warmup_probe.py --label fill --out "$res" >>"$log" 2>&1
 DS4JAX_COMPILATION_CACHE=$cache timeout 60 python3 scripts/warmup_probe.py --label cached --out "$res" >>"$log" 2>&1
