@@ -95,28 +95,33 @@ class Recorder:
     def __init__(self, wait: Callable[[], None]):
         self._wait = wait
         self._programs: list[Program] = []
+        self._last: list[Program] = []
 
         self._start = time.perf_counter()
         self.compile_threads = 1
 
     @contextlib.contextmanager
-    def program(self, kind: str, rows: int = 0, width: int = 0, precompiled=None) -> Iterator[None]:
-        """`precompiled`: the program's compile on precompile's pool (a `precompile.Compiled`), counted here."""
-        before, start = compiles.totals(), time.perf_counter()
+    def program(self, kind: str, rows: int = 0, width: int = 0, precompiled=None, last: bool = False
+                ) -> Iterator[None]:
+        """`precompiled`: the program's compile on precompile's pool (a `precompile.Compiled`), counted here. The
+        calling thread's compiles only: the warm-up runs its small programs while the pool compiles the others.
+        `last`: listed after the records without it (the report keeps the order a reader expects: the big programs,
+        then the small ones that ran meanwhile)."""
+        before, start = compiles.thread_totals(), time.perf_counter()
         yield
         self._wait()
         seconds = time.perf_counter() - start
-        spent = compiles.totals() - before
+        spent = compiles.thread_totals() - before
         if precompiled is not None:
             spent = compiles.CompileTotals(spent.compiles + precompiled.totals.compiles,
                                            spent.seconds + precompiled.totals.seconds,
                                            spent.disk_hits + precompiled.totals.disk_hits)
             seconds += precompiled.seconds
-        self._programs.append(Program(kind, int(rows), int(width), spent.compiles, spent.disk_hits, spent.seconds,
-                                      seconds))
+        (self._last if last else self._programs).append(
+            Program(kind, int(rows), int(width), spent.compiles, spent.disk_hits, spent.seconds, seconds))
 
     def report(self) -> WarmupReport:
-        return WarmupReport(tuple(self._programs), time.perf_counter() - self._start, self.compile_threads)
+        return WarmupReport(tuple(self._programs + self._last), time.perf_counter() - self._start, self.compile_threads)
 
 
 class Programs(Protocol):
@@ -184,6 +189,19 @@ class EngineWarmup:
                               lambda capped=capped: self._spec_call(capped())))
         return calls
 
+    def _warm_small_programs(self, rec: Recorder, snapshots_on: bool) -> None:
+        """The snapshot save / load programs (with snapshots on) and the slot reset, each compiled and run once."""
+        if snapshots_on:
+            # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
+            # pages: every paged write is dropped; slot 0 is reset below)
+            with rec.program("snapshot-save", 1, last=True):
+                arrays = self._slot_snaps.arrays(self.tpool, self.dpool, self.slot_state, 0, 0)
+            with rec.program("snapshot-load", 1, last=True):
+                self._write_snapshot(0, arrays, pages=0, length=1)
+        with rec.program("slot-reset", last=True):
+            self._to_reset.add(0)
+            self._apply_resets()
+
     def _warmup(self) -> WarmupReport:
         rec = Recorder(lambda: jax.block_until_ready((self.tpool, self.dpool, self.slot_state)))
         pad = lambda rows: self._padding_rows([None] * rows)  # noqa: E731
@@ -206,22 +224,18 @@ class EngineWarmup:
             threads = precompile.threads(len(calls))
             with precompile.capturing(threads=threads) as jobs:
                 captured = [precompile.run_captured(run) for *_, run in calls]
+            # the small programs compile and run here while the pool compiles the big ones (after the pool they
+            # stood alone on the critical path: 0.65 s of an H200 host's 24.5 s cold warm-up,
+            # docs/benchmarks/startup_timeline_h200/); the padding-row runs below write nothing, so slot 0 stays reset
+            self._warm_small_programs(rec, snapshots_on)
             done = iter(precompile.compile_all(jobs))
             compiled = [next(done) if c else None for c in captured]
             rec.compile_threads = min(threads, max(1, sum(c is not None for c in compiled)))
         for (kind, rows, width, run), pre in zip(calls, compiled):  # the fingerprint before the restore
             with rec.program(kind, rows, width, precompiled=pre):
                 run()
-        if snapshots_on:
-            # snapshot programs: save slot 0 and restore it, through the host arrays a real snapshot holds (no
-            # pages: every paged write is dropped; slot 0 is reset below)
-            with rec.program("snapshot-save", 1):
-                arrays = self._slot_snaps.arrays(self.tpool, self.dpool, self.slot_state, 0, 0)
-            with rec.program("snapshot-load", 1):
-                self._write_snapshot(0, arrays, pages=0, length=1)
-        with rec.program("slot-reset"):
-            self._to_reset.add(0)
-            self._apply_resets()
+        if not self.programs.precompiles:
+            self._warm_small_programs(rec, snapshots_on)
         self._warm = True
         report = rec.report()
         self.stats.compiles += report.compiles
