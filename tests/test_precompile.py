@@ -92,7 +92,8 @@ def test_thread_count_defaults_to_cores_and_programs(monkeypatch):
 
 def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch):
     """The fingerprint's digest program is one of the pool's jobs (run after the others it stood alone on a cold
-    warm-up's critical path), and the warm-up's own fingerprint call then compiles nothing."""
+    warm-up's critical path), and the warm-up's own fingerprint call then compiles nothing. The small programs
+    (snapshot save / load, slot reset) run before the warm-up waits for the pool, and are listed last."""
     from ds4jax import Engine
     from ds4jax.generation import programs as programs_module
     from small_engine import MAX_CONTEXT, one_layer_model
@@ -100,15 +101,26 @@ def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch)
     names = []
     compile_all = precompile.compile_all
 
+    order = []
+    small = programs_module.EngineWarmup._warm_small_programs
+
     def recording(jobs):
         names.extend(j.name for j in jobs)
+        order.append("wait for the pool")
         return compile_all(jobs)
 
+    def small_recording(self, *args):
+        order.append("small programs")
+        return small(self, *args)
+
     monkeypatch.setattr(programs_module.precompile, "compile_all", recording)
+    monkeypatch.setattr(programs_module.EngineWarmup, "_warm_small_programs", small_recording)
     engine = Engine(one_layer_model(seed=5), max_slots=2, max_context=MAX_CONTEXT, prefill_chunk=8,
                     row_buckets=(2,), steps_per_call=2, snapshot_bytes=1 << 20)
     report = engine.warmup()
     assert any(n.endswith("snapshots._digests") for n in names), names
+    assert order == ["small programs", "wait for the pool"], order
+    assert [p.kind for p in report.programs][-3:] == ["snapshot-save", "snapshot-load", "slot-reset"], report
     [row] = [p for p in report.programs if p.kind == "fingerprint"]
     assert row.compiles >= 1  # counted from the pool's compile (a fresh seed: not in this process yet)
     before = compile_count()
