@@ -3,9 +3,10 @@
 `generate()` builds an engine for one call and never warms it up: each program compiles at its first call, so
 the decode program's compile starts only after the prefill's has finished and run. `start` lowers the decode (and
 speculative) programs of every row bucket here, as the warm-up's capture pass does, and compiles each on a
-background thread from the moment it is lowered, beside the prefill's compile on the calling thread (XLA compiles without the GIL). The engine's
-programs become `AfterCompile`, whose decode and speculate wait for it first, so a program is never compiled
-twice; a compile that failed there is left to the call, which compiles it itself and raises its own error.
+background thread from the moment it is lowered, beside the prefill's compile on the calling thread (XLA compiles
+without the GIL). The engine's programs become `AfterCompile`, whose decode and speculate wait for it first, so
+a program is never compiled twice; a compile that failed there is left to the call, which compiles it itself and
+raises its own error.
 
 Two compiles at once share the host's cores, so the prefill's own compile takes longer. On the 2-core CPU, a cold
 `generate()` of the default model (18-token prompt, 64 greedy tokens; `scripts/bench_compile_ahead.py`,

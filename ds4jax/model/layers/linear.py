@@ -48,11 +48,12 @@ def _one_row(x: jax.Array, w, precision=None) -> jax.Array:
     wq_a, wkv, the compressors, the router and the shared expert (`scripts/step_kernels.py`,
     `scripts/probe_gemv.py`). With two rows the dot stays a GEMM that reads the weight once; the pad fuses with the
     producer of x (flash_slice(2) decode at batch 1 on an H100, 8 steps per call: 1.24 -> 1.03 ms per step;
-    304 -> 278 launches for flash_slice(4)). ROCm's XLA shares the simplifier. The zero row costs nothing on a
+    304 -> 278 launches for flash_slice(4)). ROCm's XLA shares the simplifier. The second row costs nothing on a
     memory-bound GEMV."""
     # the second row a broadcast of the first, not a zero pad: XLA's Triton GEMM fusion takes a broadcast into its
     # operand, while a pad after a producer it cannot fuse with (a Pallas call: the mHC pre-step) is a kernel of
-    # its own (two a layer at decode batch 1). Not yet measured on a GPU.
+    # its own (two a layer at decode batch 1; with the slot-row gather of steps._slot_rows, flash_slice(4)'s decode
+    # step went from 207 to 192 launches on the H200, docs/benchmarks/launches_ab_h200/).
     x2 = jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1]))
     y = jax.lax.dot_general(x2, dense(w, x.dtype), (((1,), (0,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)
