@@ -8,7 +8,8 @@
 #   tree in $BEFORE, e.g. `git archive main ds4jax pallas_kernels scripts pyproject.toml | tar -x -C .before`)
 #   e.g.  cli:base  cli:at0:XLA_FLAGS=--xla_gpu_autotune_level=0  warmup:base  warmup_before:base
 # A variant with `speed` in its label also runs scripts/warmup_probe.py --speed (decode tokens/s after a warm-up)
-# under the same environment.
+# under the same environment; a `cli` variant with `prof` in its label runs the cached command once more under
+# cProfile (where a cached start-up's seconds go, e.g. loading the weights: KIND_LABEL_profile.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
@@ -37,6 +38,15 @@ for variant in "$@"; do
     cache=$(mktemp -d)
     timeline "${kind}_${label}_cold" "$tree" 150 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
     timeline "${kind}_${label}_cached" "$tree" 60 DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" -- "${args[@]}"
+    if [[ $kind == cli && $label == *prof* ]]; then
+        prof=$dir/${kind}_$label.prof
+        env PYTHONPATH="$tree" DS4JAX_COMPILATION_CACHE="$cache" "${envs[@]}" timeout 60 \
+            python3 -m cProfile -o "$prof" -m ds4jax "${CLI[@]}" >/dev/null 2>>"$log"
+        echo "${kind}_${label}_profile: exit $?" >>"$log"
+        python3 -c 'import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats("cumulative").print_stats(60)
+s.sort_stats("tottime").print_stats(40)' "$prof" >"$dir/${kind}_${label}_profile.txt" 2>&1
+        rm -f "$prof"
+    fi
     if [[ $label == *speed* ]]; then  # its output in speed.log, its exit status there and on stdout
         (res=$OUT/warmup_probe.jsonl log=$dir/speed.log; probe "${kind}_$label" 120 PYTHONPATH="$tree" "${envs[@]}")
     fi
