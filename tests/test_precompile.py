@@ -93,7 +93,8 @@ def test_thread_count_defaults_to_cores_and_programs(monkeypatch):
 def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch):
     """The fingerprint's digest program is one of the pool's jobs (run after the others it stood alone on a cold
     warm-up's critical path), and the warm-up's own fingerprint call then compiles nothing. The small programs
-    (snapshot save / load, slot reset) run before the warm-up waits for the pool, and are listed last."""
+    (snapshot save / load, slot reset) run before the warm-up waits for the pool, and are listed last. The decode
+    program is captured before the prefill (its compile is the longest), the report keeps its order."""
     from ds4jax import Engine
     from ds4jax.generation import programs as programs_module
     from small_engine import MAX_CONTEXT, one_layer_model
@@ -120,6 +121,10 @@ def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch)
     report = engine.warmup()
     assert any(n.endswith("snapshots._digests") for n in names), names
     assert order == ["small programs", "wait for the pool"], order
+    # captured (and so compiled) decode first, the longest compile; reported in the warm-up's own order
+    programs = [n.rsplit(".", 1)[-1] for n in names]
+    assert programs.index("decode_loop") < programs.index("prefill_call"), programs
+    assert [p.kind for p in report.programs][:2] == ["prefill", "decode"], report
     assert [p.kind for p in report.programs][-3:] == ["snapshot-save", "snapshot-load", "slot-reset"], report
     [row] = [p for p in report.programs if p.kind == "fingerprint"]
     assert row.compiles >= 1  # counted from the pool's compile (a fresh seed: not in this process yet)

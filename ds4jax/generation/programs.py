@@ -159,6 +159,21 @@ class Programs(Protocol):
     def restore(self, params, dpool, slot_state, rows, sampled, next_ids, *, dspec, kernels): ...
 
 
+_DECODING = ("speculative", "decode")  # longest to compile first (a speculative program holds a verify and drafts)
+
+
+def _capture_order(calls: list[tuple[str, int, int, Callable[[], object]]]) -> list[int]:
+    """The order in which the warm-up captures its programs (indices into `calls`, which keeps the report's order):
+    the decode and speculative programs first, most rows first, then the rest as listed (the fingerprint before the
+    restore). Each compile starts at its capture and the warm-up ends with the last one; the decode programs compile
+    longest (the 8-row decode loop ended every cold warm-up timed on the H100 and H200, started fourth of six:
+    docs/benchmarks/startup_timeline_h100/, startup_timeline_h200/), so they start first."""
+    def key(i: int):
+        kind, rows = calls[i][0], calls[i][1]
+        return (0, _DECODING.index(kind), -rows, i) if kind in _DECODING else (1, 0, 0, i)
+    return sorted(range(len(calls)), key=key)
+
+
 class EngineWarmup:
     """`Engine.warmup` (mixed into `Engine`): every program of the engine compiled and run once."""
 
@@ -222,14 +237,16 @@ class EngineWarmup:
         compiled = [None] * len(calls)
         if self.programs.precompiles:  # lowered here, compiled side by side (each from its capture on), then run
             threads = precompile.threads(len(calls))
+            order = _capture_order(calls)
             with precompile.capturing(threads=threads) as jobs:
-                captured = [precompile.run_captured(run) for *_, run in calls]
+                captured = {i: precompile.run_captured(calls[i][-1]) for i in order}
             # the small programs compile and run here while the pool compiles the big ones (after the pool they
             # stood alone on the critical path: 0.65 s of an H200 host's 24.5 s cold warm-up,
             # docs/benchmarks/startup_timeline_h200/); the padding-row runs below write nothing, so slot 0 stays reset
             self._warm_small_programs(rec, snapshots_on)
-            done = iter(precompile.compile_all(jobs))
-            compiled = [next(done) if c else None for c in captured]
+            done = iter(precompile.compile_all(jobs))  # in capture order
+            for i in order:
+                compiled[i] = next(done) if captured[i] else None
             rec.compile_threads = min(threads, max(1, sum(c is not None for c in compiled)))
         for (kind, rows, width, run), pre in zip(calls, compiled):  # the fingerprint before the restore
             with rec.program(kind, rows, width, precompiled=pre):
