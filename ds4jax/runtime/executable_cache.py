@@ -317,31 +317,16 @@ def _load(key: str):
         return None
 
 
-_fresh_lock = threading.Lock()
-_fresh_depth = 0  # threads inside `fresh_compiles` (the warm-up's pool, a compile ahead, a call's own compile)
-_fresh_before: float | None = None
-
-
 @contextlib.contextmanager
 def fresh_compiles():
-    """Within: compiles are never written to JAX's persistent cache (see `_fresh_compile`). Process-wide (a JAX
-    config value), so counted: the first thread in sets it, the last one out restores it. Two threads that each
-    saved and restored it (a one-shot `generate` compiles its decode program ahead, beside the prefill's compile)
-    would otherwise restore the other's setting: a compile written to JAX's cache, or the cache left off."""
-    global _fresh_depth, _fresh_before
-    name = "jax_persistent_cache_min_compile_time_secs"
-    with _fresh_lock:
-        if _fresh_depth == 0:
-            _fresh_before = getattr(jax.config, name)
-            jax.config.update(name, float("inf"))
-        _fresh_depth += 1
-    try:
+    """Within, on this thread: compiles are never written to JAX's persistent cache (see `_fresh_compile`). JAX's
+    setting taken as a context is thread-local, so only the compiles that need it skip the cache: a warm-up's small
+    programs, compiled on the calling thread while the pool's jobs hold this, are written as usual (with the
+    setting changed process-wide they were not, and a cached warm-up compiled them again)."""
+    from jax._src import config
+
+    with config.persistent_cache_min_compile_time_secs(float("inf")):
         yield
-    finally:
-        with _fresh_lock:
-            _fresh_depth -= 1
-            if _fresh_depth == 0:
-                jax.config.update(name, _fresh_before)
 
 
 def _fresh_compile(lowered):

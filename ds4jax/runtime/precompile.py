@@ -108,7 +108,7 @@ def threads(n_jobs: int) -> int:
 
 
 def _timed(job: Job) -> Compiled:
-    """Run one job on this thread, inside its own `_fresh_scope` (counted, so the jobs running side by side nest)."""
+    """Run one job on this thread, inside its own `_fresh_scope` (a thread's own setting)."""
     with _fresh_scope():
         before, start = compiles.thread_totals(), time.perf_counter()
         job.compile()
@@ -130,8 +130,8 @@ def compile_all(jobs: list[Job]) -> list[Compiled | None]:
 
 @contextlib.contextmanager
 def _fresh_scope():
-    """executable_cache compiles must not be served by JAX's persistent cache (see `_fresh_compile`); the
-    setting is process-wide and counted (`executable_cache.fresh_compiles`), so each job holds it while it runs."""
+    """executable_cache compiles must not be served by JAX's persistent cache (see `_fresh_compile`); the setting
+    is the compiling thread's own (`executable_cache.fresh_compiles`), so each job holds it while it runs."""
     from ds4jax.runtime import executable_cache
 
     with executable_cache.fresh_compiles() if executable_cache.enabled() else contextlib.nullcontext():
