@@ -96,9 +96,9 @@ def test_logprobs_on_a_layer_split_are_refused():
     """A layer split's stage programs return no logprobs: asking is a PoolError before any stage is built."""
     import types
 
-    from ds4jax.generation import engine as engine_mod
+    from ds4jax.generation import programs as programs_mod
     from ds4jax.runtime.pools import PoolError
 
     split = types.SimpleNamespace(num_stages=2)  # only the stage count is read before the check
     with pytest.raises(PoolError, match="layer split"):
-        engine_mod._programs(split, None, {}, 3)
+        programs_mod.programs_for(split, None, {}, 3)

@@ -254,7 +254,7 @@ def test_engine_refuses_a_layer_split_across_processes():
 
     import numpy as np
 
-    from ds4jax.generation import engine
+    from ds4jax.generation.programs import programs_for
     from ds4jax.generation.stage_programs import check_one_process
     from ds4jax.runtime.mesh import MeshError
 
@@ -265,5 +265,5 @@ def test_engine_refuses_a_layer_split_across_processes():
 
     with pytest.raises(MeshError, match=r"layer split across processes yet: this split's 2 stages are on processes "
                                         r"\[0, 1\]"):
-        engine._programs(layout(0, 1), None, None, 0)  # the Engine's own dispatch, not only the helper
+        programs_for(layout(0, 1), None, None, 0)  # the Engine's own dispatch, not only the helper
     check_one_process(layout(0, 0))

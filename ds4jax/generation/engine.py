@@ -50,7 +50,7 @@ from ds4jax.generation.fused_programs import FusedPrograms
 from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.loops import Rows
 from ds4jax.generation.parking import EngineParking, Parking
-from ds4jax.generation.programs import EngineWarmup, Programs
+from ds4jax.generation.programs import EngineWarmup, Programs, programs_for
 from ds4jax.generation.request_checks import Limits
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
 from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
@@ -62,17 +62,6 @@ from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
-
-
-def _programs(layout, cfg, params, logprobs: int) -> Programs:
-    if layout is not None and layout.num_stages > 1:
-        from ds4jax.generation.stage_programs import StagePrograms, check_one_process
-
-        if logprobs:
-            raise PoolError(f"logprobs must be 0 on a layer split (its stage programs return none), got {logprobs}")
-        check_one_process(layout)
-        return StagePrograms(layout, cfg)
-    return FusedPrograms(layout, cfg, params, logprobs)
 
 
 class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, EngineWarmup):
@@ -123,7 +112,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         self.logprobs = int(logprobs)
         if not 0 <= self.logprobs <= cfg.vocab_size:
             raise PoolError(f"logprobs must be in [0, {cfg.vocab_size}] (the vocabulary), got {logprobs}")
-        self.programs: Programs = _programs(self.layout, cfg, self.model.params, self.logprobs)
+        self.programs: Programs = programs_for(self.layout, cfg, self.model.params, self.logprobs)
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in

@@ -159,6 +159,21 @@ class Programs(Protocol):
     def restore(self, params, dpool, slot_state, rows, sampled, next_ids, *, dspec, kernels): ...
 
 
+def programs_for(layout, cfg, params, logprobs: int) -> Programs:
+    """The `Programs` an engine runs for `layout`: stage by stage on a layer split (one process; no logprobs), else
+    one fused program per call."""
+    if layout is not None and layout.num_stages > 1:
+        from ds4jax.generation.stage_programs import StagePrograms, check_one_process
+
+        if logprobs:
+            raise PoolError(f"logprobs must be 0 on a layer split (its stage programs return none), got {logprobs}")
+        check_one_process(layout)
+        return StagePrograms(layout, cfg)
+    from ds4jax.generation.fused_programs import FusedPrograms
+
+    return FusedPrograms(layout, cfg, params, logprobs)
+
+
 _DECODING = ("speculative", "decode")  # longest to compile first (a speculative program holds a verify and drafts)
 
 
