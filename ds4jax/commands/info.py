@@ -23,6 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_mesh_option(p)
     plan = p.add_argument_group("memory plan (with --mesh)")
     plan.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="params and pools dtype")
+    plan.add_argument("--quantized", choices=("fp8", "fp4"), default=None,
+                      help="the params as a checkpoint quantized so holds them on the device (weights=\"checkpoint\"): "
+                           "fp4 = FP8 dense linears + FP4 routed experts (DeepSeek-V4 as published), fp8 = both FP8")
     plan.add_argument("--max-slots", type=positive_int, default=8, metavar="B", help="requests decoded together")
     plan.add_argument("--max-context", type=positive_int, default=4096, metavar="T",
                       help="prompt + new tokens per request")
@@ -66,7 +69,8 @@ def memory_plan(cfg, args) -> str:
     layout = mesh_layout(args, cfg)
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=args.max_slots, max_context=args.max_context,
                              page_size=default_page_size(cfg), dtype=args.dtype)
-    report = layout.memory_report(cfg, spec, args.dtype)
+    quantized = getattr(args, "quantized", None)
+    report = layout.memory_report(cfg, spec, args.dtype, quantized=quantized)
     if args.device_memory is not None:
         memory, source = int(args.device_memory * 2**30), "--device-memory"
     else:
@@ -77,7 +81,7 @@ def memory_plan(cfg, args) -> str:
             + ("  DOES NOT FIT" if report["total"] > memory else ""))
     return "\n".join([
         f"memory plan   {layout.describe()}, per device (the busiest), {args.dtype}",
-        f"  params      {format_bytes(report['params'])}",
+        f"  params      {format_bytes(report['params'])}" + (f" ({STORED[quantized]})" if quantized else ""),
         f"  pools       {format_bytes(report['pools'])} (target, {args.max_slots} slots x {args.max_context} tokens; "
         f"the engine's activations and a draft's pools come on top)",
         f"  total       {format_bytes(report['total'])}",
@@ -117,9 +121,24 @@ def describe(cfg, name: str) -> str:
         f"  rope        theta {cfg.rope_theta:g}, compressed layers {cfg.compress_rope_theta:g} with YaRN {yarn}",
         f"  mtp         {cfg.num_mtp_layers} layer(s)",
         f"parameters    {total:,} (+ {mtp:,} MTP), {active:,} active per token; routed experts {routed:,}",
+        weights_line(cfg),
         *kv_cache_lines(cfg),
     ]
     return "\n".join(lines)
+
+
+STORED = {"fp4": "FP8 dense + FP4 experts, as published", "fp8": "FP8 dense + FP8 experts"}
+
+
+def weights_line(cfg) -> str:
+    """The weights' device bytes (MTP included) in bfloat16 and as a quantized checkpoint holds them
+    (`ds4jax.io.stored_footprint`)."""
+    from ds4jax.io.stored_footprint import weight_bytes
+    from ds4jax.runtime.mesh_plan import format_bytes
+
+    size = {q: format_bytes(weight_bytes(cfg, "bfloat16", q)) for q in (None, "fp4", "fp8")}
+    return (f"weights       {size[None]} in bfloat16; {size['fp4']} {STORED['fp4']}; {size['fp8']} "
+            f"{STORED['fp8']} (loaded with weights=\"checkpoint\")")
 
 
 def kv_cache_lines(cfg) -> list[str]:

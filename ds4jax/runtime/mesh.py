@@ -150,16 +150,25 @@ class MeshLayout:
 
         return MeshSteps(self, cfg)
 
-    def memory_report(self, cfg: Config, spec=None, dtype: Any = jnp.bfloat16) -> dict[str, int]:
-        """Bytes of params (in `dtype`) and of a pool `spec` on the busiest device, from the shardings alone."""
+    def memory_report(self, cfg: Config, spec=None, dtype: Any = jnp.bfloat16,
+                      quantized: str | None = None) -> dict[str, int]:
+        """Bytes of params (in `dtype`; with `quantized` "fp8" / "fp4", as a checkpoint quantized so loads with
+        ``weights="checkpoint"``: `stored_footprint`) and of a pool `spec` on the busiest device, from the
+        shardings alone (a quantized leaf's values and scales split like the leaf)."""
         per_device: dict[Any, list[int]] = {d: [0, 0] for d in self.mesh.devices.flat}
 
-        def add(leaf, sharding, col):
-            block = math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        def add(leaf, sharding, col, nbytes=None):
+            whole = nbytes if nbytes is not None else math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+            block = round(whole * math.prod(sharding.shard_shape(leaf.shape)) / max(1, math.prod(leaf.shape)))
             for d in sharding.device_set:
                 per_device[d][col] += block
 
-        jax.tree.map(lambda a, s: add(a, s, 0), params_lib.abstract(cfg, dtype), self.param_shardings(cfg))
+        from ds4jax.io.stored_footprint import leaf_bytes
+
+        leaves = jax.tree.leaves(params_lib.abstract(cfg, dtype))
+        shardings = jax.tree.leaves(self.param_shardings(cfg), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        for leaf, sharding, nbytes in zip(leaves, shardings, leaf_bytes(cfg, dtype, quantized), strict=True):
+            add(leaf, sharding, 0, nbytes)
         if spec is not None:
             from ds4jax.runtime.pool_spec import shapes
 
