@@ -118,6 +118,20 @@ def test_fingerprint_covers_environment(monkeypatch):
         executable_cache._fingerprint.cache_clear()
 
 
+def test_fingerprint_ignores_the_allocator_settings(monkeypatch):
+    """The CLI turns preallocation off itself; memory settings change no program, so they change no key."""
+    executable_cache._fingerprint.cache_clear()
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    before = executable_cache._fingerprint()
+    executable_cache._fingerprint.cache_clear()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    try:
+        assert executable_cache._fingerprint() == before
+    finally:
+        executable_cache._fingerprint.cache_clear()
+
+
 def test_generate_through_the_cache_equals_plain_jit(tmp_path):
     from ds4jax.generation.generate import SamplingParams, generate
     from ds4jax.io.tokenizer import ByteTokenizer

@@ -170,7 +170,10 @@ def _fingerprint() -> str:
                 with open(path, "rb") as f:
                     h.update(f.read())
     devices = jax.devices()
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("DS4JAX_", "JAX_", "XLA_")))
+    # XLA_PYTHON_CLIENT_* (preallocation, memory fraction, allocator) size the allocator, not a program: the CLI
+    # sets one of them itself (cli.NO_PREALLOCATION), and a run without it must find the same entries
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("DS4JAX_", "JAX_", "XLA_")) and not k.startswith("XLA_PYTHON_CLIENT_"))
     h.update(repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
                    devices[0].device_kind, env, jax.config.jax_enable_x64,
                    jax.config.jax_default_matmul_precision)).encode())
