@@ -4,6 +4,7 @@ use them."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ds4jax import cli
@@ -62,3 +63,21 @@ def test_info_prints_both(capsys):
     assert cli.main(["info", "--preset", "tiny", "--mesh", "expert=2", "--quantized", "fp4",
                      "--device-memory", "1"]) == 0
     assert "(FP8 dense + FP4 experts, as published)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("quantized", ["fp8", "fp4"])
+def test_random_quantized_model_is_the_quantized_random_model(quantized):
+    """Built leaf by leaf (each weight drawn and quantized at once, for models too large in bf16): the same tree and
+    bytes as quantizing `params.init`'s model, and `stored_footprint`'s size."""
+    from ds4jax.model import layer_stack
+    from ds4jax.model.quantize import random_quantized_model
+
+    key = jax.random.key(5)
+    want = quantize_model(Model(CFG, layer_stack.for_loader(CFG, params_lib.init(CFG, key, jnp.bfloat16))), quantized)
+    got = random_quantized_model(CFG, key, quantized)
+    assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
+    for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(got.params)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    assert sum(x.nbytes for x in jax.tree.leaves(got.params)) == stored_footprint.weight_bytes(
+        CFG, jnp.bfloat16, quantized)

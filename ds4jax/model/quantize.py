@@ -91,6 +91,39 @@ def quantize_model(model: Model, quantize: str = "fp4", block: tuple[int, int] =
     return dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(one, model.params))
 
 
+def random_quantized_model(cfg, key: jax.Array, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
+                           fp8_dtype=jnp.float8_e4m3fn) -> Model:
+    """`quantize_model(Model(cfg, params.init(cfg, key, bfloat16)))` built leaf by leaf: each weight is drawn in
+    bfloat16 and quantized at once, so the peak is the quantized model plus one leaf (a model too large for the
+    device in bfloat16, such as the largest `flash_slice` one H200 holds in the published format,
+    docs/benchmarks/quantized_fit.md, can be benchmarked). The same draws as `params.init`, so the same numbers as
+    quantizing its model. Layers are stacked afterwards (`layer_stack.for_loader`, consuming the per-layer
+    leaves)."""
+    from ds4jax.model import layer_stack
+    from ds4jax.model import params as params_lib
+
+    official_format.check_quantize(quantize)
+    formats = {_names(leaf.path): (official_format.weight_format(leaf.sources[0], quantize)
+                                   if leaf.layout in (T, EXPERTS) else None) for leaf in plan(cfg, jnp.bfloat16)}
+    fp4, fp8 = jax.jit(quantize_fp4), jax.jit(quantize_fp8, static_argnums=(1, 2))
+    decl = params_lib.declare(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(decl, is_leaf=params_lib._is_info)
+    keys = jax.random.split(key, len(flat))
+
+    def one(path, info, k):
+        w = info.init(k, info.shape, info.dtype(jnp.bfloat16))  # eagerly, as params.init draws
+        fmt = formats[_names(path)]
+        if fmt == "fp4":
+            return by_slice(fp4, w)
+        if fmt == "fp8":
+            return by_slice(lambda x: fp8(x, (block[1], block[0]), fp8_dtype), w)
+        return w
+
+    leaves = [one(path, info, k) for (path, info), k in zip(flat, keys)]
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    return Model(cfg, layer_stack.for_loader(cfg, params))
+
+
 def by_slice(quantize, w: jax.Array) -> QuantizedWeight:
     """`quantize(w)` one leading (layer or expert) slice at a time, results stacked: the float32 temporaries of a
     whole stacked expert tensor (4 Flash layers' experts are 17 GB in bf16, their f32 intermediates several times
