@@ -67,27 +67,33 @@ def _names(path) -> tuple[str, ...]:
                  if isinstance(k, str) or isinstance(k, jax.tree_util.DictKey))
 
 
+class _LeafQuantizer:
+    """Quantizes a params leaf by its path as a published ``quantize`` checkpoint stores it (`official_format`):
+    FP8 or FP4 `QuantizedWeight`, or the leaf unchanged. `block` is the FP8 block over the checkpoint's [out, in]."""
+
+    def __init__(self, cfg, quantize: str, block: tuple[int, int], fp8_dtype):
+        official_format.check_quantize(quantize)
+        self.formats = {_names(leaf.path): (official_format.weight_format(leaf.sources[0], quantize)
+                                            if leaf.layout in (T, EXPERTS) else None)
+                        for leaf in plan(cfg, jnp.float32)}
+        self.block, self.fp8_dtype = (block[1], block[0]), fp8_dtype
+        self.fp4, self.fp8 = jax.jit(quantize_fp4), jax.jit(quantize_fp8, static_argnums=(1, 2))
+
+    def __call__(self, path, w):
+        fmt = self.formats[_names(path)]
+        if fmt == "fp4":
+            return by_slice(self.fp4, w)
+        if fmt == "fp8":
+            return by_slice(lambda x: self.fp8(x, self.block, self.fp8_dtype), w)
+        return w
+
+
 def quantize_model(model: Model, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
                    fp8_dtype=jnp.float8_e4m3fn) -> Model:
     """`model` with the leaves a published ``quantize`` checkpoint stores quantized replaced by `QuantizedWeight`s
     (`block` is the FP8 block over the checkpoint's [out, in]). Leaf by leaf on the params as they are (stacked
     layers stay stacked), so the peak is the model plus its quantized copy."""
-    official_format.check_quantize(quantize)
-    formats = {}
-    for leaf in plan(model.config, jnp.float32):
-        fmt = official_format.weight_format(leaf.sources[0], quantize) if leaf.layout in (T, EXPERTS) else None
-        formats[_names(leaf.path)] = fmt
-    fp4 = jax.jit(quantize_fp4)
-    fp8 = jax.jit(quantize_fp8, static_argnums=(1, 2))
-
-    def one(key_path, w):
-        fmt = formats[_names(key_path)]
-        if fmt == "fp4":
-            return by_slice(fp4, w)
-        if fmt == "fp8":
-            return by_slice(lambda x: fp8(x, (block[1], block[0]), fp8_dtype), w)
-        return w
-
+    one = _LeafQuantizer(model.config, quantize, block, fp8_dtype)
     return dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(one, model.params))
 
 
@@ -102,26 +108,12 @@ def random_quantized_model(cfg, key: jax.Array, quantize: str = "fp4", block: tu
     from ds4jax.model import layer_stack
     from ds4jax.model import params as params_lib
 
-    official_format.check_quantize(quantize)
-    formats = {_names(leaf.path): (official_format.weight_format(leaf.sources[0], quantize)
-                                   if leaf.layout in (T, EXPERTS) else None) for leaf in plan(cfg, jnp.bfloat16)}
-    fp4, fp8 = jax.jit(quantize_fp4), jax.jit(quantize_fp8, static_argnums=(1, 2))
-    decl = params_lib.declare(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(decl, is_leaf=params_lib._is_info)
+    one = _LeafQuantizer(cfg, quantize, block, fp8_dtype)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params_lib.declare(cfg), is_leaf=params_lib._is_info)
     keys = jax.random.split(key, len(flat))
-
-    def one(path, info, k):
-        w = info.init(k, info.shape, info.dtype(jnp.bfloat16))  # eagerly, as params.init draws
-        fmt = formats[_names(path)]
-        if fmt == "fp4":
-            return by_slice(fp4, w)
-        if fmt == "fp8":
-            return by_slice(lambda x: fp8(x, (block[1], block[0]), fp8_dtype), w)
-        return w
-
-    leaves = [one(path, info, k) for (path, info), k in zip(flat, keys)]
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
-    return Model(cfg, layer_stack.for_loader(cfg, params))
+    # each weight drawn eagerly, as params.init draws, and quantized before the next is drawn
+    leaves = [one(path, info.init(k, info.shape, info.dtype(jnp.bfloat16))) for (path, info), k in zip(flat, keys)]
+    return Model(cfg, layer_stack.for_loader(cfg, jax.tree_util.tree_unflatten(treedef, leaves)))
 
 
 def by_slice(quantize, w: jax.Array) -> QuantizedWeight:
