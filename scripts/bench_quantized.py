@@ -52,7 +52,7 @@ from e2e_ds4jax import Bench, copy_bandwidth, matmul_flops  # noqa: E402
 from ds4jax.model import layer_stack  # noqa: E402
 from ds4jax.model import params as P  # noqa: E402
 from ds4jax.model.handle import Model  # noqa: E402
-from ds4jax.model.quantize import quantize_model  # noqa: E402
+from ds4jax.model.quantize import quantize_model, random_quantized_model  # noqa: E402
 from ds4jax.model.quantized import is_quantized  # noqa: E402
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.target import device_target  # noqa: E402
@@ -78,6 +78,10 @@ def parse(argv=None):
     ap.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     ap.add_argument("--profile", action="store_true",
                     help="decode cases: a device trace per mode (kernels per step, device busy, heaviest kernels)")
+    ap.add_argument("--quantized-only", action="store_true",
+                    help="only the FP8 + FP4 model, built leaf by leaf (random_quantized_model: no bf16 copy, for "
+                         "slices too large in bf16, e.g. --layers 28 on an H200), checked against the reference "
+                         "kernels on the same weights; writes quantized_only.{json,md}")
     ap.add_argument("--render-only", metavar="JSON",
                     help="only write the markdown of this JSON into --out (a run cut short is rendered as failed)")
     return ap.parse_args(argv)
@@ -246,6 +250,63 @@ def write_markdown(res: dict, path: str) -> None:
         f.write("\n".join(lines))
 
 
+def quantized_only_failures(res: dict) -> list[str]:
+    out = [f"fp8_fp4 {name}: {r['error'][:200]}" for name, r in res["modes"]["fp8_fp4"].items() if "error" in r]
+    for name in res["modes"]["fp8_fp4"]:
+        c = res["checks"].get(name, {}).get("fp8_fp4_vs_reference_kernels")
+        if c is None:
+            out.append(f"{name}: no check logits")
+        elif not c["finite"] or not c["cosine"] >= MIN_COSINE:
+            out.append(f"{name}: kernels vs reference kernels cosine {c['cosine']:.4f} < {MIN_COSINE} or non-finite")
+    return out
+
+
+def write_quantized_only_markdown(res: dict, path: str) -> None:
+    fails = res["failures"] if "failures" in res else quantized_only_failures(res) + ["the run stopped early"]
+    lines = [f"# FP8 dense + FP4 experts alone: `flash_slice({res['layers']})`", "",
+             f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth "
+             f"{common.bandwidth_note(res)}. Weights FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} GB, built leaf by "
+             "leaf (`random_quantized_model`, no bf16 copy). Written by `scripts/bench_quantized.py "
+             "--quantized-only`.", "",
+             "| case | ms (per step) | bytes read | roofline ms | fraction | vs reference kernels (cosine, rel err, "
+             "argmax equal) |", "|---|---|---|---|---|---|"]
+    for name, r in res["modes"]["fp8_fp4"].items():
+        c = res["checks"].get(name, {}).get("fp8_fp4_vs_reference_kernels") or {}
+        check = f"{c.get('cosine', float('nan')):.5f}, {c.get('rel_err', float('nan')):.2e}, {c.get('argmax_equal')}"
+        if "ms" not in r:
+            lines.append(f"| {name} | error | | | | {check} |")
+            continue
+        lines.append(f"| {name} | {r['ms']:.3f} | {r['bytes'] / 1e9:.3f} GB | {r['roofline_ms']:.3f} | "
+                     f"{100 * r['fraction_of_roofline']:.0f} % | {check} |")
+    lines += ["", f"Check: the kernels' logits vs the reference kernels' on the same weights, cosine >= {MIN_COSINE}: "
+              + ("PASS" if not fails else "FAIL: " + "; ".join(fails)), ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def quantized_only(args, res: dict, cfg, kernels: str, bw: float, peak: float) -> int:
+    """--quantized-only: the published format alone (see `parse`), exit 1 when a case fails or disagrees."""
+    json_path = os.path.join(args.out, "quantized_only.json")
+    only = None if args.cases is None else tuple(args.cases.split(","))
+    t0 = time.perf_counter()
+    model = random_quantized_model(cfg, jax.random.key(common.SEED), "fp4", fp8_dtype=device_target().fp8_dtype)
+    jax.block_until_ready(model.params)
+    res["quantize_s"] = time.perf_counter() - t0
+    res["weight_gb"]["fp8_fp4"] = sum(x.nbytes for x in jax.tree.leaves(model.params)) / 1e9
+    res["modes"]["fp8_fp4"], got = run_mode(model, kernels, args.smoke, bw, peak, only=only, profile=args.profile)
+    common.write_json(json_path, res)
+    _, ref = run_mode(model, "reference", args.smoke, bw, peak, timed=False, only=only)
+    for name in res["modes"]["fp8_fp4"]:
+        if name in got and name in ref:
+            res["checks"][name] = {"fp8_fp4_vs_reference_kernels": compare(got[name], ref[name])}
+    res["total_s"] = time.perf_counter() - t0
+    res["failures"] = quantized_only_failures(res)
+    common.write_json(json_path, res)
+    write_quantized_only_markdown(res, os.path.join(args.out, "quantized_only.md"))
+    print(json.dumps({"checks": res["checks"], "failures": res["failures"], "total_s": res["total_s"]})[:3000])
+    return 1 if res["failures"] else 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -267,6 +328,8 @@ def main(argv=None) -> int:
            "matmul_tflop_s": matmul_flops() / 1e12 if gpu else None, "weight_gb": {}, "modes": {}, "checks": {}}
     bw = (res["copy_bandwidth_tb_s"] or 1.0) * 1e12
     peak = (res["matmul_tflop_s"] or 1.0) * 1e12
+    if args.quantized_only:
+        return quantized_only(args, res, cfg, kernels, bw, peak)
     json_path = os.path.join(args.out, "quantized.json")
     t0 = time.perf_counter()
     params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, jnp.bfloat16)))(jax.random.key(common.SEED))

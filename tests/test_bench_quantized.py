@@ -75,3 +75,18 @@ def test_profile_table_in_markdown(tmp_path):
     text = (tmp_path / "q.md").read_text()
     assert "| decode | fp8_fp4 | 1.250 | 301 | `fp8_matmul_kernel` 310.5, `grouped_matmul_fp4` 120.0 |" in text
     assert bq.parse(["--profile"]).profile
+
+
+def test_quantized_only_failures():
+    """--quantized-only fails on an errored case, a missing check, a low or non-finite cosine against the reference
+    kernels."""
+    def res(cos, error=None, check=True):
+        case = {"error": error} if error else {"ms": 1.0}
+        checks = {"decode": {"fp8_fp4_vs_reference_kernels": {"finite": bool(np.isfinite(cos)), "cosine": cos}}}
+        return {"modes": {"fp8_fp4": {"decode": case}}, "checks": checks if check else {}}
+
+    assert bq.quantized_only_failures(res(0.9999)) == []
+    assert "cosine" in bq.quantized_only_failures(res(0.5))[0]
+    assert "cosine" in bq.quantized_only_failures(res(float("nan")))[0]
+    assert "no check" in bq.quantized_only_failures(res(0.9999, check=False))[0]
+    assert "boom" in bq.quantized_only_failures(res(0.9999, error="RuntimeError: boom"))[0]
