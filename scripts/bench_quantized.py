@@ -173,16 +173,21 @@ def dequantized(model: Model) -> Model:
     return Model(model.config, params)
 
 
+def check_failure(name: str, c: dict | None, what: str) -> list[str]:
+    """[] when comparison `c` is finite with cosine >= MIN_COSINE, else the reason (a missing one included)."""
+    if c is None:
+        return [f"{name}: no check logits"]
+    if not c["finite"] or not c["cosine"] >= MIN_COSINE:
+        return [f"{name}: {what} cosine {c['cosine']:.4f} < {MIN_COSINE} or non-finite"]
+    return []
+
+
 def failures(res: dict) -> list[str]:
     out = []
     for mode, by_case in res["modes"].items():
         out += [f"{mode} {name}: {r['error'][:200]}" for name, r in by_case.items() if "error" in r]
     for name, c in res["checks"].items():
-        q = c.get("fp8_fp4_vs_dequantized")
-        if q is None:
-            out.append(f"{name}: no check logits")
-        elif not q["finite"] or not q["cosine"] >= MIN_COSINE:
-            out.append(f"{name}: quantized vs dequantized cosine {q['cosine']:.4f} < {MIN_COSINE} or non-finite")
+        out += check_failure(name, c.get("fp8_fp4_vs_dequantized"), "quantized vs dequantized")
         kv = c.get("fp8_kv_vs_fp8_fp4")
         if KV_MODE in res["modes"] and name in res["modes"][KV_MODE] and kv is None:
             out.append(f"{name}: no FP8 KV check logits")
@@ -192,12 +197,15 @@ def failures(res: dict) -> list[str]:
     return out
 
 
+def run_line(res: dict) -> str:
+    return f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth {common.bandwidth_note(res)}"
+
+
 def write_markdown(res: dict, path: str) -> None:
     # a JSON without "failures" is a run stopped before its checks (time limit, crash): never rendered as a pass
     fails = res["failures"] if "failures" in res else failures(res) + ["the run stopped before it finished"]
     lines = [f"# FP8 dense + FP4 experts vs bf16: `flash_slice({res['layers']})`", "",
-             f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth "
-             f"{common.bandwidth_note(res)}, bf16 matmul {res['matmul_tflop_s'] or 0:.0f} "
+             f"{run_line(res)}, bf16 matmul {res['matmul_tflop_s'] or 0:.0f} "
              f"TFLOP/s. Weights: bf16 {res['weight_gb']['bf16']:.2f} GB, FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} "
              "GB. Written by `scripts/bench_quantized.py`.", "",
              "| case | format | ms (per step) | bytes read | roofline ms | fraction | speedup vs bf16 |",
@@ -253,19 +261,15 @@ def write_markdown(res: dict, path: str) -> None:
 def quantized_only_failures(res: dict) -> list[str]:
     out = [f"fp8_fp4 {name}: {r['error'][:200]}" for name, r in res["modes"]["fp8_fp4"].items() if "error" in r]
     for name in res["modes"]["fp8_fp4"]:
-        c = res["checks"].get(name, {}).get("fp8_fp4_vs_reference_kernels")
-        if c is None:
-            out.append(f"{name}: no check logits")
-        elif not c["finite"] or not c["cosine"] >= MIN_COSINE:
-            out.append(f"{name}: kernels vs reference kernels cosine {c['cosine']:.4f} < {MIN_COSINE} or non-finite")
+        out += check_failure(name, res["checks"].get(name, {}).get("fp8_fp4_vs_reference_kernels"),
+                             "kernels vs reference kernels")
     return out
 
 
 def write_quantized_only_markdown(res: dict, path: str) -> None:
     fails = res["failures"] if "failures" in res else quantized_only_failures(res) + ["the run stopped early"]
     lines = [f"# FP8 dense + FP4 experts alone: `flash_slice({res['layers']})`", "",
-             f"{res['device']}, jax {res['jax']}, kernels {res['kernels']}; copy bandwidth "
-             f"{common.bandwidth_note(res)}. Weights FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} GB, built leaf by "
+             f"{run_line(res)}. Weights FP8 + FP4 {res['weight_gb']['fp8_fp4']:.2f} GB, built leaf by "
              "leaf (`random_quantized_model`, no bf16 copy). Written by `scripts/bench_quantized.py "
              "--quantized-only`.", "",
              "| case | ms (per step) | bytes read | roofline ms | fraction | vs reference kernels (cosine, rel err, "
@@ -299,10 +303,15 @@ def quantized_only(args, res: dict, cfg, kernels: str, bw: float, peak: float) -
     for name in res["modes"]["fp8_fp4"]:
         if name in got and name in ref:
             res["checks"][name] = {"fp8_fp4_vs_reference_kernels": compare(got[name], ref[name])}
+    return finish(res, t0, json_path, quantized_only_failures, write_quantized_only_markdown)
+
+
+def finish(res: dict, t0: float, json_path: str, failed, render) -> int:
+    """The run's failures (`failed`), its JSON and markdown (`render`) beside each other; 1 when anything failed."""
     res["total_s"] = time.perf_counter() - t0
-    res["failures"] = quantized_only_failures(res)
+    res["failures"] = failed(res)
     common.write_json(json_path, res)
-    write_quantized_only_markdown(res, os.path.join(args.out, "quantized_only.md"))
+    render(res, json_path[:-len(".json")] + ".md")
     print(json.dumps({"checks": res["checks"], "failures": res["failures"], "total_s": res["total_s"]})[:3000])
     return 1 if res["failures"] else 0
 
@@ -313,7 +322,8 @@ def main(argv=None) -> int:
     if args.render_only:
         with open(args.render_only) as f:
             res = json.load(f)
-        write_markdown(res, os.path.join(args.out, os.path.basename(args.render_only)[:-len(".json")] + ".md"))
+        render = write_markdown if "bf16" in res["modes"] else write_quantized_only_markdown  # --quantized-only's
+        render(res, os.path.join(args.out, os.path.basename(args.render_only)[:-len(".json")] + ".md"))
         return 1 if "failures" not in res or res["failures"] else 0
     kernels = args.kernels or ("pallas_interpret" if args.smoke else "pallas")
     cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
@@ -367,12 +377,7 @@ def main(argv=None) -> int:
                  "dequantized_vs_bf16": (deq_logits, bf16_logits), "fp8_kv_vs_fp8_fp4": (kv_logits, q_logits),
                  "fp8_kv_vs_bf16": (kv_logits, bf16_logits)}
         res["checks"][name] = {k: compare(a[name], b[name]) for k, (a, b) in pairs.items() if name in a and name in b}
-    res["total_s"] = time.perf_counter() - t0
-    res["failures"] = failures(res)
-    common.write_json(json_path, res)
-    write_markdown(res, os.path.join(args.out, "quantized.md"))
-    print(json.dumps({"checks": res["checks"], "failures": res["failures"], "total_s": res["total_s"]})[:3000])
-    return 1 if res["failures"] else 0
+    return finish(res, t0, json_path, failures, write_markdown)
 
 
 if __name__ == "__main__":
