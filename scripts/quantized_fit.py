@@ -58,12 +58,9 @@ def one_device(n: int, quantized: str | None) -> dict:
             "pools_fp8": pools["fp8"], "step": step, "total": w + pools["auto"] + step}
 
 
-def largest(quantized: str | None, budget: int) -> int:
-    best = 0
-    for n in range(1, 44):
-        if one_device(n, quantized)["total"] <= budget:
-            best = n
-    return best
+def largest(slices: list[dict], quantized: str | None, budget: int) -> int:
+    """The most layers of `slices` (`one_device` rows) in format `quantized` whose total fits `budget` (0: none)."""
+    return max((r["layers"] for r in slices if r["format"] == LABEL[quantized] and r["total"] <= budget), default=0)
 
 
 def meshes() -> list[dict]:
@@ -132,7 +129,7 @@ def main() -> None:
                                                   "quantized_fit"))
     args = ap.parse_args()
     slices = [one_device(n, q) for q in FORMATS for n in range(1, 44)]
-    largest_n = {LABEL[q]: {str(f): largest(q, int(f * H200_BYTES)) for f in FRACTIONS} for q in FORMATS}
+    largest_n = {LABEL[q]: {str(f): largest(slices, q, int(f * H200_BYTES)) for f in FRACTIONS} for q in FORMATS}
     shown = sorted({1, 2, 4, 8, 16, 43, *(n for d in largest_n.values() for n in d.values() if n)})
     res = {"h200_bytes": H200_BYTES, "pools": DECODE, "step_tokens": PREFILL_TOKENS, "largest": largest_n,
            "shown_layers": shown, "slices": slices, "meshes": meshes()}

@@ -33,19 +33,24 @@ def _quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
     return n * (rows * cols + 4 * blocks)
 
 
-def leaf_bytes(cfg, dtype: Any, quantized: str | None) -> list[int]:
-    """Device bytes of every params leaf, in `params.abstract(cfg, dtype)`'s flatten order, for a checkpoint
-    quantized as `quantized` ("fp8", "fp4"; None: every leaf in its declared dtype for `dtype`)."""
+def leaf_formats(cfg, dtype: Any, quantized: str | None) -> list[tuple[Any, str | None]]:
+    """(`safetensors_layout.Leaf`, "fp8" / "fp4" / None) for every params leaf in `params.abstract(cfg, dtype)`'s
+    flatten order: how a checkpoint quantized as `quantized` stores it (None: unquantized). The one place that
+    choice is made from a config (`quantize.quantize_model` quantizes by it)."""
     from ds4jax.io import official_format
     from ds4jax.io.safetensors_layout import EXPERTS, T, plan
 
     official_format.check_quantize(quantized)
+    return [(leaf, official_format.weight_format(leaf.sources[0], quantized) if leaf.layout in (T, EXPERTS) else None)
+            for leaf in plan(cfg, dtype)]
+
+
+def leaf_bytes(cfg, dtype: Any, quantized: str | None) -> list[int]:
+    """Device bytes of every params leaf, in `params.abstract(cfg, dtype)`'s flatten order, for a checkpoint
+    quantized as `quantized` ("fp8", "fp4"; None: every leaf in its declared dtype for `dtype`)."""
     out = []
-    for leaf in plan(cfg, dtype):
+    for leaf, fmt in leaf_formats(cfg, dtype, quantized):
         shape, itemsize = tuple(leaf.target.shape), np.dtype(leaf.target.dtype).itemsize
-        fmt = None
-        if quantized is not None and leaf.layout in (T, EXPERTS):
-            fmt = official_format.weight_format(leaf.sources[0], quantized)
         out.append(math.prod(shape) * itemsize if fmt is None else _quantized_bytes(shape, fmt))
     return out
 

@@ -15,9 +15,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ds4jax.io import official_format
 from ds4jax.io.quant_formats import FP4_MAX, FP8_MAX
-from ds4jax.io.safetensors_layout import EXPERTS, T, plan
+from ds4jax.io.stored_footprint import leaf_formats
 from ds4jax.model.handle import Model
 from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight, e2m1_codes
 from ds4jax.runtime import kv_quant
@@ -68,14 +67,11 @@ def _names(path) -> tuple[str, ...]:
 
 
 class _LeafQuantizer:
-    """Quantizes a params leaf by its path as a published ``quantize`` checkpoint stores it (`official_format`):
+    """Quantizes a params leaf by its path as a published ``quantize`` checkpoint stores it (`leaf_formats`):
     FP8 or FP4 `QuantizedWeight`, or the leaf unchanged. `block` is the FP8 block over the checkpoint's [out, in]."""
 
     def __init__(self, cfg, quantize: str, block: tuple[int, int], fp8_dtype):
-        official_format.check_quantize(quantize)
-        self.formats = {_names(leaf.path): (official_format.weight_format(leaf.sources[0], quantize)
-                                            if leaf.layout in (T, EXPERTS) else None)
-                        for leaf in plan(cfg, jnp.float32)}
+        self.formats = {_names(leaf.path): fmt for leaf, fmt in leaf_formats(cfg, jnp.float32, quantize)}
         self.block, self.fp8_dtype = (block[1], block[0]), fp8_dtype
         self.fp4, self.fp8 = jax.jit(quantize_fp4), jax.jit(quantize_fp8, static_argnums=(1, 2))
 
