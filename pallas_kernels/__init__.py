@@ -11,6 +11,7 @@ from pallas_kernels.grouped_matmul import BlockSizes as GroupedMatmulBlockSizes
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul_fp4 import BlockSizes as GroupedMatmulFp4BlockSizes
 from pallas_kernels.grouped_matmul_fp4 import (
+    gemv_block_sizes,
     grouped_gemv_fp4,
     grouped_gemv_fp4_reference,
     grouped_matmul_fp4,
@@ -47,6 +48,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_reference",
     "GroupedMatmulFp4BlockSizes",
+    "gemv_block_sizes",
     "grouped_gemv_fp4",
     "grouped_gemv_fp4_reference",
     "grouped_matmul_fp4",

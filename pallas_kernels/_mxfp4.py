@@ -9,6 +9,12 @@ Two decoders of a code times its scale: `e2m1_to_float(c) * scale` (the specific
 int -> float conversions per value) and `fp4_times_scale` (the kernels': the magnitude's float bits built with a
 shift and an add, one min for the two small codes, one multiply by the scale, the sign OR-ed in; no conversion),
 bitwise equal for every code and scale byte (`tests/kernels/test_mxfp4_decode.py`).
+
+A third, `fp4_as_e4m3`, hands the work to the device's FP8 conversion where it has one (sm89+, MI355): each code's
+bits are moved into an OCP E4M3 byte (two masks and shifts per code), which reads exactly 2^-6 times the E2M1 value
+(both formats have subnormals, so the two codes with exponent 0 land right too), and the conversion to float32 is
+the hardware's (on sm90 one instruction per pair). MI300 converts only FNUZ E4M3, which Pallas' Triton lowering
+does not, so it keeps the integer decode.
 """
 
 from __future__ import annotations
@@ -45,6 +51,20 @@ def fp4_times_scale(codes, scale):
     magnitude = jnp.minimum(v, v * 2.0 - 1.0)
     bits = lax.bitcast_convert_type(magnitude * scale, jnp.int32) | ((codes & 8) << 28)
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+E4M3_PER_E2M1 = 2.0**-6  # what an E2M1 code reads as once its bits sit in an OCP E4M3 byte (`fp4_as_e4m3`)
+
+
+def fp4_as_e4m3(packed):
+    """uint8 packed codes -> (low nibbles, high nibbles) as float8_e4m3fn, each exactly `E4M3_PER_E2M1` times the
+    code's E2M1 value: the magnitude bits (e1 e0 m) go to E4M3 bits 4..2 (exponent field e, top mantissa bit m:
+    2^(e - 7) (1 + m/2) = 2^-6 * 2^(e - 1) (1 + m/2), and for e = 0 the subnormal m/2 * 2^-6), the sign to bit 7
+    (code 8 gives -0.0). No NaN byte can arise (magnitudes stay <= 0x1C)."""
+    lo = ((packed & 7) << 2) | ((packed & 8) << 4)
+    hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
+    as_e4m3 = lambda b: lax.bitcast_convert_type(b, jnp.float8_e4m3fn)  # noqa: E731
+    return as_e4m3(lo), as_e4m3(hi)
 
 
 def e8m0_to_float(b):

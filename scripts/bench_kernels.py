@@ -52,6 +52,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from ds4jax.runtime.routed_experts import sort_into_tiles, tile_rows
+from ds4jax.runtime.target import device_target
 from pallas_kernels import (
     GroupedMatmulBlockSizes,
     GroupedMatmulFp4BlockSizes,
@@ -59,6 +60,7 @@ from pallas_kernels import (
     SparseAttentionBlockSizes,
     indexer_topk,
     grouped_matmul,
+    gemv_block_sizes,
     grouped_gemv_fp4,
     grouped_matmul_fp4,
     grouped_matmul_fp4_reference,
@@ -445,6 +447,8 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
         elif op in GROUPED_OPS:
             sets, n_bytes, shape = grouped_inputs(key, dims, op, batch, n_sets)
             fp4 = op.startswith("fp4")
+            if "gemv" in op and block_sizes is None:  # "default": what the model's dispatch hands it on this device
+                block_sizes = gemv_block_sizes(None if a.interpret else device_target().arch)
             kern = functools.partial(grouped_gemv_fp4 if "gemv" in op else grouped_matmul_fp4 if fp4 else
                                      grouped_matmul, block_sizes=block_sizes, interpret=a.interpret)
             ref = _tilewise(grouped_matmul_fp4_reference if fp4 else grouped_matmul_reference)

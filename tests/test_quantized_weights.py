@@ -185,6 +185,26 @@ def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, tokens, monkeypatc
     assert len(calls) == (2 if impl is kernels.Impl.PALLAS_INTERPRET else 0)  # gate + up, then down
 
 
+@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "bits"), (None, "bits")])
+def test_fp4_gemv_takes_the_architectures_decode(both, arch, decode, monkeypatch):
+    """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the FP8-conversion decode on MI355),
+    and every decode gives the same sum."""
+    quantized, _ = both
+    cfg = quantized.config
+    p = quantized.params["layers"][2]["ffn"]["experts"]
+    routing = moe.Routing(jnp.asarray([[1, 3], [0, 3]], jnp.int32)[:, :cfg.num_experts_per_tok],
+                          jnp.full((2, cfg.num_experts_per_tok), 0.5, jnp.float32))
+    x = jax.random.normal(jax.random.key(1), (2, cfg.hidden_size), jnp.float32)
+    seen, gemv = [], pallas_kernels.grouped_gemv_fp4
+    record = lambda *a, block_sizes, **k: seen.append(block_sizes.decode) or gemv(*a, block_sizes=block_sizes, **k)
+    monkeypatch.setattr(pallas_kernels, "grouped_gemv_fp4", record)
+    got = routed_experts.routed_experts_grouped(x, routing, p, cfg, interpret=True, arch=arch)
+    assert seen == [decode, decode]  # gate + up, then down
+    monkeypatch.setattr(pallas_kernels, "grouped_gemv_fp4", gemv)
+    generic = routed_experts.routed_experts_grouped(x, routing, p, cfg, interpret=True, arch=None)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(generic))
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_quantizing_slice_by_slice_equals_the_whole_leaf(fmt):
     """`quantize_model` quantizes a stacked leaf one leading slice at a time (bounded temporaries): the same

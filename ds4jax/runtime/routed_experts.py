@@ -80,7 +80,7 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`."""
     n, k = routing.experts.shape
     if n * k <= GEMV_SELECTIONS and _all_fp4((p["w1"], p["w3"], p["w2"])):
-        return _fp4_selections(x, routing, p, cfg, interpret)
+        return _fp4_selections(x, routing, p, cfg, interpret, arch)
     tile_m = tile_rows(n * k)
     if n == 1:
         src, tile_group = one_token_tiles(routing.experts[0], tile_m)
@@ -96,18 +96,21 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
 
 
-def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool) -> jax.Array:
+def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool,
+                    arch: str | None = None) -> jax.Array:
     """FP4 experts at decode: one row per (token, expert) selection through the GEMV kernel (no tiles, no sort):
-    the tile kernel's 16-row dots left it ALU-bound at decode, far from the packed bytes' floor."""
+    the tile kernel's 16-row dots left it ALU-bound at decode, far from the packed bytes' floor. Its tiles and
+    decode are `arch`'s (`gemv_block_sizes`: the FP8 conversion where the device has one)."""
     import pallas_kernels
 
     n, k = routing.experts.shape
     experts = routing.experts.reshape(-1).astype(jnp.int32)
     pairs = lambda *ws: tuple((w.values, w.scales) for w in ws)  # noqa: E731
+    tiles = pallas_kernels.gemv_block_sizes(arch)
     gate, up = pallas_kernels.grouped_gemv_fp4(jnp.repeat(x, k, axis=0), pairs(p["w1"], p["w3"]), experts,
-                                               interpret=interpret)
+                                               block_sizes=tiles, interpret=interpret)
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
-    (y,) = pallas_kernels.grouped_gemv_fp4(h, pairs(p["w2"]), experts, interpret=interpret)
+    (y,) = pallas_kernels.grouped_gemv_fp4(h, pairs(p["w2"]), experts, block_sizes=tiles, interpret=interpret)
     return jnp.sum((y * routing.weights.reshape(-1)[:, None].astype(jnp.float32)).reshape(n, k, -1), axis=1)
 
 

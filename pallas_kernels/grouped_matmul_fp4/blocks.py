@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DOTS = ("tile", "group")
-DECODES = ("bits", "arith")
+DECODES = ("bits", "arith", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,10 +8,12 @@ weights, bf16 and f32 rows. Unused experts' scales are E8M0 255 (NaN): reading o
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from grouped_tiles import Case, check_outputs
-from pallas_kernels.grouped_matmul_fp4 import BlockSizes, grouped_gemv_fp4, grouped_gemv_fp4_reference
+from pallas_kernels.grouped_matmul_fp4 import (BlockSizes, gemv_block_sizes, grouped_gemv_fp4,
+                                               grouped_gemv_fp4_reference, grouped_matmul_fp4)
 from test_grouped_matmul_fp4 import make_inputs
 
 CASES = [
@@ -27,6 +29,10 @@ CASES = [
          n_w=1, dtype="bfloat16", block_sizes=BlockSizes(dots="group")),
     Case("bf16_default_blocks", groups=4, k=128, n=64, tile_m=1, tile_group=(3, 0, 2, 1, 0, 3),
          live_rows=(1,) * 6, dtype="bfloat16"),
+    Case("fp8_decode", groups=8, k=128, n=32, tile_m=1, tile_group=(5, -1, 1, 5), live_rows=(1, 0, 1, 1),
+         block_sizes=BlockSizes(block_n=16, dots="group", decode="fp8", k_splits=2)),
+    Case("fp8_decode_bf16", groups=4, k=256, n=64, tile_m=1, tile_group=(3, 0, 2), live_rows=(1, 1, 1),
+         n_w=1, dtype="bfloat16", block_sizes=BlockSizes(dots="group", decode="fp8")),
 ]
 
 
@@ -56,6 +62,32 @@ class TestDevice(Base):
     ], ids=str)
     def test_matches_reference(self, case):
         self.check(case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_decode_is_bitwise_the_integer_decode(dtype):
+    """The E4M3 bytes read 2^-6 times the codes and the inputs take the 2^6: every product, so every sum, is the
+    integer decode's bit for bit (same order of operations)."""
+    case = Case("fp8_vs_bits", groups=8, k=256, n=64, tile_m=1, tile_group=(5, -1, 1, 5, 7), live_rows=(1, 0, 1, 1, 1),
+                dtype=dtype)
+    x, ws, group = make_inputs(case)
+    run = lambda decode: grouped_gemv_fp4(  # noqa: E731
+        x, ws, group, block_sizes=BlockSizes(block_n=32, dots="group", decode=decode, k_splits=2), interpret=True)
+    for a, b in zip(run("fp8"), run("bits")):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("gfx942", "bits"), ("sm90", "bits"), (None, "bits")])
+def test_gemv_tiles_per_arch(arch, decode):
+    assert gemv_block_sizes(arch).decode == decode
+
+
+def test_fp8_decode_refused_where_it_does_not_apply():
+    x, ws, group = make_inputs(CASES[0])
+    with pytest.raises(ValueError, match="needs dots='group'"):
+        grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(decode="fp8"), interpret=True)
+    with pytest.raises(ValueError, match="GEMV's"):
+        grouped_matmul_fp4(x, ws, group, block_sizes=BlockSizes(dots="group", decode="fp8"), interpret=True)
 
 
 def test_validation_names_the_argument():

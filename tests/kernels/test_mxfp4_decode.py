@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._mxfp4 import (dequantize_fp4, e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale,
-                                   unpack_fp4)
+from pallas_kernels._mxfp4 import (E4M3_PER_E2M1, dequantize_fp4, e2m1_to_float, e8m0_to_float, e8m0_to_float_max,
+                                   fp4_as_e4m3, fp4_times_scale, unpack_fp4)
 
 CODES = np.arange(16, dtype=np.int32)[:, None]  # [16, 1]
 BYTES = np.arange(255, dtype=np.uint8)[None, :]  # [1, 255]: 255 is E8M0 NaN, refused at load
@@ -42,3 +42,16 @@ def test_dequantize_fp4_agrees_in_bf16():
     lo, hi = (jax.jit(lambda c, s: fp4_times_scale(c, s).astype(jnp.bfloat16))(c, scale) for c in (even, odd))
     got = jnp.stack([lo, hi], axis=1).reshape(512, 255)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(spec).view(np.uint16))
+
+
+def test_every_packed_byte_as_e4m3_reads_its_codes_times_two_to_the_minus_6():
+    """The GEMV's FP8-conversion decode: both nibbles of all 256 packed bytes, moved into E4M3 bytes and converted,
+    are exactly 2^-6 times the E2M1 values, bit for bit (signed zeros included; no NaN byte)."""
+    packed = jnp.arange(256, dtype=jnp.uint8)
+    lo, hi = jax.jit(fp4_as_e4m3)(packed)
+    assert lo.dtype == hi.dtype == jnp.float8_e4m3fn
+    even, odd = unpack_fp4(packed)
+    for got, codes in ((lo, even), (hi, odd)):
+        want = e2m1_to_float(codes) * E4M3_PER_E2M1
+        np.testing.assert_array_equal(bits(np.asarray(got.astype(jnp.float32))), bits(want))
+    assert not np.isnan(np.asarray(lo.astype(jnp.float32))).any()
