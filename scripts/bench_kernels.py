@@ -98,9 +98,11 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=2),  # 72 KB: sm90 only
         GroupedMatmulBlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3),  # 216 KB: sm90 only
     ],
-    "fp4gemv": [  # the default (gemv.GEMV_DEFAULT): dots="group", block_n=128, k_splits=16
+    "fp4gemv": [  # the default (gemv.GEMV_DEFAULT): dots="group", block_n=128, k_splits=16, decode="quarter"
         GroupedMatmulFp4BlockSizes(),  # the first: 64 packed rows a step, each weight times its own scale
-        GroupedMatmulFp4BlockSizes(dots="group"),  # a scale group a step, its scale row once
+        GroupedMatmulFp4BlockSizes(dots="group"),  # a scale group a step, its scale row once (first decode)
+        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group"),  # the default's tiles, first decode
+        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group", decode="fp8"),  # the FP8 conversion
         GroupedMatmulFp4BlockSizes(dots="group", block_n=256, num_warps=8, k_splits=8),
         GroupedMatmulFp4BlockSizes(block_n=128, block_j=32),
     ],

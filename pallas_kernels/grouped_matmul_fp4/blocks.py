@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DOTS = ("tile", "group")
-DECODES = ("bits", "arith", "fp8")
+DECODES = ("bits", "arith", "quarter", "fp8")  # the last two: the GEMV's only (`gemv.py`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

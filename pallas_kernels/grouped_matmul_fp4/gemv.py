@@ -11,12 +11,13 @@ lacks), multiplies them by the selection's even and odd inputs broadcast along t
 scale row, and accumulates in the tile's own layout; the column sums are taken once at the end. No sort into tiles
 either: the selections' experts index the weights directly (a selection of group -1 writes zeros and reads no
 weight). Two selections of one expert read its bytes twice (at decode batch 8, ~10 % of 48 selections).
-On the H100 the integer decode (`decode="bits"`) is ~20 % faster than the tile kernel at batch 1 and 8 and still
-bound by its own integer work (22-33 % of the bandwidth over every tile tried), not by the bytes. `decode="fp8"`
+On the H100 the first integer decode (`decode="bits"`) was ~20 % faster than the tile kernel at batch 1 and 8 and
+still bound by its own integer work (22-33 % of the bandwidth over every tile tried), not by the bytes; the default
+`decode="quarter"` takes one integer op per code fewer (`_quarter_values`). `decode="fp8"`
 moves each code's bits into an OCP E4M3 byte instead (`_mxfp4.fp4_as_e4m3`: two masks and shifts per code) and lets
 the device's FP8 conversion make the float (one instruction per pair on sm90); the E4M3 byte reads 2^-6 times the
 code's value, which the kernel gives back exactly by taking the inputs times 2^6 (powers of two: every product is
-bitwise the integer decode's, unless an input exceeds 2^121). `gemv_block_sizes(arch)` picks it where it takes fewer
+bitwise the integer decodes', unless an input exceeds 2^121). `gemv_block_sizes(arch)` picks it where it takes fewer
 instructions (`FP8_DECODE_ARCHS`: MI355); the conversion also exists on sm89+, where it does not.
 """
 
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._mxfp4 import E4M3_PER_E2M1, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale, unpack_fp4
+from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, E4M3_PER_E2M1, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale,
+                                   unpack_fp4)
 from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
 from pallas_kernels.grouped_matmul_fp4.kernel import _scale_rows
@@ -42,7 +44,7 @@ from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4
 # step with 128 columns and 16 k splits took 63.5 / 406 us for gate + up and 34.1 / 218 us for down, against 80.3 /
 # 500 and 39.0 / 228 us for 64 packed rows a step (dots="tile", block_n 64, the heuristic's 2-3 splits); every
 # variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel
-GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group")
+GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group", decode="quarter")
 # Where the FP8-conversion decode is the GEMV's default: static instruction counts of the gate + up loop
 # (tests/rocm/test_fp4_kernel_compile.py compiles both; Triton 3.6): gfx950 360 (integer decode) -> 273 vector
 # ALU instructions (its v_cvt_scalef32_pk_f32_fp8 converts two bytes at once); sm90 594 (integer decode) vs 625
@@ -72,6 +74,19 @@ def _quarter_values(codes):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _fp4_values(codes):
+    """int32 E2M1 codes -> float32 values (no scale): `fp4_times_scale` with the scale multiply left out (the GEMV's
+    first integer decode, `decode="bits"`, kept to time against)."""
+    v = lax.bitcast_convert_type(((codes & 7) << 22) + E2M1_BIAS_BITS, jnp.float32)
+    bits = lax.bitcast_convert_type(jnp.minimum(v, v * 2.0 - 1.0), jnp.int32) | ((codes & 8) << 28)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# what the decoded weights read, as a fraction of their values (the inputs take the inverse, a power of two: exact,
+# so every product is bitwise x * value unless an input exceeds 2^121)
+_DECODED_FRACTION = {"fp8": E4M3_PER_E2M1, "quarter": 0.25, "bits": 1.0, "arith": 1.0}
+
+
 def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, dots: str, decode: str):
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
     block_n = o_refs[0].shape[1]
@@ -83,9 +98,8 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
         j0 = pl.multiple_of(j_base + i * ROWS_PER_SCALE, ROWS_PER_SCALE)
         xe = xe_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
         xo = xo_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
-        # the decoded weights read 2^-6 (fp8) or 1/4 (bits) of their values: the inputs take the power of two back
-        # (exact, so every product is bitwise x * value unless an input exceeds 2^121)
-        xe, xo = (xe * (1.0 / E4M3_PER_E2M1), xo * (1.0 / E4M3_PER_E2M1)) if decode == "fp8" else (xe * 4.0, xo * 4.0)
+        if _DECODED_FRACTION[decode] != 1.0:
+            xe, xo = xe * (1.0 / _DECODED_FRACTION[decode]), xo * (1.0 / _DECODED_FRACTION[decode])
         out = []
         for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
             scale = e8m0_to_float_max(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
@@ -94,7 +108,8 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
                 lo, hi = (v.astype(jnp.float32) for v in fp4_as_e4m3(packed))
             else:
                 even, odd = unpack_fp4(packed)
-                lo, hi = _quarter_values(even), _quarter_values(odd)
+                values = _quarter_values if decode == "quarter" else _fp4_values
+                lo, hi = values(even), values(odd)
             out.append(acc + (xe * lo + xo * hi) * scale)
         return tuple(out)
 
@@ -130,8 +145,8 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
         "tile": block_j packed
         rows a step, each weight decoded times its own scale (the scale tile loaded per packed row); "group": one
         scale group (16 packed rows) a step, its scale row loaded once and applied to the step's products;
-        decode: "fp8" (dots="group" only) through the FP8 conversion, otherwise the integer decode ("bits" and
-        "arith" are the same here)).
+        decode (dots="group"): "quarter" (the default integer decode, `_quarter_values`), "fp8" (through the FP8
+        conversion), "bits" / "arith" (the first integer decode, `_fp4_values`)).
     Returns:
       tuple of [selections, n] f32, one per weight.
     """
@@ -139,8 +154,8 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     validate_grouped_gemv_fp4_static(x, ws, group)
     bs = block_sizes or GEMV_DEFAULT
     bs.validate()
-    if bs.decode == "fp8" and bs.dots != "group":
-        raise ValueError("block_sizes.decode='fp8' needs dots='group' (one scale group a step)")
+    if bs.decode in ("fp8", "quarter") and bs.dots != "group":
+        raise ValueError(f"block_sizes.decode={bs.decode!r} needs dots='group' (one scale group a step)")
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)
 

@@ -100,8 +100,8 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     validate_grouped_matmul_fp4_static(x, ws, tile_group)
     bs = block_sizes or BlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0])
     bs.validate()
-    if bs.decode == "fp8":
-        raise ValueError("block_sizes.decode='fp8' is the GEMV's (grouped_gemv_fp4); the tile kernel decodes with "
-                         "'bits' or 'arith'")
+    if bs.decode not in ("bits", "arith"):
+        raise ValueError(f"block_sizes.decode={bs.decode!r} is the GEMV's (grouped_gemv_fp4); the tile kernel "
+                         "decodes with 'bits' or 'arith'")
     return launch(_kernel, x, ws, tile_group, bs, name="grouped_matmul_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode, precision=_backend.dot_precision(x.dtype))

@@ -65,29 +65,33 @@ class TestDevice(Base):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_decode_is_bitwise_the_integer_decode(dtype):
-    """The E4M3 bytes read 2^-6 times the codes and the inputs take the 2^6: every product, so every sum, is the
-    integer decode's bit for bit (same order of operations)."""
+def test_every_decode_gives_the_same_bits(dtype):
+    """The decodes read the weights at different powers of two (1, 1/4, 2^-6) and the inputs take the inverse: every
+    product, so every sum, is bitwise the same (same order of operations)."""
     case = Case("fp8_vs_bits", groups=8, k=256, n=64, tile_m=1, tile_group=(5, -1, 1, 5, 7), live_rows=(1, 0, 1, 1, 1),
                 dtype=dtype)
     x, ws, group = make_inputs(case)
     run = lambda decode: grouped_gemv_fp4(  # noqa: E731
         x, ws, group, block_sizes=BlockSizes(block_n=32, dots="group", decode=decode, k_splits=2), interpret=True)
-    for a, b in zip(run("fp8"), run("bits")):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    first = run("bits")
+    for decode in ("quarter", "fp8"):
+        for a, b in zip(run(decode), first):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
-@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("gfx942", "bits"), ("sm90", "bits"), (None, "bits")])
+@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("gfx942", "quarter"), ("sm90", "quarter"),
+                                          (None, "quarter")])
 def test_gemv_tiles_per_arch(arch, decode):
     assert gemv_block_sizes(arch).decode == decode
 
 
 def test_fp8_decode_refused_where_it_does_not_apply():
     x, ws, group = make_inputs(CASES[0])
-    with pytest.raises(ValueError, match="needs dots='group'"):
-        grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(decode="fp8"), interpret=True)
-    with pytest.raises(ValueError, match="GEMV's"):
-        grouped_matmul_fp4(x, ws, group, block_sizes=BlockSizes(dots="group", decode="fp8"), interpret=True)
+    for decode in ("fp8", "quarter"):
+        with pytest.raises(ValueError, match="needs dots='group'"):
+            grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(decode=decode), interpret=True)
+        with pytest.raises(ValueError, match="GEMV's"):
+            grouped_matmul_fp4(x, ws, group, block_sizes=BlockSizes(dots="group", decode=decode), interpret=True)
 
 
 def test_validation_names_the_argument():
