@@ -98,11 +98,14 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=2),  # 72 KB: sm90 only
         GroupedMatmulBlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3),  # 216 KB: sm90 only
     ],
-    "fp4gemv": [  # the default (gemv.GEMV_DEFAULT): dots="group", block_n=128, k_splits=16, decode="quarter"
+    "fp4gemv": [  # the default (gemv_block_sizes): dots="group", block_n=128, k_splits=16, decode "fp8" where the
+        # device converts OCP FP8 (sm89+, gfx950), else "quarter"
         GroupedMatmulFp4BlockSizes(),  # the first: 64 packed rows a step, each weight times its own scale
         GroupedMatmulFp4BlockSizes(dots="group"),  # a scale group a step, its scale row once (first decode)
-        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group"),  # the default's tiles, first decode
-        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group", decode="fp8"),  # the FP8 conversion
+        # the default's tiles with each decode: the first integer one, "quarter", the FP8 conversion
+        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group"),
+        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group", decode="quarter"),
+        GroupedMatmulFp4BlockSizes(block_n=128, k_splits=16, dots="group", decode="fp8"),
         GroupedMatmulFp4BlockSizes(dots="group", block_n=256, num_warps=8, k_splits=8),
         GroupedMatmulFp4BlockSizes(block_n=128, block_j=32),
     ],
@@ -490,7 +493,8 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
 
 
 def short(bs):
-    """'default' or the non-default fields, e.g. 'block_h=16 num_warps=4'."""
+    """'default' (None: what the dispatch picks) or the fields that differ from the class's defaults, e.g.
+    'block_h=16 num_warps=4' ('class defaults' when none do: for the FP4 GEMV that is not its default)."""
     if bs is None:
         return "default"
     base = type(bs)()
@@ -500,7 +504,7 @@ def short(bs):
             for f in dataclasses.fields(bs)
             if getattr(bs, f.name) != getattr(base, f.name)
         )
-        or "default"
+        or "class defaults"
     )
 
 

@@ -185,9 +185,10 @@ def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, tokens, monkeypatc
     assert len(calls) == (2 if impl is kernels.Impl.PALLAS_INTERPRET else 0)  # gate + up, then down
 
 
-@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "quarter"), (None, "quarter")])
+@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "fp8"), ("gfx942", "quarter"), (None, "quarter")])
 def test_fp4_gemv_takes_the_architectures_decode(both, arch, decode, monkeypatch):
-    """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the FP8-conversion decode on MI355),
+    """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the FP8-conversion decode on sm89+ and
+    MI355),
     and every decode gives the same sum."""
     quantized, _ = both
     cfg = quantized.config

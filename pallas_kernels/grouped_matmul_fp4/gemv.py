@@ -17,8 +17,8 @@ still bound by its own integer work (22-33 % of the bandwidth over every tile tr
 moves each code's bits into an OCP E4M3 byte instead (`_mxfp4.fp4_as_e4m3`: two masks and shifts per code) and lets
 the device's FP8 conversion make the float (one instruction per pair on sm90); the E4M3 byte reads 2^-6 times the
 code's value, which the kernel gives back exactly by taking the inputs times 2^6 (powers of two: every product is
-bitwise the integer decodes', unless an input exceeds 2^121). `gemv_block_sizes(arch)` picks it where it takes fewer
-instructions (`FP8_DECODE_ARCHS`: MI355); the conversion also exists on sm89+, where it does not.
+bitwise the integer decodes', unless an input exceeds 2^121). `gemv_block_sizes(arch)` picks it where the device
+converts OCP FP8 (sm89+, MI355): 11-14 % faster than "quarter" on the H100.
 """
 
 from __future__ import annotations
@@ -45,18 +45,25 @@ from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4
 # 500 and 39.0 / 228 us for 64 packed rows a step (dots="tile", block_n 64, the heuristic's 2-3 splits); every
 # variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel
 GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group", decode="quarter")
-# Where the FP8-conversion decode is the GEMV's default: static instruction counts of the gate + up loop
-# (tests/rocm/test_fp4_kernel_compile.py compiles both; Triton 3.6): gfx950 360 (integer decode) -> 273 vector
-# ALU instructions (its v_cvt_scalef32_pk_f32_fp8 converts two bytes at once); sm90 594 (integer decode) vs 625
-# (its cvt needs the bytes permuted into pairs and an f16 -> f32 step), so NVIDIA keeps the integer decode. MI300
-# converts FNUZ only.
-FP8_DECODE_ARCHS = ("gfx950",)
+# Where the FP8-conversion decode is the GEMV's default. H100 (`scripts/gpu_fp4_decode.sh`, docs/benchmarks/
+# fp4_decode_h100.md), Flash dims, batch 1 / 8: gate + up 54.8 / 345 us against 61.6 / 394 for "quarter" and
+# 63.2 / 407 for the first integer decode; down 30.1 / 189 against 33.1 / 213 and 34.0 / 218. Its loop has as many
+# instructions on sm90 (625 SASS against 594) but fewer on the integer pipe, which bounds the kernel. gfx950 (static
+# count, Triton 3.6, not timed): 273 vector ALU instructions against 360, its v_cvt_scalef32_pk_f32_fp8 converting
+# two bytes at once. MI300 converts FNUZ only and keeps "quarter"; sm80 has no FP8 conversion.
+AMD_FP8_ARCHS = ("gfx950",)  # AMD targets whose Triton converts OCP E4M3
+
+
+def _converts_fp8(arch: str | None) -> bool:
+    if arch is not None and arch.startswith("sm") and arch[2:].isdigit():
+        return int(arch[2:]) >= 89
+    return arch in AMD_FP8_ARCHS
 
 
 def gemv_block_sizes(arch: str | None) -> BlockSizes:
     """The GEMV's tiles on `arch` (None: generic, e.g. the interpreter): `GEMV_DEFAULT`, with the FP8-conversion
-    decode on `FP8_DECODE_ARCHS`."""
-    return dataclasses.replace(GEMV_DEFAULT, decode="fp8") if arch in FP8_DECODE_ARCHS else GEMV_DEFAULT
+    decode on NVIDIA sm89+ and `AMD_FP8_ARCHS`."""
+    return dataclasses.replace(GEMV_DEFAULT, decode="fp8") if _converts_fp8(arch) else GEMV_DEFAULT
 
 
 QUARTER_BIAS_BITS = 124 << 23  # float32 exponent field 124 (low two bits clear): OR-ed, not added, to the code bits

@@ -79,8 +79,8 @@ def test_every_decode_gives_the_same_bits(dtype):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
-@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("gfx942", "quarter"), ("sm90", "quarter"),
-                                          (None, "quarter")])
+@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "fp8"), ("sm89", "fp8"), ("sm100", "fp8"),
+                                          ("gfx942", "quarter"), ("sm80", "quarter"), (None, "quarter")])
 def test_gemv_tiles_per_arch(arch, decode):
     assert gemv_block_sizes(arch).decode == decode
 
