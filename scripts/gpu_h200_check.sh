@@ -9,10 +9,12 @@
 #   device     every test marked `device`
 #   kernels    scripts/step_kernels.py (flash_slice(4) decode at 1 and 8 rows: launches by source line) and
 #              scripts/bench_kernels.py for the FP4 GEMV and the bf16 grouped matmul at decode and prefill sizes
+#   largest    scripts/bench_quantized.py --quantized-only: the largest flash_slice(n) one card holds in the published
+#              format (n = LARGEST_LAYERS, default 28: docs/benchmarks/quantized_fit.md), decode b=1 and b=8
 # flash_slice(4) in bf16 is 68 GB: call the device tool with needs_h200 (an H100 cannot load it; the script refuses
 # the first two parts on a card under 100 GB rather than spend their time on an OOM).
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_h200_check.sh [e2e quantized startup device kernels]
-# (seconds per part; 0 skips one; defaults 330 230 0 0 0 fit one 600 s call; then e.g. `... 0 0 110 200 90`).
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_h200_check.sh [e2e quantized startup device kernels
+# largest] (seconds per part; 0 skips one; defaults 330 230 0 0 0 0 fit one 600 s call; then e.g. `0 0 110 200 90`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh  # wheels, OUT, the session log, BIG_GPU, part NAME SECONDS CMD...
@@ -29,4 +31,6 @@ part device "${4:-0}" python3 -m pytest -q -m device -p no:cacheprovider tests/
 part kernels "${5:-0}" bash -c 'for r in 1 8; do python3 scripts/step_kernels.py --out "$OUT/kernels" --rows $r; done
     rm -f "$OUT"/kernels/*.hlo.txt; python3 scripts/bench_kernels.py --ops fp4_gemv_gate_up,fp4_gemv_down,bf16_gate_up,bf16_down \
     --batches 1,8 --out "$OUT/kernels/kernels"'
+part largest "$([ "$BIG" = 1 ] && echo "${6:-0}" || echo 0)" python3 scripts/bench_quantized.py --quantized-only \
+    --layers "${LARGEST_LAYERS:-28}" --cases decode_b1_ctx2048,decode_b8_ctx2048 --out "$OUT/largest"
 cat "$log"
