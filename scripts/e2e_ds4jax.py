@@ -176,6 +176,19 @@ class Bench:
         return run
 
 
+def looped_timing(bench: Bench, case, need: float, bw: float) -> dict:
+    """The engine's way of decoding: 8 steps per compiled call (`Bench.decode_looped`), timed as ms per step and
+    the fraction of the roofline (`need` bytes a step at `bw`); a failure is recorded as `loop_error`."""
+    try:
+        looped = bench.decode_looped(case.rows, case.size)
+        looped()
+        calls = max(case.new // 8, 1)
+        secs = statistics.median(common.timed(lambda: looped(calls), 3)) / (8 * calls)
+        return {"ms_per_step_loop": secs * 1e3, "fraction_of_roofline_loop": need / bw / secs}
+    except Exception as e:
+        return {"loop_error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def main(args) -> int:
     cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
     t = time.perf_counter()
@@ -242,15 +255,7 @@ def main(args) -> int:
                      **r0}
                 if self_check:
                     r["self_check"] = bench.last_check
-                try:  # the engine's way: 8 steps per compiled call
-                    looped = bench.decode_looped(case.rows, case.size)
-                    looped()
-                    calls = max(case.new // 8, 1)
-                    secs_loop = statistics.median(common.timed(lambda: looped(calls), 3)) / (8 * calls)
-                    r.update(ms_per_step_loop=secs_loop * 1e3, fraction_of_roofline_loop=need / bw / secs_loop)
-                    del looped
-                except Exception as e:
-                    r["loop_error"] = f"{type(e).__name__}: {e}"[:300]
+                r.update(looped_timing(bench, case, need, bw))
                 if gpu:
                     r["profile"] = device_trace.profile(lambda: jax.block_until_ready(fn(8)), 8, cfg.num_layers)
                 if case.name == common.CHECK_DECODE and hasattr(steps, "_target_step"):

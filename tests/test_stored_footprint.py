@@ -65,19 +65,28 @@ def test_info_prints_both(capsys):
     assert "(FP8 dense + FP4 experts, as published)" in capsys.readouterr().out
 
 
+# a repeated (CSA, HCA) unit: scanned layers, whose stacked leaves the random model draws slice by slice
+REPEATED = tiny(num_layers=5, attention_types=(A.SLIDING, A.CSA, A.HCA, A.CSA, A.HCA),
+                mlp_types=(M.HASH, M.TOPK, M.TOPK, M.TOPK, M.TOPK))
+
+
+@pytest.mark.parametrize("cfg", [CFG, REPEATED], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("quantized", ["fp8", "fp4"])
-def test_random_quantized_model_is_the_quantized_random_model(quantized):
-    """Built leaf by leaf (each weight drawn and quantized at once, for models too large in bf16): the same tree and
-    bytes as quantizing `params.init`'s model, and `stored_footprint`'s size."""
+def test_random_quantized_model_is_the_quantized_random_model(quantized, cfg):
+    """Built leaf by leaf (each weight drawn and quantized at once, for models too large in bf16; stacked layers
+    drawn straight into their slices): the same tree and bytes as quantizing `params.init`'s model, and
+    `stored_footprint`'s size."""
     from ds4jax.model import layer_stack
     from ds4jax.model.quantize import random_quantized_model
 
     key = jax.random.key(5)
-    want = quantize_model(Model(CFG, layer_stack.for_loader(CFG, params_lib.init(CFG, key, jnp.bfloat16))), quantized)
-    got = random_quantized_model(CFG, key, quantized)
+    want = quantize_model(Model(cfg, layer_stack.for_loader(cfg, params_lib.init(cfg, key, jnp.bfloat16))), quantized)
+    got = random_quantized_model(cfg, key, quantized)
     assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
     for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(got.params)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     assert sum(x.nbytes for x in jax.tree.leaves(got.params)) == stored_footprint.weight_bytes(
-        CFG, jnp.bfloat16, quantized)
+        cfg, jnp.bfloat16, quantized)
+    if cfg is REPEATED:
+        assert any(s.repeats > 1 for s in got.params["layers"].segments)

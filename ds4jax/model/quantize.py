@@ -99,17 +99,47 @@ def random_quantized_model(cfg, key: jax.Array, quantize: str = "fp4", block: tu
     bfloat16 and quantized at once, so the peak is the quantized model plus one leaf (a model too large for the
     device in bfloat16, such as the largest `flash_slice` one H200 holds in the published format,
     docs/benchmarks/quantized_fit.md, can be benchmarked). The same draws as `params.init`, so the same numbers as
-    quantizing its model. Layers are stacked afterwards (`layer_stack.for_loader`, consuming the per-layer
-    leaves)."""
+    quantizing its model. Layers are drawn straight into the stacked layout `Model` keeps (`layer_stack.for_loader`'s
+    unless ``DS4JAX_SCAN_LAYERS=0``): stacking per-layer leaves afterwards held a whole stacked leaf twice, which
+    the 28-layer slice on the H200 could not spare (12 GB over, session 16)."""
     from ds4jax.model import layer_stack
     from ds4jax.model import params as params_lib
 
     one = _LeafQuantizer(cfg, quantize, block, fp8_dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params_lib.declare(cfg), is_leaf=params_lib._is_info)
     keys = jax.random.split(key, len(flat))
-    # each weight drawn eagerly, as params.init draws, and quantized before the next is drawn
-    leaves = [one(path, info.init(k, info.shape, info.dtype(jnp.bfloat16))) for (path, info), k in zip(flat, keys)]
-    return Model(cfg, layer_stack.for_loader(cfg, jax.tree_util.tree_unflatten(treedef, leaves)))
+    draws = jax.tree_util.tree_unflatten(treedef, [_Draw(path, info, k) for (path, info), k in zip(flat, keys)])
+    make = lambda d: one(d.path, d.info.init(d.key, d.info.shape, d.info.dtype(jnp.bfloat16)))  # noqa: E731
+    params = jax.tree.map(make, {name: tree for name, tree in draws.items() if name != "layers"})
+    if layer_stack.scan_by_default():
+        layers = layer_stack.stack(cfg, draws["layers"], combine=lambda *ds: _drawn_into_stack(make, ds))
+    else:
+        layers = jax.tree.map(make, draws["layers"])
+    return Model(cfg, {**params, "layers": layers})
+
+
+class _Draw:
+    """A leaf still to draw: its path in the per-layer tree, its `ParamInfo` and its key (a plain object, so a
+    pytree leaf)."""
+
+    def __init__(self, path, info, key):
+        self.path, self.info, self.key = path, info, key
+
+
+_put = jax.jit(lambda stacked, x, i: jax.lax.dynamic_update_index_in_dim(stacked, x, i, 0), donate_argnums=0)
+
+
+def _drawn_into_stack(make, draws) -> object:
+    """One stacked leaf of the repetitions `draws`: each drawn and quantized (`make`) and written into its slice
+    of the stacked arrays at once, so the peak is the stack plus one slice."""
+    out = None
+    for i, d in enumerate(draws):
+        x = make(d)
+        if out is None:
+            out = jax.tree.map(lambda a: jnp.zeros((len(draws),) + a.shape, a.dtype), x)
+        out = jax.tree.map(lambda o, a: _put(o, a, i), out, x)
+        del x
+    return out
 
 
 def by_slice(quantize, w: jax.Array) -> QuantizedWeight:
