@@ -90,7 +90,7 @@ def _fp4_values(codes):
 
 
 # what the decoded weights read, as a fraction of their values (the inputs take the inverse, a power of two: exact,
-# so every product is bitwise x * value unless an input exceeds 2^121)
+# so every product is bitwise x * value, unless an input exceeds 2^121 or is subnormal on a device that flushes)
 _DECODED_FRACTION = {"fp8": E4M3_PER_E2M1, "quarter": 0.25, "bits": 1.0, "arith": 1.0}
 
 
