@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ds4jax.rocm_check import compile as triton_compile
 from ds4jax.rocm_check.compile import TRITON_VERSION
-from ds4jax.rocm_check.lowering import CASES, FP8_KV_CASES
+from ds4jax.rocm_check.lowering import CASES, FP8_KV_CASES, PUBLISHED_CASES
 from ds4jax.rocm_check.report import check, render, rows_for, tile_comparison
 from ds4jax.rocm_check.targets import TARGETS
 
@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     names = args.targets.split(",")
     rows = {}
     fp8 = []
-    with tqdm(total=len(names) * (len(CASES) + len(FP8_KV_CASES)), desc="lower + compile") as bar:
+    with tqdm(total=len(names) * (len(CASES) + len(PUBLISHED_CASES) + len(FP8_KV_CASES)),
+              desc="lower + compile") as bar:
         for name in names:
             rows[name] = []
-            for case in CASES:
+            for case in CASES + PUBLISHED_CASES:
                 rows[name] += rows_for(TARGETS[name], [case])
                 bar.update()
             for case in FP8_KV_CASES:

@@ -93,6 +93,22 @@ def quantize_model(model: Model, quantize: str = "fp4", block: tuple[int, int] =
     return dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(one, model.params))
 
 
+def abstract_quantized(cfg, params, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
+                       fp8_dtype=jnp.float8_e4m3fn):
+    """The shapes of `quantize_model`'s params (`jax.ShapeDtypeStruct` leaves, `QuantizedWeight`s where a published
+    ``quantize`` checkpoint stores one) for abstract `params` (`params.abstract`): a quantized model's steps lowered
+    with no weight allocated (`ds4jax.rocm_check`)."""
+    one = _LeafQuantizer(cfg, quantize, block, fp8_dtype)
+
+    def leaf(path, x):
+        fmt = one.formats[_names(path)]
+        if fmt == "fp4":
+            return jax.eval_shape(one.fp4, x)
+        return jax.eval_shape(lambda w: one.fp8(w, one.block, one.fp8_dtype), x) if fmt == "fp8" else x
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 def random_quantized_model(cfg, key: jax.Array, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
                            fp8_dtype=jnp.float8_e4m3fn) -> Model:
     """`quantize_model(Model(cfg, params.init(cfg, key, bfloat16)))` built leaf by leaf: each weight is drawn in

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ds4jax.model import params as model_params
 from ds4jax.model.config import AttentionType, Config, MlpType, flash, pro
+from ds4jax.model.quantize import abstract_quantized
 from ds4jax.rocm_check.extract import TritonKernel, triton_kernels
 from ds4jax.rocm_check.targets import GpuTarget
 from ds4jax.runtime import kernels as dispatch, pools, steps, target as device
@@ -59,10 +60,20 @@ class Case:
     dtype: str
     shape: str
     kv_dtype: str = "auto"  # "fp8": the FP8 KV cache, resolved for the target (FNUZ on gfx942)
+    weights: str = "bf16"  # "published": FP8 dense + FP4 experts as the checkpoint stores them (`quantize_model`'s
+    # leaves; the FP8 in the target's variant: FNUZ on gfx942), read by the FP8 matmul and the FP4 grouped kernels
+
+    @property
+    def label(self) -> str:
+        """The report's dtype column: the compute dtype, and the weights when they are not in it."""
+        return self.dtype + (", FP8 + FP4 weights" if self.weights == "published" else "")
 
 
 CASES = tuple(Case(m, d, s) for m in MODELS for d in DTYPES for s in SHAPES)
 FP8_KV_CASES = (Case("Flash", "bf16", "decode", kv_dtype="fp8"),)  # checked, not in the report's tables
+# Flash in its published format: decode at batch 8 (48 expert selections: the FP4 GEMV) and a 512-token prefill
+# (the FP4 tile kernel), the dense linears through the FP8 matmul
+PUBLISHED_CASES = tuple(Case("Flash", "bf16", s, weights="published") for s in SHAPES)
 
 
 def _abstract_batch(rows: int, tokens: int) -> steps.StepBatch:
@@ -82,8 +93,11 @@ def lower_step(case: Case, gpu: GpuTarget) -> jax.stages.Lowered:
     step = steps.decode if case.shape == "decode" else steps.prefill
     with as_if_on(gpu.target):
         spec = spec_for(case)  # on the target: kv_dtype "fp8" is its FP8 variant
+        params = model_params.abstract(cfg, dtype)
+        if case.weights == "published":
+            params = abstract_quantized(cfg, params, "fp4", fp8_dtype=gpu.target.fp8_dtype)
         traced = jax.jit(functools.partial(step, cfg=cfg, spec=spec)).trace(
-            model_params.abstract(cfg, dtype), pools.abstract(spec), _abstract_batch(rows, tokens))
+            params, pools.abstract(spec), _abstract_batch(rows, tokens))
         return traced.lower(lowering_platforms=(gpu.lowering,))
 
 
@@ -95,6 +109,8 @@ def kernels_of(case: Case, gpu: GpuTarget) -> list[TritonKernel]:
     dtype = jnp.dtype(DTYPES[case.dtype])
     key = (case, gpu.lowering, tuple(dispatch.block_sizes(op, dtype, gpu.name)
                                      for op in ("sparse_attention", "indexer_topk", "mhc_pre")))
+    if case.weights != "bf16":  # the FP8 variant and the FP4 GEMV's decode are the architecture's own
+        key += (gpu.name,)
     if key not in _LOWERED:
         _LOWERED[key] = triton_kernels(lower_step(case, gpu))
     return _LOWERED[key]

@@ -27,6 +27,7 @@ import pytest
 
 from ds4jax.rocm_check import compile as triton_compile
 from ds4jax.rocm_check.extract import triton_kernels
+from ds4jax.rocm_check.lowering import CASES, PUBLISHED_CASES
 from ds4jax.rocm_check.report import check, render, rows_for, tile_comparison
 from ds4jax.rocm_check.targets import GFX942, GFX950, TARGETS
 from pallas_kernels import SparseAttentionBlockSizes, sparse_attention
@@ -75,13 +76,16 @@ def test_every_kernel_compiles_within_limits_and_the_report_is_current():
     _needs("amd")
     _needs("nvidia")
     with _recorded() as book:
-        rows = {name: rows_for(gpu) for name, gpu in TARGETS.items()}
+        rows = {name: rows_for(gpu, CASES + PUBLISHED_CASES) for name, gpu in TARGETS.items()}
         comparison = tile_comparison()
     for name, got in rows.items():
         names = {r.kernel.name for r in got}
         # what today's steps dispatch (more may appear; none may vanish unnoticed)
         want = {"sparse_attention", "indexer_score_select", "indexer_rank", "grouped_matmul", "mhc_pre", "mhc_head"}
         assert want <= names, (name, names)
+        # the published format: the FP8 dense linears, the FP4 experts' GEMV at decode and tile kernel at prefill
+        published = {r.kernel.name for r in got if r.case.weights == "published"}
+        assert {"fp8_matmul", "grouped_gemv_fp4", "grouped_matmul_fp4"} <= published, (name, published)
         for case in {r.case for r in got}:
             assert {"sparse_attention", "indexer_score_select", "mhc_pre"} <= {
                 r.kernel.name for r in got if r.case == case}
@@ -124,6 +128,22 @@ def test_fp8_kv_kernels_compile_within_limits():
             _spot_check(rows)
         if _triton_matches_records():
             assert not book.misses or not book.resources, "stale records: run `python scripts/rocm_kernels.py`"
+
+
+def test_published_weights_lower_in_each_targets_fp8():
+    """Flash's decode step with its weights as published (FP8 dense + FP4 experts): FNUZ E4M3 on gfx942 (MI300
+    converts nothing else), OCP on gfx950 and sm90; the FP4 GEMV decodes through the FP8 conversion where the
+    target has one (gfx950, sm90) and with integer operations on gfx942."""
+    from ds4jax.rocm_check.lowering import lower_step
+
+    case = next(c for c in PUBLISHED_CASES if c.shape == "decode")
+    for name, gpu in TARGETS.items():
+        lowered = lower_step(case, gpu)
+        text = lowered.as_text()
+        fnuz, ocp = "xf8E4M3FNUZ>" in text, "xf8E4M3FN>" in text  # the weights' element types
+        assert fnuz == (name == "gfx942") and ocp == (name != "gfx942"), name
+        gemv = [k for k in triton_kernels(lowered) if k.name == "grouped_gemv_fp4"]
+        assert gemv and all(("f8E4M3FN" in k.ttir) == (name != "gfx942") for k in gemv), name
 
 
 def test_an_oversized_tile_fails_the_check():
