@@ -153,7 +153,8 @@ def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, ti
                 secs = statistics.median(common.timed(fn, 3)) / case.new
                 need = common.decode_bytes(cfg, pb, case.rows, case.size, **kv_bytes)
                 r.update(ms=secs * 1e3, ms_per_step=secs * 1e3, tokens_per_s=case.rows / secs, bytes=need,
-                         roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs)
+                         roofline_ms=need / bw * 1e3, fraction_of_roofline=need / bw / secs, rows=case.rows,
+                         ctx=case.size)
                 # and as the engine decodes: 8 steps a call (one a call, a batch-1 step is bound by the dispatch)
                 r.update(looped_timing(bench, case, need, bw))
                 if profile:  # where a step's device time goes (the heaviest kernels), from a trace of one run
@@ -301,6 +302,17 @@ def write_quantized_only_markdown(res: dict, path: str) -> None:
             continue
         lines.append(f"| {name} | {r['ms']:.3f} | {r['bytes'] / 1e9:.3f} GB | {r['roofline_ms']:.3f} | "
                      f"{100 * r['fraction_of_roofline']:.0f} % | {_looped_cell(r)} | {check} |")
+    if res.get("projection"):
+        lines += ["", f"Projected to the whole model ({res['projection'][0]['layers']} layers), experts split over the "
+                  "GPUs (expert parallelism), each device reading the dense weights, the head, every row's KV and its "
+                  "share of the experts the batch touches at the bandwidth this slice reached (its bytes / its ms, "
+                  "8 steps a call); the per-layer all-reduce of the experts' outputs is not included:", "",
+                  "| case | GPUs | bytes per device per step | projected ms per step | from: measured ms, bytes |",
+                  "|---|---|---|---|---|"]
+        for p in res["projection"]:
+            lines.append(f"| {p['case']} | {p['gpus']} | {p['bytes_per_device'] / 1e9:.2f} GB | "
+                         f"{p['projected_ms_per_step']:.3f} | {p['measured_ms_per_step']:.3f} ms, "
+                         f"{p['measured_bytes'] / 1e9:.2f} GB |")
     lines += ["", f"Check: the kernels' logits vs the reference kernels' on the same weights, cosine >= {MIN_COSINE}: "
               + ("PASS" if not fails else "FAIL: " + "; ".join(fails)), ""]
     with open(path, "w") as f:
@@ -322,7 +334,40 @@ def quantized_only(args, res: dict, cfg, kernels: str, bw: float, peak: float) -
     for name in res["modes"]["fp8_fp4"]:
         if name in got and name in ref:
             res["checks"][name] = {"fp8_fp4_vs_reference_kernels": compare(got[name], ref[name])}
+    full = cfg if args.smoke else ds4jax.flash_slice(ds4jax.flash().num_layers)  # the smoke projects itself
+    res["projection"] = projection(res["modes"]["fp8_fp4"], full, full_model_bytes(full))
     return finish(res, t0, json_path, quantized_only_failures, write_quantized_only_markdown)
+
+
+def full_model_bytes(full_cfg) -> dict:
+    """`common.param_bytes` of `full_cfg` in the published format, from shapes alone (nothing allocated)."""
+    from ds4jax.model.quantize import abstract_quantized
+
+    shapes = abstract_quantized(full_cfg, P.abstract(full_cfg, jnp.bfloat16), "fp4")
+    return common.param_bytes(full_cfg, jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), shapes))
+
+
+def projection(measured: dict, full_cfg, pb_full: dict, eps=(2, 8)) -> list[dict]:
+    """Decode of `full_cfg` on `ep` GPUs (experts split over them, everything else on each), projected from the
+    measured cases (`measured`: case -> result with `bytes` and the 8-a-call `ms_per_step_loop`, else one a call):
+    each device reads the dense weights, the head, every row's KV and its share of the experts the batch touches,
+    at the bandwidth the measured slice reached (bytes / ms). The expert-parallel all-reduce per layer is not
+    included (not measured here)."""
+    rows = []
+    for name, r in measured.items():
+        ms = r.get("ms_per_step_loop", r.get("ms"))
+        if not name.startswith("decode") or ms is None:
+            continue
+        batch, ctx = r["rows"], r["ctx"]
+        reached = r["bytes"] / (ms / 1e3)  # bytes per second the measured slice read
+        total = common.decode_bytes(full_cfg, pb_full, batch, ctx)
+        touched = pb_full["per_expert"] * min(full_cfg.num_routed_experts, batch * full_cfg.num_experts_per_tok)
+        for ep in eps:
+            per_device = total - touched * (1 - 1 / ep)
+            rows.append({"case": name, "layers": full_cfg.num_layers, "gpus": ep, "bytes_per_device": per_device,
+                         "projected_ms_per_step": per_device / reached * 1e3, "measured_ms_per_step": ms,
+                         "measured_bytes": r["bytes"]})
+    return rows
 
 
 def finish(res: dict, t0: float, json_path: str, failed, render) -> int:

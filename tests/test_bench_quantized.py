@@ -90,3 +90,28 @@ def test_quantized_only_failures():
     assert "cosine" in bq.quantized_only_failures(res(float("nan")))[0]
     assert "no check" in bq.quantized_only_failures(res(0.9999, check=False))[0]
     assert "boom" in bq.quantized_only_failures(res(0.9999, error="RuntimeError: boom"))[0]
+
+
+def test_a_failed_8_a_call_timing_fails_the_run():
+    res = _res(0.9999)
+    res["modes"]["fp8_fp4"]["decode"]["loop_error"] = "RuntimeError: out of memory"
+    assert any("8 a call" in f for f in bq.failures(res))
+
+
+def test_projection_reads_each_devices_share_at_the_measured_bandwidth():
+    """On one GPU the projection of the measured model is the measurement; splitting the experts over more GPUs
+    removes their share of the touched experts' bytes, nothing else."""
+    import ds4jax
+
+    cfg = ds4jax.tiny()
+    pb = bq.full_model_bytes(cfg)
+    need = bq.common.decode_bytes(cfg, pb, 8, 64)
+    measured = {"decode_b8_ctx64": {"bytes": need, "ms": 2.0, "ms_per_step_loop": 1.0, "rows": 8, "ctx": 64},
+                "prefill_b1_s64": {"ms": 5.0}}
+    rows = bq.projection(measured, cfg, pb, eps=(1, 2, 8))
+    assert [r["gpus"] for r in rows] == [1, 2, 8] and all(r["case"] == "decode_b8_ctx64" for r in rows)
+    assert abs(rows[0]["projected_ms_per_step"] - 1.0) < 1e-12  # the 8-a-call time, not one a call
+    touched = pb["per_expert"] * min(cfg.num_routed_experts, 8 * cfg.num_experts_per_tok)
+    for r in rows[1:]:
+        assert abs(r["bytes_per_device"] - (need - touched * (1 - 1 / r["gpus"]))) < 1e-6
+        assert r["projected_ms_per_step"] < 1.0
