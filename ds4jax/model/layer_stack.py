@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.model.layer_of import STACKED_SUBTREE, LayerOf
 
 LayerKind = tuple[AttentionType, MlpType]
 _MAX_UNIT = 4  # longest repeating unit looked for (DSv4 schedules repeat with period 1 or 2)
@@ -319,6 +320,25 @@ class LayerAt:
 Body = Callable[[Any, Any, LayerAt], tuple[Any, Any]]
 
 
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    """tree[path[0]][path[1]]... (None where absent)."""
+    for key in path:
+        if not hasattr(tree, "get") or tree.get(key) is None:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _with(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+    """A copy of the dict `tree` with tree[path] set to `value` (the dicts along the path copied, not changed)."""
+    head, *rest = path
+    return {**tree, head: _with(tree[head], tuple(rest), value) if rest else value}
+
+
+def _without(tree: Any, path: tuple[str, ...]) -> Any:
+    return tree if _subtree(tree, path) is None else _with(tree, path, None)
+
+
 def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) -> tuple[Any, list]:
     """Fold `body(carry, layer_params, at) -> (carry, out)` over the layers in order.
 
@@ -345,17 +365,23 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
                     carry, outs[seg.layer(0, u)] = body(carry, jax.tree.map(lambda a: a[0], p), at)
             continue
 
-        def step(c, xs, seg=seg):
+        # the routed experts stay whole (closed over, not scanned): the body gets `LayerOf`s (see layer_of.py)
+        kept = tuple(_subtree(p, STACKED_SUBTREE) for p in group)
+        sliced = tuple(_without(p, STACKED_SUBTREE) for p in group)
+
+        def step(c, xs, seg=seg, kept=kept):
             rep, members = xs
             ys = []
             for u, p in enumerate(members):
+                if kept[u] is not None:
+                    p = _with(p, STACKED_SUBTREE, {k: LayerOf(w, rep) for k, w in kept[u].items()})
                 at = LayerAt(*seg.unit[u], first=offset + seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)
                 with jax.named_scope(at.name):
                     c, y = body(c, p, at)
                 ys.append(y)
             return c, tuple(ys)
 
-        carry, ys = jax.lax.scan(step, carry, (jnp.arange(seg.repeats, dtype=jnp.int32), group))
+        carry, ys = jax.lax.scan(step, carry, (jnp.arange(seg.repeats, dtype=jnp.int32), sliced))
         for u, y in enumerate(ys):
             for r in range(seg.repeats):
                 outs[seg.layer(r, u)] = jax.tree.map(lambda a, r=r: a[r], y)

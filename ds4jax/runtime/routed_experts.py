@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.model.config import Config
+from ds4jax.model.layer_of import LayerOf
 from ds4jax.model.layers.moe import Routing, swiglu
 from ds4jax.model.quantized import Format, dense, is_quantized
 
@@ -75,17 +76,32 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, ar
                                          interpret=interpret)
 
 
+def _in_place(p: dict) -> tuple[dict, jax.Array | int]:
+    """The experts' weights as the grouped kernels take them, and the offset of this layer's experts on their
+    expert axis: a scanned layer's `LayerOf`s (the stacks, not a copied slice: layer_of.py) with the layer axis
+    merged into the expert axis (a free reshape), per-layer weights as they are (offset 0)."""
+    ws = {name: p[name] for name in ("w1", "w2", "w3")}
+    if not any(isinstance(w, LayerOf) for w in ws.values()):
+        return ws, 0
+    merged = {name: w.merged() for name, w in ws.items()}
+    return {name: m for name, (m, _) in merged.items()}, merged["w1"][1]
+
+
 def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config, *, interpret: bool,
                            arch: str | None = None) -> jax.Array:
-    """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`."""
+    """[n, e] -> [n, e] float32, the same sum as `moe.routed_experts`. A scanned layer's experts (`LayerOf`) are
+    read in place in their stacks: the selections' expert ids are offset to this layer's."""
+    p, offset = _in_place(p)
     n, k = routing.experts.shape
     if n * k <= GEMV_SELECTIONS and _all_fp4((p["w1"], p["w3"], p["w2"])):
-        return _fp4_selections(x, routing, p, cfg, interpret, arch)
+        return _fp4_selections(x, routing, p, cfg, interpret, arch, offset)
     tile_m = tile_rows(n * k)
     if n == 1:
         src, tile_group = one_token_tiles(routing.experts[0], tile_m)
     else:
         src, tile_group = sort_into_tiles(routing.experts.reshape(-1), cfg.num_routed_experts, tile_m)
+    if not isinstance(offset, int):  # a scanned layer: this layer's experts on the merged axis (-1 stays empty)
+        tile_group = jnp.where(tile_group >= 0, tile_group + offset, -1)
     live = src >= 0
     token = jnp.where(live, src // k, n)  # padding rows: out of range, dropped by the scatter below
     xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
@@ -97,14 +113,14 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
 
 
 def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool,
-                    arch: str | None = None) -> jax.Array:
+                    arch: str | None = None, offset: jax.Array | int = 0) -> jax.Array:
     """FP4 experts at decode: one row per (token, expert) selection through the GEMV kernel (no tiles, no sort):
     the tile kernel's 16-row dots left it ALU-bound at decode, far from the packed bytes' floor. Its tiles and
     decode are `arch`'s (`gemv_block_sizes`: the FP8 conversion where the device has one)."""
     import pallas_kernels
 
     n, k = routing.experts.shape
-    experts = routing.experts.reshape(-1).astype(jnp.int32)
+    experts = routing.experts.reshape(-1).astype(jnp.int32) + offset  # on the (merged) expert axis
     pairs = lambda *ws: tuple((w.values, w.scales) for w in ws)  # noqa: E731
     tiles = pallas_kernels.gemv_block_sizes(arch)
     gate, up = pallas_kernels.grouped_gemv_fp4(jnp.repeat(x, k, axis=0), pairs(p["w1"], p["w3"]), experts,

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ds4jax.model.layer_of import resolve
 from ds4jax.model.config import Config, MlpType
 from ds4jax.model.layers.linear import linear, linear_f32
 from ds4jax.model import official_numerics as numerics
@@ -101,6 +102,7 @@ def _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile: int):
 
 def routed_experts(x: jax.Array, routing: Routing, p: dict, cfg: Config, strategy: str | None = None) -> jax.Array:
     """[n, e] -> [n, e] float32: sum over each token's selected experts of weight * expert(x)."""
+    p = resolve(p)  # a scanned layer's experts arrive as `LayerOf`s: these strategies read per-layer arrays
     n, k = routing.experts.shape
     flat_experts = routing.experts.reshape(-1)  # [n*k]
     flat_weights = routing.weights.reshape(-1)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ds4jax.model.layer_of import resolve
 from ds4jax.model.config import Config, MlpType
 from ds4jax.model.layers.moe import Routing, route, routed_experts, shared_expert
 from ds4jax.model import official_numerics as numerics
@@ -38,6 +39,7 @@ def _local_config(cfg: Config, local_experts: int) -> Config:
 
 def routed_experts_sharded(x: jax.Array, routing: Routing, p: dict, cfg: Config, act: Active) -> jax.Array:
     """[n, e] tokens -> [n, e] float32, like `moe.routed_experts`, with the experts split over the mesh."""
+    p = resolve(p)  # a scanned layer's experts arrive as `LayerOf`s (layer_of.py): sharded per layer here
     n = x.shape[0]
     w_spec = act.spec(p["w1"].shape, ("experts", "embed", "expert_mlp"))
     w2_spec = P(w_spec[0], w_spec[2], None)
