@@ -21,6 +21,9 @@ segments by the same `min_repeats` rule as a one-stage model (a shallow stage st
 
 The KV pools need no restacking: their arrays are already per layer kind (`pool_layout`), and a scanned body
 finds its rows through `LayerAt.rank`, which is affine in the scan index (stage-local on a stage's pool).
+
+A scanned body gets its routed experts whole, as `LayerOf`s (the stack and its layer index: `layer_of.py`), not as
+slices: a Pallas kernel receives a slice as a copy, which was a layer's whole expert set every step.
 """
 
 from __future__ import annotations
