@@ -75,13 +75,16 @@ class _LeafQuantizer:
         self.block, self.fp8_dtype = (block[1], block[0]), fp8_dtype
         self.fp4, self.fp8 = jax.jit(quantize_fp4), jax.jit(quantize_fp8, static_argnums=(1, 2))
 
-    def __call__(self, path, w):
+    def quantizer(self, path):
+        """The jitted quantizer of the leaf at `path` (whole leaf -> `QuantizedWeight`), or None (kept as is)."""
         fmt = self.formats[_names(path)]
         if fmt == "fp4":
-            return by_slice(self.fp4, w)
-        if fmt == "fp8":
-            return by_slice(lambda x: self.fp8(x, self.block, self.fp8_dtype), w)
-        return w
+            return self.fp4
+        return (lambda x: self.fp8(x, self.block, self.fp8_dtype)) if fmt == "fp8" else None
+
+    def __call__(self, path, w):
+        fn = self.quantizer(path)
+        return w if fn is None else by_slice(fn, w)
 
 
 def quantize_model(model: Model, quantize: str = "fp4", block: tuple[int, int] = (128, 128),
@@ -101,10 +104,8 @@ def abstract_quantized(cfg, params, quantize: str = "fp4", block: tuple[int, int
     one = _LeafQuantizer(cfg, quantize, block, fp8_dtype)
 
     def leaf(path, x):
-        fmt = one.formats[_names(path)]
-        if fmt == "fp4":
-            return jax.eval_shape(one.fp4, x)
-        return jax.eval_shape(lambda w: one.fp8(w, one.block, one.fp8_dtype), x) if fmt == "fp8" else x
+        fn = one.quantizer(path)
+        return x if fn is None else jax.eval_shape(fn, x)
 
     return jax.tree_util.tree_map_with_path(leaf, params)
 
