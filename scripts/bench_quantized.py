@@ -52,7 +52,7 @@ from e2e_ds4jax import Bench, copy_bandwidth, looped_timing, matmul_flops  # noq
 from ds4jax.model import layer_stack  # noqa: E402
 from ds4jax.model import params as P  # noqa: E402
 from ds4jax.model.handle import Model  # noqa: E402
-from ds4jax.model.quantize import quantize_model, random_quantized_model  # noqa: E402
+from ds4jax.model.quantize import abstract_quantized, quantize_model, random_quantized_model  # noqa: E402
 from ds4jax.model.quantized import is_quantized  # noqa: E402
 from ds4jax.runtime import steps  # noqa: E402
 from ds4jax.runtime.target import device_target  # noqa: E402
@@ -341,8 +341,6 @@ def quantized_only(args, res: dict, cfg, kernels: str, bw: float, peak: float) -
 
 def full_model_bytes(full_cfg) -> dict:
     """`common.param_bytes` of `full_cfg` in the published format, from shapes alone (nothing allocated)."""
-    from ds4jax.model.quantize import abstract_quantized
-
     shapes = abstract_quantized(full_cfg, P.abstract(full_cfg, jnp.bfloat16), "fp4")
     return common.param_bytes(full_cfg, jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), shapes))
 
