@@ -20,7 +20,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import ds4jax  # noqa: E402
 import e2e_common as common  # noqa: E402

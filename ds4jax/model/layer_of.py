@@ -8,6 +8,13 @@ each decode step although a step reads only the selected experts (`flash_slice(1
 grouped expert kernels index their weights by expert themselves, so they take the stack whole, its layer and
 expert axes merged (a free reshape), with the selected experts' ids offset by ``index * experts``
 (`runtime/routed_experts.py`); anything else takes `get()` (the slice, as before).
+
+The FP8 dense linears of a scanned layer had the same copy (their matmul kernel took a 2-D weight: ~0.2 GB a Flash
+layer read and written each step; `flash_slice(16)` decoded at 6.3 ms a step at batch 1 on the H200 after the
+experts' fix, where 4x the unrolled 4-layer step is ~5.3). They arrive as `QuantizedLayerOf`: a `QuantizedWeight`
+to every consumer (its shape, dequantization and indexing are the layer's), whose `values` and `scales` are the
+stacks with the layer beside them; the FP8 matmul kernel reads the layer in place (`runtime/kernels.fp8_linear`),
+and a dequantization slices first, which XLA fuses into the dot's operand as it did before.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+from ds4jax.model.quantized import Format, QuantizedWeight, is_quantized
 
 # The params subtree a scanned body gets as `LayerOf`s instead of slices (`layer_stack.run`): per layer the
 # largest by far, and read only through the routed-expert dispatch.
@@ -49,3 +59,49 @@ def resolve(tree: Any) -> Any:
     """`tree` with every `LayerOf` replaced by its layer's weight (for code that reads per-layer arrays)."""
     return jax.tree.map(lambda x: x.get() if isinstance(x, LayerOf) else x, tree,
                         is_leaf=lambda x: isinstance(x, LayerOf))
+
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayerOf(QuantizedWeight):
+    """Layer `layer` (a traced int32 scalar) of a stacked FP8 dense weight: `values` [layers, in, out] and `scales`
+    [layers, ...] are the stacks. Everything but the FP8 matmul kernel sees the layer's own `QuantizedWeight`."""
+
+    layer: Any = None
+
+    def get(self) -> QuantizedWeight:
+        """The layer's own weight (a dynamic slice of the stacks)."""
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False)  # noqa: E731
+        return QuantizedWeight(take(self.values), take(self.scales), self.format, self.block)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])  # FP8: the logical shape is the stored one
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return (int(self.values.nbytes) + int(self.scales.nbytes)) // int(self.values.shape[0])
+
+    def __getitem__(self, index) -> QuantizedWeight:
+        return self.get()[index]
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return self.get().dequantize(dtype)
+
+
+jax.tree_util.register_dataclass(QuantizedLayerOf, data_fields=["values", "scales", "layer"],
+                                 meta_fields=["format", "block"])
+
+
+def read_in_place(w: Any) -> bool:
+    """A stacked leaf a scanned body reads in its stack: an FP8 dense weight (2-D a layer, so [layers, in, out]
+    stacked), whose linears go through `linear._project` (the FP8 matmul kernel, or a dequantization)."""
+    return is_quantized(w) and w.format is Format.FP8 and len(w.values.shape) == 3
+
+
+def layer_of_quantized(w: QuantizedWeight, layer: jax.Array) -> QuantizedLayerOf:
+    return QuantizedLayerOf(w.values, w.scales, w.format, w.block, layer)

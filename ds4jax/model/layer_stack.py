@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.config import AttentionType, Config, MlpType
-from ds4jax.model.layer_of import STACKED_SUBTREE, LayerOf
+from ds4jax.model.layer_of import STACKED_SUBTREE, LayerOf, layer_of_quantized, read_in_place
+from ds4jax.model.quantized import is_quantized
 
 LayerKind = tuple[AttentionType, MlpType]
 _MAX_UNIT = 4  # longest repeating unit looked for (DSv4 schedules repeat with period 1 or 2)
@@ -342,6 +343,21 @@ def _without(tree: Any, path: tuple[str, ...]) -> Any:
     return tree if _subtree(tree, path) is None else _with(tree, path, None)
 
 
+def _is_slot(x: Any) -> bool:
+    return x is None or is_quantized(x)
+
+
+def _split_in_place(p: Any) -> tuple[Any, Any]:
+    """(the member's leaves read in place, None elsewhere; the rest, None where those are): one tree shape."""
+    return (jax.tree.map(lambda w: w if read_in_place(w) else None, p, is_leaf=_is_slot),
+            jax.tree.map(lambda w: None if read_in_place(w) else w, p, is_leaf=_is_slot))
+
+
+def _join_in_place(sliced: Any, kept: Any, rep: jax.Array) -> Any:
+    """The body's params: the scanned slices, with the kept stacks as layer `rep` of themselves."""
+    return jax.tree.map(lambda s, k: s if k is None else layer_of_quantized(k, rep), sliced, kept, is_leaf=_is_slot)
+
+
 def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) -> tuple[Any, list]:
     """Fold `body(carry, layer_params, at) -> (carry, out)` over the layers in order.
 
@@ -368,14 +384,16 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
                     carry, outs[seg.layer(0, u)] = body(carry, jax.tree.map(lambda a: a[0], p), at)
             continue
 
-        # the routed experts stay whole (closed over, not scanned): the body gets `LayerOf`s (see layer_of.py)
+        # the routed experts and the FP8 dense weights stay whole (closed over, not scanned): the body gets
+        # `LayerOf`s and `QuantizedLayerOf`s (see layer_of.py)
         kept = tuple(_subtree(p, STACKED_SUBTREE) for p in group)
-        sliced = tuple(_without(p, STACKED_SUBTREE) for p in group)
+        kept_fp8, sliced = zip(*(_split_in_place(_without(p, STACKED_SUBTREE)) for p in group))
 
-        def step(c, xs, seg=seg, kept=kept):
+        def step(c, xs, seg=seg, kept=kept, kept_fp8=kept_fp8):
             rep, members = xs
             ys = []
             for u, p in enumerate(members):
+                p = _join_in_place(p, kept_fp8[u], rep)
                 if kept[u] is not None:
                     p = _with(p, STACKED_SUBTREE, {k: LayerOf(w, rep) for k, w in kept[u].items()})
                 at = LayerAt(*seg.unit[u], first=offset + seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)

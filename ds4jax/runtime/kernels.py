@@ -26,6 +26,7 @@ import os
 import jax
 
 from ds4jax.model import sharding
+from ds4jax.model.layer_of import QuantizedLayerOf
 from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
@@ -142,13 +143,16 @@ def _mhc_kernel(x, p, norm_weight, *, cfg, impl: Impl, head: bool):
 def fp8_linear(x, w, *, impl: Impl):
     """x [m, in] @ an FP8 `QuantizedWeight` [in, out] -> [m, out] f32: dequantize next to the dot (the reference,
     and whenever the call would be partitioned over an automatic mesh axis: GSPMD cannot split a custom call, and
-    the dense linears are sharded by their params' specs), or the FP8 matmul kernel reading the stored bytes."""
+    the dense linears are sharded by their params' specs), or the FP8 matmul kernel reading the stored bytes (a
+    scanned layer's `QuantizedLayerOf` in its stack: the kernel takes the layer index)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
     act = sharding.active()
     if impl is Impl.REFERENCE or (act is not None and any(act.sizes[a] > 1 for a in act.auto)):
+        w = w.get() if isinstance(w, QuantizedLayerOf) else w
         return pallas_kernels.fp8_matmul_reference(x, w.values, w.scales, block=w.block)
+    layer = w.layer if isinstance(w, QuantizedLayerOf) else None
     return pallas_kernels.fp8_matmul(
-        x, w.values, w.scales, block=w.block, interpret=impl is Impl.PALLAS_INTERPRET,
+        x, w.values, w.scales, block=w.block, interpret=impl is Impl.PALLAS_INTERPRET, layer=layer,
         block_sizes=pallas_kernels.Fp8MatmulBlockSizes.get_default(x.dtype, x.shape[0], arch=kernel_arch(impl)))
 
 

@@ -9,6 +9,7 @@ values: float8_e4m3fn (OCP) or float8_e4m3fnuz (MI300) [k, n]; scales float32 [c
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def dequantize_fp8(values, scales, block, dtype=jnp.float32):
@@ -19,8 +20,11 @@ def dequantize_fp8(values, scales, block, dtype=jnp.float32):
     return (values.astype(jnp.float32) * s).astype(dtype)
 
 
-def fp8_matmul_reference(x, values, scales, *, block, block_sizes=None, interpret=False):
-    """x [m, k] bf16/f32, values [k, n] FP8, scales [ceil(k/bi), ceil(n/bo)] f32 -> [m, n] f32."""
+def fp8_matmul_reference(x, values, scales, *, block, block_sizes=None, interpret=False, layer=None):
+    """x [m, k] bf16/f32, values [k, n] FP8, scales [ceil(k/bi), ceil(n/bo)] f32 -> [m, n] f32; with `layer`,
+    values and scales are stacks [layers, ...] and the layer's weight is used."""
     del block_sizes, interpret
+    if layer is not None:
+        values, scales = (lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (values, scales))
     w = dequantize_fp8(values, scales, block, x.dtype)
     return jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)

@@ -76,10 +76,31 @@ def check(case: Case, interpret: bool):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def check_stacked(case: Case, interpret: bool, layers: int = 3, layer: int = 1):
+    """The weight as layer `layer` of a stack whose other layers are NaN (values and scales): the kernel reads that
+    layer in place, and nothing of the others (a scanned layer's FP8 linears: ds4jax/model/layer_stack.py)."""
+    x, values, scales = make_inputs(case)
+    nan_values = jnp.full(values.shape, jnp.nan, values.dtype)
+    stack = jnp.stack([values if i == layer else nan_values for i in range(layers)])
+    scale_stack = jnp.stack([scales if i == layer else jnp.full_like(scales, jnp.nan) for i in range(layers)])
+    got = fp8_matmul(x, stack, scale_stack, block=case.block, block_sizes=case.block_sizes, interpret=interpret,
+                     layer=jnp.int32(layer))
+    want = np.asarray(fp8_matmul_reference(x, values, scales, block=case.block))
+    np.testing.assert_allclose(np.asarray(fp8_matmul_reference(x, stack, scale_stack, block=case.block,
+                                                               layer=jnp.int32(layer))), want, rtol=0, atol=0)
+    got = np.asarray(got)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 class TestInterpret:
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference(self, case):
         check(case, interpret=True)
+
+    @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=str)
+    def test_stacked_weight_reads_its_layer_only(self, case):
+        check_stacked(case, interpret=True)
 
 
 @pytest.mark.device
@@ -92,6 +113,12 @@ class TestDevice:
     ], ids=str)
     def test_matches_reference(self, case):
         check(case, interpret=False)
+
+    @pytest.mark.parametrize("case", [Case("decode_stacked_bf16", 1, 1024, 4096, dtype="bfloat16"),
+                                      Case("prefill_stacked_fnuz_bf16", 300, 1000, 520, fp8=FNUZ, dtype="bfloat16")],
+                             ids=str)
+    def test_stacked_weight_reads_its_layer_only(self, case):
+        check_stacked(case, interpret=False)
 
 
 def test_edges_are_masked(monkeypatch):
@@ -131,3 +158,9 @@ def test_validation_names_the_argument():
         fp8_matmul(x, values, jnp.ones((2, 1), jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="scale block"):  # a tile must lie inside one scale block
         fp8_matmul(x, values, jnp.ones((8, 5), jnp.float32), block=(8, 8))
+    with pytest.raises(ValueError, match=r"values .*\[layers"):  # a layer index needs a stack
+        fp8_matmul(x, values, scales, interpret=True, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        fp8_matmul(x, values[None], scales[None], interpret=True, layer=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="values"):  # a stack needs the layer index
+        fp8_matmul(x, values[None], scales[None], interpret=True)
