@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _wide_offsets
+
 # Triton's `tt.dot` needs every matmul extent >= 16; interpret mode has no such limit.
 TRITON_MIN_DOT_DIM = 16
 
@@ -27,9 +29,11 @@ def _triton():
 
 
 def compiler_params(*, num_warps: int, num_stages: int, interpret: bool):
-    """Backend compiler params for `pl.pallas_call` (None in interpret mode)."""
+    """Backend compiler params for `pl.pallas_call` (None in interpret mode). Every kernel lowered for a GPU asks
+    for them first, which installs the lowering's 64-bit offsets for operands past 2^31 elements (`_wide_offsets`)."""
     if interpret:
         return None
+    _wide_offsets.install()
     return _triton().CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
