@@ -78,18 +78,19 @@ def test_profile_table_in_markdown(tmp_path):
 
 
 def test_quantized_only_failures():
-    """--quantized-only fails on an errored case, a missing check, a low or non-finite cosine against the reference
-    kernels."""
-    def res(cos, error=None, check=True):
+    """--quantized-only fails on an errored case, a missing or broken per-layer check, and the per-layer check's
+    own failures (a layer or the logits below the cosine, or non-finite: `layer_check.check_layers` lists them)."""
+    def res(failures=(), error=None, check=True, check_error=None):
         case = {"error": error} if error else {"ms": 1.0}
-        checks = {"decode": {"fp8_fp4_vs_reference_kernels": {"finite": bool(np.isfinite(cos)), "cosine": cos}}}
+        c = {"error": check_error} if check_error else {"layers": [], "worst": 0.9999, "failures": list(failures)}
+        checks = {"decode": {bq.LAYER_CHECK: c}}
         return {"modes": {"fp8_fp4": {"decode": case}}, "checks": checks if check else {}}
 
-    assert bq.quantized_only_failures(res(0.9999)) == []
-    assert "cosine" in bq.quantized_only_failures(res(0.5))[0]
-    assert "cosine" in bq.quantized_only_failures(res(float("nan")))[0]
-    assert "no check" in bq.quantized_only_failures(res(0.9999, check=False))[0]
-    assert "boom" in bq.quantized_only_failures(res(0.9999, error="RuntimeError: boom"))[0]
+    assert bq.quantized_only_failures(res()) == []
+    assert "layer 3: cosine" in bq.quantized_only_failures(res(["layer 3: cosine 0.5000 < 0.99 or non-finite"]))[0]
+    assert "no per-layer check" in bq.quantized_only_failures(res(check=False))[0]
+    assert "OOM" in bq.quantized_only_failures(res(check_error="RuntimeError: OOM"))[0]
+    assert "boom" in bq.quantized_only_failures(res(error="RuntimeError: boom"))[0]
 
 
 def test_a_failed_8_a_call_timing_fails_the_run():

@@ -1,0 +1,108 @@
+"""The kernels against the jnp reference kernels one layer at a time, on the same inputs: a check that holds at depth.
+
+Comparing a deep model's logits fails for reasons that are no fault of a kernel: on random Flash weights the
+router's top-6 of 256 experts has near ties, a last-bit difference upstream flips one, and the flips add up over
+the layers (kernels vs reference, same weights: cosine 0.9996 at 4 layers, 0.989 at 8, 0.972-0.976 at 16;
+docs/benchmarks/scan_in_place/). Here every layer runs as a model of its own (`mesh_steps.stage_config`, the
+layer split's one-layer stages) on the reference path's own input to it, once with the kernels under test and
+once with the reference kernels, from the same pool; each layer's update to the hyper-connection streams (output
+minus input: the streams themselves are mostly the residual) is compared, and the head's logits on the last
+layer's reference output. A kernel's fault shows in its layer, however deep; a flip stays one layer's.
+
+The pools are filled by a prefill through the reference kernels, layer by layer (the same chunks for every
+layer), then one decode step feeds `token` to every row (or the prefill's last chunk is the step checked).
+Programs are shared by layers of one kind (their one-layer configs are equal), so a slice of 28 layers compiles
+about as many as one of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.model import layer_stack
+from ds4jax.runtime import steps
+from ds4jax.runtime.kernels import resolve
+from ds4jax.runtime.mesh_steps import stage_config, stage_spec
+from ds4jax.runtime.pool_spec import PoolSpec
+from ds4jax.runtime.pools import PoolBook, zeros
+from ds4jax.runtime.roles import Role
+
+_STATIC = ("cfg", "spec", "logits", "kernels")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _layer_step(params, pool, batch, x, *, cfg, spec, logits, kernels):
+    """One layer (`cfg` its one-layer view) as `steps.step`; the pool is not donated: both kernel sets read it."""
+    return steps.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET, logits=logits, kernels=kernels)
+
+
+def _layer_params(params: dict, i: int, last: bool) -> dict:
+    top = ("embed",) * (i == 0) + ("hc_head", "norm", "head") * last
+    return {**{k: params[k] for k in top}, "layers": layer_stack.layer_range(params["layers"], i, i + 1)}
+
+
+def _compare(got, ref) -> dict:
+    got, ref = np.asarray(got, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    finite = bool(np.isfinite(got).all() and np.isfinite(ref).all())
+    if not finite:
+        return {"finite": False, "cosine": float("nan"), "rel_err": float("nan")}
+    denom = np.linalg.norm(got) * np.linalg.norm(ref)
+    return {"finite": True, "cosine": float(got @ ref / denom) if denom else float(np.array_equal(got, ref)),
+            "rel_err": float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))}
+
+
+def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int, prompt: np.ndarray,
+                 max_context: int, decode: bool = True, max_slots: int = 8, dtype: str = "bfloat16",
+                 min_cosine: float = 0.99) -> dict:
+    """{"layers": [per layer: {"layer", "kind", "cosine", "rel_err", "finite"}], "logits": {...}, "worst": the
+    lowest cosine, "failures": [...]} for a decode step feeding `token` after a `ctx`-token prefill of `prompt`
+    ([rows, ctx], in chunks of `chunk`), or with `decode` False for the prefill's last chunk."""
+    cfg, params = model.config, model.params
+    kernels, reference = resolve(kernels), resolve("reference")
+    spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=max_slots, max_context=max_context, dtype=dtype)
+    n = cfg.num_layers
+    views = [stage_config(cfg, i, i + 1) for i in range(n)]
+    specs = [stage_spec(spec, v) for v in views]
+    books, pools = [], []
+    for sp in specs:
+        book = PoolBook(sp, cfg.vocab_size)
+        for r in range(rows):
+            book.admit(r)
+            book.reserve(r, ctx + 1)
+        books.append(book)
+        pools.append(book.sync(zeros(sp)))
+    slots = jnp.arange(rows, dtype=jnp.int32)
+
+    def run(i, pool, batch, x, impl, logits):
+        return _layer_step(_layer_params(params, i, i == n - 1), pool, batch, x, cfg=views[i], spec=specs[i],
+                           logits=logits, kernels=impl)
+
+    chunks = [jnp.asarray(prompt[:, s:s + chunk]) for s in range(0, ctx, chunk)]
+    as_batch = lambda ids: steps.StepBatch(slots, ids, jnp.full((rows,), ids.shape[1], jnp.int32))  # noqa: E731
+    for ids in chunks if decode else chunks[:-1]:  # the pools' contents: reference kernels, layer by layer
+        x = None
+        for i in range(n):
+            out, pools[i] = run(i, pools[i], as_batch(ids), x, reference, steps.Logits.NONE)
+            x = out.streams
+            books[i].commit(range(rows), [ids.shape[1]] * rows)
+    batch = as_batch(jnp.full((rows, 1), token, jnp.int32) if decode else chunks[-1])  # the step checked
+    res, x = {"step": "decode" if decode else f"prefill chunk of {chunks[-1].shape[1]}", "layers": []}, None
+    for i in range(n):
+        logits = steps.Logits.LAST if i == n - 1 else steps.Logits.NONE
+        ref, _ = run(i, pools[i], batch, x, reference, logits)
+        got, _ = run(i, pools[i], batch, x, kernels, logits)
+        base = 0.0 if x is None else np.asarray(x, np.float64)
+        row = _compare(np.asarray(got.streams, np.float64) - base, np.asarray(ref.streams, np.float64) - base)
+        res["layers"].append({"layer": i, "kind": f"{cfg.attention_types[i].value}/{cfg.mlp_types[i].value}", **row})
+        if i == n - 1:
+            res["logits"] = _compare(got.logits, ref.logits)
+        x = ref.streams
+    checked = res["layers"] + [dict(res["logits"], layer="logits")]
+    res["worst"] = min(r["cosine"] if r["finite"] else -1.0 for r in checked)
+    res["failures"] = [f"layer {r['layer']}: cosine {r['cosine']:.4f} < {min_cosine} or non-finite"
+                       for r in checked if not r["finite"] or r["cosine"] < min_cosine]
+    return res
