@@ -32,8 +32,8 @@ def model():
 
 
 def _check(model, decode=True):
-    prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32)
-    return layer_check.check_layers(model, "pallas_interpret", rows=2, ctx=24, chunk=16, token=7, prompt=prompt,
+    prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)  # two chunks of 8
+    return layer_check.check_layers(model, "pallas_interpret", rows=2, ctx=16, chunk=8, token=7, prompt=prompt,
                                     max_context=64, max_slots=2, dtype="float32", decode=decode)
 
 
