@@ -70,20 +70,24 @@ def test_scanned_experts_in_place_equal_unrolled(models, weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_expert_kernels_take_the_merged_stacks(models):
-    """The FP4 decode step lowered for an H200: the GEMV's packed weights are the stacks of the scanned layers,
-    REPEATS x experts rows (no per-layer slice feeds a kernel), beside the single layers' own experts."""
+def _lowered_decode_kernels(model):
+    """The Triton kernels of `model`'s decode step (two rows) lowered for an H200 on this host."""
     from ds4jax.rocm_check.extract import triton_kernels
     from ds4jax.rocm_check.lowering import as_if_on
     from ds4jax.rocm_check.targets import SM90
 
-    scanned, _ = models["fp4"]
     spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
     batch = steps.StepBatch(*(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((2,), (2, 1), (2,))))
     with as_if_on(SM90.target):
         lowered = jax.jit(lambda p, pool, b: steps.decode(p, pool, b, cfg=CFG, spec=spec, kernels="pallas")).trace(
-            scanned.params, pools.abstract(spec), batch).lower(lowering_platforms=("cuda",))
-    gemvs = [k for k in triton_kernels(lowered) if k.name == "grouped_gemv_fp4"]
+            model.params, pools.abstract(spec), batch).lower(lowering_platforms=("cuda",))
+    return triton_kernels(lowered)
+
+
+def test_expert_kernels_take_the_merged_stacks(models):
+    """The FP4 decode step lowered for an H200: the GEMV's packed weights are the stacks of the scanned layers,
+    REPEATS x experts rows (no per-layer slice feeds a kernel), beside the single layers' own experts."""
+    gemvs = [k for k in _lowered_decode_kernels(models["fp4"][0]) if k.name == "grouped_gemv_fp4"]
     leading = sorted({int(k.operands[3].split("x")[0]) for k in gemvs})  # operands: group, x even / odd, packed
     assert leading == [CFG.num_routed_experts, REPEATS * CFG.num_routed_experts], leading
 
@@ -91,17 +95,7 @@ def test_expert_kernels_take_the_merged_stacks(models):
 def test_fp8_linears_take_the_stacks(models):
     """The same lowering: every FP8 dense linear of a scanned layer reads its weight in the stack ([REPEATS, in,
     out] values beside the layer index), none a per-layer slice; the single layers' linears take their 2-D weights."""
-    from ds4jax.rocm_check.extract import triton_kernels
-    from ds4jax.rocm_check.lowering import as_if_on
-    from ds4jax.rocm_check.targets import SM90
-
-    scanned, _ = models["fp4"]
-    spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
-    batch = steps.StepBatch(*(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((2,), (2, 1), (2,))))
-    with as_if_on(SM90.target):
-        lowered = jax.jit(lambda p, pool, b: steps.decode(p, pool, b, cfg=CFG, spec=spec, kernels="pallas")).trace(
-            scanned.params, pools.abstract(spec), batch).lower(lowering_platforms=("cuda",))
-    matmuls = [k for k in triton_kernels(lowered) if k.name == "fp8_matmul"]
+    matmuls = [k for k in _lowered_decode_kernels(models["fp4"][0]) if k.name == "fp8_matmul"]
     ranks = sorted({len(k.operands[1].split("x")) - 1 for k in matmuls})  # operands: x, values, scales[, layer]
     assert ranks == [2, 3], [k.operands for k in matmuls]
     stacked = [k for k in matmuls if len(k.operands[1].split("x")) == 4]
