@@ -10,8 +10,8 @@ expert axes merged (a free reshape), with the selected experts' ids offset by ``
 (`runtime/routed_experts.py`); anything else takes `get()` (the slice, as before).
 
 The FP8 dense linears of a scanned layer had the same copy (their matmul kernel took a 2-D weight: ~0.2 GB a Flash
-layer read and written each step; `flash_slice(16)` decoded at 6.3 ms a step at batch 1 on the H200 after the
-experts' fix, where 4x the unrolled 4-layer step is ~5.3). They arrive as `QuantizedLayerOf`: a `QuantizedWeight`
+layer read and written each step; `flash_slice(16)` at batch 1 on an H100: 6.86 ms a step with the experts in
+place, 5.69 ms with these too, docs/benchmarks/scan_in_place/). They arrive as `QuantizedLayerOf`: a `QuantizedWeight`
 to every consumer (its shape, dequantization and indexing are the layer's), whose `values` and `scales` are the
 stacks with the layer beside them; the FP8 matmul kernel reads the layer in place (`runtime/kernels.fp8_linear`),
 and a dequantization slices first, which XLA fuses into the dot's operand as it did before.
@@ -59,7 +59,6 @@ def resolve(tree: Any) -> Any:
     """`tree` with every `LayerOf` replaced by its layer's weight (for code that reads per-layer arrays)."""
     return jax.tree.map(lambda x: x.get() if isinstance(x, LayerOf) else x, tree,
                         is_leaf=lambda x: isinstance(x, LayerOf))
-
 
 
 @dataclasses.dataclass(frozen=True)
