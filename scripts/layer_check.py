@@ -12,7 +12,9 @@ layer's reference output. A kernel's fault shows in its layer, however deep; a f
 The pools are filled by a prefill through the reference kernels, layer by layer (the same chunks for every
 layer), then one decode step feeds `token` to every row (or the prefill's last chunk is the step checked).
 Programs are shared by layers of one kind (their one-layer configs are equal), so a slice of 28 layers compiles
-about as many as one of 4.
+about as many as one of 4. A layer of a scanned segment runs here as its own copy (`layer_range` of one layer), so
+this checks the kernels on every layer's real weights, not the scanned body's in-place reads (`LayerOf`,
+`QuantizedLayerOf`): those are checked against the unrolled layout by tests/test_layer_of.py.
 """
 
 from __future__ import annotations
