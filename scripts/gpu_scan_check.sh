@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
 part device "${1:-120}" python3 -m pytest -q -m device -p no:cacheprovider tests/kernels/test_fp8_matmul.py \
-    tests/kernels/test_large_operands.py tests/kernels/test_grouped_gemv_fp4.py tests/test_layer_of.py
+    tests/kernels/test_large_operands.py tests/kernels/test_grouped_gemv_fp4.py tests/test_layer_of.py tests/test_model_gpu.py
 part layers16 "${2:-240}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 scripts/bench_quantized.py --quantized-only \
     --layers 16 --cases decode_b1_ctx2048,decode_b8_ctx2048 --out "$OUT/layers16"
 part largest "$([ "$BIG_GPU" = 1 ] && echo "${3:-0}" || echo 0)" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
