@@ -192,8 +192,10 @@ def looped_timing(bench: Bench, case, need: float, bw: float) -> dict:
 def main(args) -> int:
     cfg = ds4jax.tiny() if args.smoke else ds4jax.flash_slice(args.layers)
     t = time.perf_counter()
-    # stacked inside the jit (layer_stack): building a Model from per-layer arrays would copy them, doubling memory
-    params = jax.jit(lambda k: layer_stack.stacked_params(cfg, P.init(cfg, k, jnp.bfloat16)))(jax.random.key(common.SEED))
+    # built in the layout the Model keeps (stacked inside the jit, or per layer under DS4JAX_SCAN_LAYERS=0): a Model
+    # built from the other layout would copy every weight, doubling memory
+    layout = layer_stack.stacked_params if layer_stack.scan_by_default() else (lambda cfg, p: p)
+    params = jax.jit(lambda k: layout(cfg, P.init(cfg, k, jnp.bfloat16)))(jax.random.key(common.SEED))
     jax.block_until_ready(params)
     model = Model(cfg, params)
     gpu = jax.default_backend() != "cpu"
