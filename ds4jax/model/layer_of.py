@@ -96,11 +96,19 @@ jax.tree_util.register_dataclass(QuantizedLayerOf, data_fields=["values", "scale
                                  meta_fields=["format", "block"])
 
 
-def read_in_place(w: Any) -> bool:
-    """A stacked leaf a scanned body reads in its stack: an FP8 dense weight (2-D a layer, so [layers, in, out]
-    stacked), whose linears go through `linear._project` (the FP8 matmul kernel, or a dequantization)."""
-    return is_quantized(w) and w.format is Format.FP8 and len(w.values.shape) == 3
+def _under_experts(path) -> bool:
+    return tuple(getattr(k, "key", None) for k in path[:len(STACKED_SUBTREE)]) == STACKED_SUBTREE
 
 
-def layer_of_quantized(w: QuantizedWeight, layer: jax.Array) -> QuantizedLayerOf:
+def reads_in_place(path, w: Any) -> bool:
+    """Whether a scanned body reads the stacked leaf `w` (at `path` in a layer's params) in its stack: the routed
+    experts (under `STACKED_SUBTREE`), and the FP8 dense weights (2-D a layer, so [layers, in, out] stacked), whose
+    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization)."""
+    return _under_experts(path) or (is_quantized(w) and w.format is Format.FP8 and len(w.values.shape) == 3)
+
+
+def in_place(path, w: Any, layer: jax.Array) -> LayerOf | QuantizedLayerOf:
+    """Layer `layer` of the stacked leaf `w` (one `reads_in_place` keeps) as the scanned body gets it."""
+    if _under_experts(path):
+        return LayerOf(w, layer)
     return QuantizedLayerOf(w.values, w.scales, w.format, w.block, layer)

@@ -22,8 +22,9 @@ segments by the same `min_repeats` rule as a one-stage model (a shallow stage st
 The KV pools need no restacking: their arrays are already per layer kind (`pool_layout`), and a scanned body
 finds its rows through `LayerAt.rank`, which is affine in the scan index (stage-local on a stage's pool).
 
-A scanned body gets its routed experts whole, as `LayerOf`s (the stack and its layer index: `layer_of.py`), not as
-slices: a Pallas kernel receives a slice as a copy, which was a layer's whole expert set every step.
+A scanned body gets its routed experts and its FP8 dense weights whole, as `LayerOf`s / `QuantizedLayerOf`s (the
+stack and its layer index: `layer_of.py`), not as slices: a Pallas kernel receives a slice as a copy, which was a
+layer's whole expert set every step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.config import AttentionType, Config, MlpType
-from ds4jax.model.layer_of import STACKED_SUBTREE, LayerOf, layer_of_quantized, read_in_place
+from ds4jax.model.layer_of import in_place, reads_in_place
 from ds4jax.model.quantized import is_quantized
 
 LayerKind = tuple[AttentionType, MlpType]
@@ -324,38 +325,21 @@ class LayerAt:
 Body = Callable[[Any, Any, LayerAt], tuple[Any, Any]]
 
 
-def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
-    """tree[path[0]][path[1]]... (None where absent)."""
-    for key in path:
-        if not hasattr(tree, "get") or tree.get(key) is None:
-            return None
-        tree = tree[key]
-    return tree
-
-
-def _with(tree: Any, path: tuple[str, ...], value: Any) -> Any:
-    """A copy of the dict `tree` with tree[path] set to `value` (the dicts along the path copied, not changed)."""
-    head, *rest = path
-    return {**tree, head: _with(tree[head], tuple(rest), value) if rest else value}
-
-
-def _without(tree: Any, path: tuple[str, ...]) -> Any:
-    return tree if _subtree(tree, path) is None else _with(tree, path, None)
-
-
 def _is_slot(x: Any) -> bool:
     return x is None or is_quantized(x)
 
 
 def _split_in_place(p: Any) -> tuple[Any, Any]:
     """(the member's leaves read in place, None elsewhere; the rest, None where those are): one tree shape."""
-    return (jax.tree.map(lambda w: w if read_in_place(w) else None, p, is_leaf=_is_slot),
-            jax.tree.map(lambda w: None if read_in_place(w) else w, p, is_leaf=_is_slot))
+    kept = lambda path, w: w is not None and reads_in_place(path, w)  # noqa: E731
+    return (jax.tree_util.tree_map_with_path(lambda path, w: w if kept(path, w) else None, p, is_leaf=_is_slot),
+            jax.tree_util.tree_map_with_path(lambda path, w: None if kept(path, w) else w, p, is_leaf=_is_slot))
 
 
 def _join_in_place(sliced: Any, kept: Any, rep: jax.Array) -> Any:
-    """The body's params: the scanned slices, with the kept stacks as layer `rep` of themselves."""
-    return jax.tree.map(lambda s, k: s if k is None else layer_of_quantized(k, rep), sliced, kept, is_leaf=_is_slot)
+    """The body's params: the scanned slices, with the kept stacks as layer `rep` of themselves (`in_place`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, s, k: s if k is None else in_place(path, k, rep), sliced,
+                                            kept, is_leaf=_is_slot)
 
 
 def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) -> tuple[Any, list]:
@@ -386,16 +370,13 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
 
         # the routed experts and the FP8 dense weights stay whole (closed over, not scanned): the body gets
         # `LayerOf`s and `QuantizedLayerOf`s (see layer_of.py)
-        kept = tuple(_subtree(p, STACKED_SUBTREE) for p in group)
-        kept_fp8, sliced = zip(*(_split_in_place(_without(p, STACKED_SUBTREE)) for p in group))
+        kept, sliced = zip(*(_split_in_place(p) for p in group))
 
-        def step(c, xs, seg=seg, kept=kept, kept_fp8=kept_fp8):
+        def step(c, xs, seg=seg, kept=kept):
             rep, members = xs
             ys = []
             for u, p in enumerate(members):
-                p = _join_in_place(p, kept_fp8[u], rep)
-                if kept[u] is not None:
-                    p = _with(p, STACKED_SUBTREE, {k: LayerOf(w, rep) for k, w in kept[u].items()})
+                p = _join_in_place(p, kept[u], rep)
                 at = LayerAt(*seg.unit[u], first=offset + seg.layer(0, u), schedule=schedule, unit=seg.unit, rep=rep)
                 with jax.named_scope(at.name):
                     c, y = body(c, p, at)
