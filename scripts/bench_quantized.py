@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 
 import ds4jax  # noqa: E402
 import e2e_common as common  # noqa: E402
+from e2e_common import compare  # noqa: E402
 import device_trace  # noqa: E402
 import layer_check  # noqa: E402
 from e2e_ds4jax import Bench, copy_bandwidth, looped_timing, matmul_flops  # noqa: E402
@@ -100,20 +101,6 @@ def cases(smoke: bool) -> list[common.Case]:
     return [common.Case("prefill_b1_s2048", "prefill", 1, 2048 // s, 2048 // s),
             common.Case("decode_b1_ctx2048", "decode", 1, 2048 // s, new=32 // (s // 8 or 1)),
             common.Case("decode_b8_ctx2048", "decode", 8, 2048 // s, new=32 // (s // 8 or 1))]
-
-
-def cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def compare(got, ref) -> dict:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    finite = bool(np.isfinite(got).all() and np.isfinite(ref).all())
-    return {"finite": finite, "cosine": cosine(got, ref) if finite else float("nan"),
-            "max_abs_err": float(np.abs(got - ref).max()) if finite else float("nan"),
-            "rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()) if finite else float("nan"),
-            "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
 
 
 def check_logits(bench: Bench, case: common.Case) -> np.ndarray:

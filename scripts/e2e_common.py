@@ -49,6 +49,22 @@ def prompt_ids(rows: int, seq: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(SEED).integers(0, vocab, (rows, seq)).astype(np.int32)
 
 
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def compare(got, ref) -> dict:
+    """Two outputs of one computation (logits, or a layer's update): finite, cosine (NaN when either is all zero),
+    max |got - ref|, that over max |ref|, and whether the argmax over the last axis agrees."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    finite = bool(np.isfinite(got).all() and np.isfinite(ref).all())
+    return {"finite": finite, "cosine": cosine(got, ref) if finite else float("nan"),
+            "max_abs_err": float(np.abs(got - ref).max()) if finite else float("nan"),
+            "rel_err": float(np.abs(got - ref).max() / np.abs(ref).max()) if finite else float("nan"),
+            "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
+
+
 def timed(fn, repeats: int) -> list[float]:
     """Wall seconds of `repeats` calls of fn (whose result is blocked on: jax arrays, or torch after a sync)."""
     out = []

@@ -56,3 +56,12 @@ def test_a_wrong_kernel_fails_in_its_layers(model, monkeypatch):
         jax.clear_caches()
     failed = {f.split(":")[0] for f in res["failures"]}
     assert {f"layer {i}" for i in range(CFG.num_layers)} <= failed, res["failures"]
+
+
+def test_a_cosine_that_is_not_a_number_fails():
+    """An all-zero side (cosine 0/0) or a non-finite one scores -1: below any threshold, never a pass."""
+    zeros, ones = np.zeros((2, 8)), np.ones((2, 8))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        assert layer_check._score(layer_check.compare(zeros, zeros)) == -1.0
+    assert layer_check._score(layer_check.compare(np.full((2, 8), np.nan), ones)) == -1.0
+    assert layer_check._score(layer_check.compare(ones, ones)) == pytest.approx(1.0)
