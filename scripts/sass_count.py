@@ -21,13 +21,12 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
+from ds4jax.rocm_check.compile import compile_module, on_cubin
 from ds4jax.rocm_check.extract import triton_kernels
 from ds4jax.rocm_check.lowering import as_if_on
 from ds4jax.rocm_check.targets import SM90
@@ -53,13 +52,7 @@ def classify(op: str) -> str:
 
 
 def sass(cubin: bytes) -> str:
-    import triton
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    return on_cubin("nvdisasm", ["-c"], cubin)
 
 
 def innermost_loop(text: str) -> list[str]:
@@ -85,19 +78,12 @@ def innermost_loop(text: str) -> list[str]:
 
 
 def count(fn, *args) -> dict:
-    """Lower `fn(*args)` (abstract args) for sm90, compile its one Triton kernel, count its loop."""
-    import triton
-
+    """Lower `fn(*args)` (abstract args) for sm90, compile its Triton kernels, count each one's loop."""
     with as_if_on(SM90.target):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(SM90.lowering,))
     out = {}
     for k in triton_kernels(lowered):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"{k.name}.ttir")
-            with open(path, "w") as f:
-                f.write(k.ttir)
-            compiled = triton.compile(path, target=SM90.triton_target(),
-                                      options=dict(num_warps=k.num_warps, num_stages=k.num_stages))
+        compiled = compile_module(k.name, k.ttir, k.num_warps, k.num_stages, SM90)
         loop = innermost_loop(sass(compiled.asm["cubin"]))
         by_class = collections.Counter(classify(op) for op in loop)
         out[k.name] = {"loop_instructions": len(loop), "by_class": dict(sorted(by_class.items())),

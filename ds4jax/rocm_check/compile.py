@@ -72,15 +72,19 @@ def _amd(num_warps: int, compiled, gpu: GpuTarget) -> Resources:
                      occupancy_limit=limit)
 
 
-def _nvidia(num_warps: int, compiled, gpu: GpuTarget) -> Resources:
+def on_cubin(tool: str, args: list[str], cubin: bytes) -> str:
+    """The text output of one of the pip `triton` wheel's CUDA tools (`cuobjdump`, `nvdisasm`) run on `cubin`."""
     import triton
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True, capture_output=True,
-                               text=True).stdout
+        return subprocess.run([path, *args, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def _nvidia(num_warps: int, compiled, gpu: GpuTarget) -> Resources:
+    usage = on_cubin("cuobjdump", ["--dump-resource-usage"], compiled.asm["cubin"])
     regs, local = _field(usage, r"REG:(\d+)"), _field(usage, r"LOCAL:(\d+)")
     lds = compiled.metadata.shared
     warps = num_warps
@@ -139,8 +143,9 @@ def compile_kernel(kernel: TritonKernel, gpu: GpuTarget, *, fresh: bool = False)
     return res
 
 
-@functools.lru_cache(maxsize=None)
-def _compile(name: str, ttir: str, num_warps: int, num_stages: int, gpu: GpuTarget) -> Resources:
+def compile_module(name: str, ttir: str, num_warps: int, num_stages: int, gpu: GpuTarget):
+    """The pip `triton` wheel's compile of one Triton module (text IR) for `gpu`: its `CompiledKernel` (`.asm`
+    holds the cubin / hsaco, `.metadata` the shared memory)."""
     import triton
 
     backend = "amd" if gpu.backend == "hip" else "nvidia"
@@ -150,9 +155,14 @@ def _compile(name: str, ttir: str, num_warps: int, num_stages: int, gpu: GpuTarg
         path = os.path.join(tmp, f"{name}.ttir")
         with open(path, "w") as f:
             f.write(ttir)
-        compiled = triton.compile(path, target=gpu.triton_target(),
-                                  options=dict(num_warps=num_warps, num_stages=num_stages))
-    return (_amd if backend == "amd" else _nvidia)(num_warps, compiled, gpu)
+        return triton.compile(path, target=gpu.triton_target(), options=dict(num_warps=num_warps,
+                                                                             num_stages=num_stages))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(name: str, ttir: str, num_warps: int, num_stages: int, gpu: GpuTarget) -> Resources:
+    compiled = compile_module(name, ttir, num_warps, num_stages, gpu)
+    return (_amd if gpu.backend == "hip" else _nvidia)(num_warps, compiled, gpu)
 
 
 def violations(kernel: TritonKernel, res: Resources, gpu: GpuTarget) -> list[str]:
