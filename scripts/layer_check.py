@@ -9,8 +9,9 @@ once with the reference kernels, from the same pool; each layer's update to the 
 minus input: the streams themselves are mostly the residual) is compared, and the head's logits on the last
 layer's reference output. A kernel's fault shows in its layer, however deep; a flip stays one layer's.
 
-The pools are filled by a prefill through the reference kernels, layer by layer (the same chunks for every
-layer), then one decode step feeds `token` to every row (or the prefill's last chunk is the step checked).
+Layer by layer, the layer's pool is filled by a prefill through the reference kernels (the same chunks for every
+layer, on the previous layer's reference outputs), then one decode step feeds `token` to every row (or the
+prefill's last chunk is the step checked); one layer's params copy and pool exist at a time.
 Programs are shared by layers of one kind (their one-layer configs are equal), so a slice of 28 layers compiles
 about as many as one of 4. A layer of a scanned segment runs here as its own copy (`layer_range` of one layer), so
 this checks the kernels on every layer's real weights, not the scanned body's in-place reads (`LayerOf`,
@@ -63,36 +64,29 @@ def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int,
     kernels, reference = resolve(kernels), resolve("reference")
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=max_slots, max_context=max_context, dtype=dtype)
     n = cfg.num_layers
-    views = [stage_config(cfg, i, i + 1) for i in range(n)]
-    specs = [stage_spec(spec, v) for v in views]
-    books, pools = [], []
-    for sp in specs:
+    slots = jnp.arange(rows, dtype=jnp.int32)
+    chunks = [jnp.asarray(prompt[:, s:s + chunk]) for s in range(0, ctx, chunk)]
+    as_batch = lambda ids: steps.StepBatch(slots, ids, jnp.full((rows,), ids.shape[1], jnp.int32))  # noqa: E731
+    fill = chunks if decode else chunks[:-1]  # the pools' contents: reference kernels
+    batch = as_batch(jnp.full((rows, 1), token, jnp.int32) if decode else chunks[-1])  # the step checked
+    res = {"step": "decode" if decode else f"prefill chunk of {chunks[-1].shape[1]}", "layers": []}
+    xs, x = [None] * len(fill), None  # each layer's reference input for the fill chunks and for the step checked
+    for i in range(n):  # layer by layer: one copy of a scanned layer's params, one layer's pool at a time
+        view = stage_config(cfg, i, i + 1)
+        sp = stage_spec(spec, view)
         book = PoolBook(sp, cfg.vocab_size)
         for r in range(rows):
             book.admit(r)
             book.reserve(r, ctx + 1)
-        books.append(book)
-        pools.append(book.sync(zeros(sp)))
-    slots = jnp.arange(rows, dtype=jnp.int32)
-
-    def run(i, pool, batch, x, impl, logits):
-        return _layer_step(_layer_params(params, i, i == n - 1), pool, batch, x, cfg=views[i], spec=specs[i],
-                           logits=logits, kernels=impl)
-
-    chunks = [jnp.asarray(prompt[:, s:s + chunk]) for s in range(0, ctx, chunk)]
-    as_batch = lambda ids: steps.StepBatch(slots, ids, jnp.full((rows,), ids.shape[1], jnp.int32))  # noqa: E731
-    for ids in chunks if decode else chunks[:-1]:  # the pools' contents: reference kernels, layer by layer
-        x = None
-        for i in range(n):
-            out, pools[i] = run(i, pools[i], as_batch(ids), x, reference, steps.Logits.NONE)
-            x = out.streams
-            books[i].commit(range(rows), [ids.shape[1]] * rows)
-    batch = as_batch(jnp.full((rows, 1), token, jnp.int32) if decode else chunks[-1])  # the step checked
-    res, x = {"step": "decode" if decode else f"prefill chunk of {chunks[-1].shape[1]}", "layers": []}, None
-    for i in range(n):
+        pool = book.sync(zeros(sp))
+        run = functools.partial(_layer_step, _layer_params(params, i, i == n - 1), cfg=view, spec=sp)
+        for j, ids in enumerate(fill):
+            out, pool = run(pool, as_batch(ids), xs[j], logits=steps.Logits.NONE, kernels=reference)
+            xs[j] = out.streams
+            book.commit(range(rows), [ids.shape[1]] * rows)
         logits = steps.Logits.LAST if i == n - 1 else steps.Logits.NONE
-        ref, _ = run(i, pools[i], batch, x, reference, logits)
-        got, _ = run(i, pools[i], batch, x, kernels, logits)
+        ref, _ = run(pool, batch, x, logits=logits, kernels=reference)
+        got, _ = run(pool, batch, x, logits=logits, kernels=kernels)
         base = 0.0 if x is None else np.asarray(x, np.float64)
         row = compare(np.asarray(got.streams, np.float64) - base, np.asarray(ref.streams, np.float64) - base)
         res["layers"].append({"layer": i, "kind": f"{cfg.attention_types[i].value}/{cfg.mlp_types[i].value}", **row})
