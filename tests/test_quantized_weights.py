@@ -185,6 +185,19 @@ def test_moe_dispatch_reads_fp4_experts(both, impl, strategy, tokens, monkeypatc
     assert len(calls) == (2 if impl is kernels.Impl.PALLAS_INTERPRET else 0)  # gate + up, then down
 
 
+def test_fp4_tiles_in_passes_equal_the_dequantized_experts(both, monkeypatch):
+    """The reference `tiles` strategy in passes of a few tiles (`moe.TILE_PASS_BYTES`, which bounds what a Flash
+    prefill gathers) indexes the FP4 bytes per pass: the dequantized experts' sum."""
+    quantized, plain = both
+    cfg = quantized.config
+    pq, pb = (m.params["layers"][2]["ffn"] for m in (quantized, plain))
+    x = jax.random.normal(jax.random.key(3), (9, cfg.hidden_size), jnp.float32)
+    routing = moe.route(x, jnp.zeros((9,), jnp.int32), pb, cfg, MlpType.TOPK)
+    monkeypatch.setattr(moe, "TILE_PASS_BYTES", 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4)
+    got, want = (np.asarray(moe.routed_experts(x, routing, p["experts"], cfg, "tiles")) for p in (pq, pb))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "fp8"), ("gfx942", "quarter"), (None, "quarter")])
 def test_fp4_gemv_takes_the_architectures_decode(both, arch, decode, monkeypatch):
     """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the FP8-conversion decode on sm89+ and

@@ -77,6 +77,29 @@ def _ffn_rows(xs, w1, w3, w2, limit):
     return dot(h, w2, f"t{rows}f,tfe->t{rows}e")
 
 
+TILE_PASS_BYTES = 1 << 30  # the gathered (dequantized) expert weights one pass of `_tile_passes` may hold
+
+
+def _tile_passes(xs, tile_expert, p, cfg: Config):
+    """`_ffn_rows` over tiles [t, b, e] whose experts are `tile_expert` [t], in passes of at most TILE_PASS_BYTES of
+    gathered weights. Every tile gathers its expert's three matrices, so a prefill over Flash's 256 experts (at least
+    one tile each) gathered ~13 GB at once in bfloat16, beside the model (the out-of-memory of the per-layer check,
+    `scripts/layer_check.py`, at 16 layers on an H100); a small model stays one pass (the same program as before)."""
+    tiles, tile, e = xs.shape
+    f = p["w1"].shape[-1]
+    per_tile = 3 * e * f * jnp.dtype(xs.dtype).itemsize
+    group = max(1, TILE_PASS_BYTES // per_tile)
+    one = lambda x, te: _ffn_rows(x, p["w1"][te], p["w3"][te], p["w2"][te], cfg.swiglu_limit)  # noqa: E731
+    if group >= tiles:
+        return one(xs, tile_expert)
+    passes = -(-tiles // group)
+    pad = passes * group - tiles  # padding tiles compute expert 0 on zero rows; their outputs are cut off
+    xs = jnp.pad(xs, ((0, pad), (0, 0), (0, 0))).reshape(passes, group, tile, e)
+    te = jnp.pad(tile_expert, (0, pad)).reshape(passes, group)
+    y = jax.lax.map(lambda a: one(*a), (xs, te))
+    return y.reshape(passes * group, tile, -1)[:tiles]
+
+
 def _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile: int):
     """Sorted selections padded so every `tile` rows share one expert; [n, e] f32."""
     n_sel, num_e = flat_experts.shape[0], cfg.num_routed_experts
@@ -94,7 +117,7 @@ def _routed_tiles(x, flat_experts, flat_weights, k, p, cfg, tile: int):
     tile_expert = jnp.minimum(tile_expert, num_e - 1)  # tiles past the last group hold only padding
     live = src >= 0
     xs = jnp.where(live[:, None], x[jnp.maximum(src, 0) // k], 0).reshape(tiles, tile, -1)
-    y = _ffn_rows(xs, p["w1"][tile_expert], p["w3"][tile_expert], p["w2"][tile_expert], cfg.swiglu_limit)
+    y = _tile_passes(xs, tile_expert, p, cfg)
     w = jnp.where(live, flat_weights[jnp.maximum(src, 0)], 0.0)
     y = y.reshape(capacity, -1) * w[:, None]
     return jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32).at[jnp.maximum(src, 0) // k].add(y)
