@@ -10,12 +10,14 @@ minus input: the streams themselves are mostly the residual) is compared, and th
 layer's reference output. A kernel's fault shows in its layer, however deep; a flip stays one layer's.
 
 Layer by layer, the layer's pool is filled by a prefill through the reference kernels (the same chunks for every
-layer, on the previous layer's reference outputs), then one decode step feeds `token` to every row (or the
-prefill's last chunk is the step checked); one layer's params copy and pool exist at a time.
-Programs are shared by layers of one kind (their one-layer configs are equal), so a slice of 28 layers compiles
-about as many as one of 4. A layer of a scanned segment runs here as its own copy (`layer_range` of one layer), so
-this checks the kernels on every layer's real weights, not the scanned body's in-place reads (`LayerOf`,
-`QuantizedLayerOf`): those are checked against the unrolled layout by tests/test_layer_of.py.
+layer, on the previous layer's reference outputs), then one decode step feeds `token` to every row (or the prefill's
+last chunk is the step checked); one layer's params copy and pool exist at a time. The embedding and the head run
+outside the layer programs (the head's logits by each kernel set on its own last streams), so every layer's program
+is its kind's (their one-layer configs and params trees are equal): Flash's 4 kinds compile up to 3 programs each (the
+reference fill, the reference step, the kernels' step) at any depth. A layer of a scanned segment runs here as its
+own copy (`layer_range` of one layer), so this checks the kernels on every layer's real weights, not the scanned
+body's in-place reads (`LayerOf`, `QuantizedLayerOf`): those are checked against the unrolled layout by
+tests/test_layer_of.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model import layer_stack
+from ds4jax.model.forward import embed
 from ds4jax.runtime import steps
 from ds4jax.runtime.kernels import resolve
 from ds4jax.runtime.mesh_steps import stage_config, stage_spec
@@ -44,9 +47,14 @@ def _layer_step(params, pool, batch, x, *, cfg, spec, logits, kernels):
     return steps.step(params, pool, batch, x, cfg=cfg, spec=spec, role=Role.TARGET, logits=logits, kernels=kernels)
 
 
-def _layer_params(params: dict, i: int, last: bool) -> dict:
-    top = ("embed",) * (i == 0) + ("hc_head", "norm", "head") * last
-    return {**{k: params[k] for k in top}, "layers": layer_stack.layer_range(params["layers"], i, i + 1)}
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed(params, ids, *, cfg):
+    return embed(params, ids, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _head(params, streams, batch, *, cfg, kernels):
+    return steps.head_logits(params, streams, batch, cfg=cfg, mode=steps.Logits.LAST, kernels=kernels)
 
 
 def _score(c: dict) -> float:
@@ -70,7 +78,9 @@ def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int,
     fill = chunks if decode else chunks[:-1]  # the pools' contents: reference kernels
     batch = as_batch(jnp.full((rows, 1), token, jnp.int32) if decode else chunks[-1])  # the step checked
     res = {"step": "decode" if decode else f"prefill chunk of {chunks[-1].shape[1]}", "layers": []}
-    xs, x = [None] * len(fill), None  # each layer's reference input for the fill chunks and for the step checked
+    # each layer's reference input for the fill chunks and for the step checked (the first layer's: the embedding)
+    xs, x = [_embed(params, ids, cfg=cfg) for ids in fill], _embed(params, batch.token_ids, cfg=cfg)
+    top = {k: params[k] for k in ("hc_head", "norm", "head")}
     for i in range(n):  # layer by layer: one copy of a scanned layer's params, one layer's pool at a time
         view = stage_config(cfg, i, i + 1)
         sp = stage_spec(spec, view)
@@ -79,19 +89,20 @@ def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int,
             book.admit(r)
             book.reserve(r, ctx + 1)
         pool = book.sync(zeros(sp))
-        run = functools.partial(_layer_step, _layer_params(params, i, i == n - 1), cfg=view, spec=sp)
+        run = functools.partial(_layer_step, {"layers": layer_stack.layer_range(params["layers"], i, i + 1)},
+                                cfg=view, spec=sp, logits=steps.Logits.NONE)
         for j, ids in enumerate(fill):
-            out, pool = run(pool, as_batch(ids), xs[j], logits=steps.Logits.NONE, kernels=reference)
+            out, pool = run(pool, as_batch(ids), xs[j], kernels=reference)
             xs[j] = out.streams
             book.commit(range(rows), [ids.shape[1]] * rows)
-        logits = steps.Logits.LAST if i == n - 1 else steps.Logits.NONE
-        ref, _ = run(pool, batch, x, logits=logits, kernels=reference)
-        got, _ = run(pool, batch, x, logits=logits, kernels=kernels)
-        base = 0.0 if x is None else np.asarray(x, np.float64)
+        ref, _ = run(pool, batch, x, kernels=reference)
+        got, _ = run(pool, batch, x, kernels=kernels)
+        base = np.asarray(x, np.float64)
         row = compare(np.asarray(got.streams, np.float64) - base, np.asarray(ref.streams, np.float64) - base)
         res["layers"].append({"layer": i, "kind": f"{cfg.attention_types[i].value}/{cfg.mlp_types[i].value}", **row})
         if i == n - 1:
-            res["logits"] = compare(got.logits, ref.logits)
+            res["logits"] = compare(_head(top, got.streams, batch, cfg=cfg, kernels=kernels),
+                                    _head(top, ref.streams, batch, cfg=cfg, kernels=reference))
         x = ref.streams
     checked = res["layers"] + [dict(res["logits"], layer="logits")]
     res["worst"] = min(_score(r) for r in checked)

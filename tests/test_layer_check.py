@@ -42,6 +42,10 @@ def test_every_layer_agrees(model, decode):
     res = _check(model, decode)
     assert [r["layer"] for r in res["layers"]] == list(range(CFG.num_layers))
     assert res["failures"] == [] and res["worst"] > 0.9999, res
+    # one program per layer kind and step shape and kernel set: the first and last layers share their kind's (the
+    # embedding and the head run outside them); both tests together: 3 kinds x {8, 1} tokens x 2 kernel sets at most
+    kinds = set(zip(CFG.attention_types, CFG.mlp_types))
+    assert layer_check._layer_step._cache_size() <= len(kinds) * 4, layer_check._layer_step._cache_size()
 
 
 def test_a_wrong_kernel_fails_in_its_layers(model, monkeypatch):

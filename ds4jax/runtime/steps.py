@@ -155,6 +155,12 @@ def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mod
     return logits_from_streams(streams, head_params, norm, head, cfg, functools.partial(mhc_head, cfg=cfg, impl=impl))
 
 
+def head_logits(params, streams, batch: StepBatch, *, cfg: Config, mode: Logits, kernels: Impl):
+    """The target's vocabulary projection of a step's final `streams` [B, C, m, e] (what `step` appends unless its
+    `logits` is NONE): the last hyper-connection and norm by `kernels`, then the head."""
+    return _logits(streams, params["hc_head"], params["norm"], params["head"], batch, cfg, mode, kernels)
+
+
 def step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
          logits: Logits, kernels: Impl = Impl.REFERENCE):
     """One traced pooled step (call it inside a jit; the functions below and the engine's fused programs do).
