@@ -8,8 +8,8 @@
 # dense weights (~100 GB: an H200). The largest slice one H200 holds is gpu_h200_check.sh's `largest` part.
 # Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_scan_check.sh [device layers16 bf16scan]
 # (seconds; 0 skips a part). Session 18 on an H100: the device tests need more than 100 s (19 passed, then the
-# limit), and flash_slice(16)'s b=1 timing plus its per-layer check more than 215 s (the model built, the timing, the check's
-# compiles and 16 layers' fills the rest): hence the defaults 200 / 380 and one case (LAYERS16_CASES adds b=8).
+# limit), and flash_slice(16)'s b=1 case more than 215 s (the model built, the timing, then the per-layer check's
+# compiles and 16 layers' fills): hence the defaults 200 / 380 and one case (LAYERS16_CASES adds b=8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
