@@ -291,9 +291,10 @@ def quantized_only_failures(res: dict) -> list[str]:
     return out
 
 
-def layer_checks(model: Model, kernels: str, smoke: bool, only: tuple[str, ...] | None) -> dict:
+def layer_checks(model: Model, kernels: str, smoke: bool, only: tuple[str, ...] | None, save=None) -> dict:
     """Per case: `layer_check.check_layers` of its step (the decode step after its prompt, or its prefill's last
-    chunk), the kernels against the reference kernels one layer at a time."""
+    chunk), the kernels against the reference kernels one layer at a time. Each layer is printed as it is done, and
+    `save(checks)` is called after each case (a run cut short keeps the checks it finished)."""
     out = {}
     for case in cases(smoke):
         if only is not None and case.name not in only:
@@ -303,12 +304,16 @@ def layer_checks(model: Model, kernels: str, smoke: bool, only: tuple[str, ...] 
             c = layer_check.check_layers(
                 model, kernels, rows=case.rows, ctx=case.size, chunk=min(case.size, case.chunk), token=CHECK_TOKEN,
                 prompt=common.prompt_ids(case.rows, case.size, model.config.vocab_size), max_context=2048 + 512,
-                decode=case.kind == "decode", min_cosine=MIN_COSINE)
+                decode=case.kind == "decode", min_cosine=MIN_COSINE,
+                on_layer=lambda r, name=case.name: print(f"{name} layer {r['layer']} ({r['kind']}): cosine "
+                                                         f"{r['cosine']:.5f}, {r['seconds']:.1f} s", flush=True))
         except Exception as e:  # recorded: the run fails
             c = {"error": f"{type(e).__name__}: {e}"[:1500], "trace": traceback.format_exc()[-2500:]}
         out[case.name] = {LAYER_CHECK: dict(c, seconds=time.perf_counter() - t)}
         print(case.name, "per-layer check", json.dumps({k: c.get(k) for k in ("worst", "failures", "error")}),
               flush=True)
+        if save is not None:
+            save(out)
         gc.collect()
     return out
 
@@ -359,7 +364,8 @@ def quantized_only(args, res: dict, cfg, kernels: str, bw: float, peak: float) -
     res["modes"]["fp8_fp4"], _ = run_mode(model, kernels, args.smoke, bw, peak, only=only, profile=args.profile,
                                           with_logits=False)
     common.write_json(json_path, res)
-    res["checks"] = layer_checks(model, kernels, args.smoke, only)
+    res["checks"] = layer_checks(model, kernels, args.smoke, only, save=lambda checks: common.write_json(
+        json_path, dict(res, checks=checks)))
     full = cfg if args.smoke else ds4jax.flash_slice(ds4jax.flash().num_layers)  # the smoke projects itself
     res["projection"] = projection(res["modes"]["fp8_fp4"], full, full_model_bytes(full))
     return finish(res, t0, json_path, quantized_only_failures, write_quantized_only_markdown)

@@ -23,6 +23,7 @@ tests/test_layer_of.py.
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +65,11 @@ def _score(c: dict) -> float:
 
 def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int, prompt: np.ndarray,
                  max_context: int, decode: bool = True, max_slots: int = 8, dtype: str = "bfloat16",
-                 min_cosine: float = 0.99) -> dict:
+                 min_cosine: float = 0.99, on_layer=None) -> dict:
     """{"layers": [per layer: {"layer", "kind", "cosine", "rel_err", "finite"}], "logits": {...}, "worst": the
     lowest cosine, "failures": [...]} for a decode step feeding `token` after a `ctx`-token prefill of `prompt`
-    ([rows, ctx], in chunks of `chunk`), or with `decode` False for the prefill's last chunk."""
+    ([rows, ctx], in chunks of `chunk`), or with `decode` False for the prefill's last chunk. `on_layer(row)` is
+    called as each layer's comparison is done (with its seconds): a long check shows its progress."""
     cfg, params = model.config, model.params
     kernels, reference = resolve(kernels), resolve("reference")
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=max_slots, max_context=max_context, dtype=dtype)
@@ -82,6 +84,7 @@ def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int,
     xs, x = [_embed(params, ids, cfg=cfg) for ids in fill], _embed(params, batch.token_ids, cfg=cfg)
     top = {k: params[k] for k in ("hc_head", "norm", "head")}
     for i in range(n):  # layer by layer: one copy of a scanned layer's params, one layer's pool at a time
+        t = time.perf_counter()
         view = stage_config(cfg, i, i + 1)
         sp = stage_spec(spec, view)
         book = PoolBook(sp, cfg.vocab_size)
@@ -99,7 +102,10 @@ def check_layers(model, kernels, *, rows: int, ctx: int, chunk: int, token: int,
         got, _ = run(pool, batch, x, kernels=kernels)
         base = np.asarray(x, np.float64)
         row = compare(np.asarray(got.streams, np.float64) - base, np.asarray(ref.streams, np.float64) - base)
-        res["layers"].append({"layer": i, "kind": f"{cfg.attention_types[i].value}/{cfg.mlp_types[i].value}", **row})
+        row = {"layer": i, "kind": f"{cfg.attention_types[i].value}/{cfg.mlp_types[i].value}", **row}
+        res["layers"].append(row)
+        if on_layer is not None:
+            on_layer(dict(row, seconds=time.perf_counter() - t))
         if i == n - 1:
             res["logits"] = compare(_head(top, got.streams, batch, cfg=cfg, kernels=kernels),
                                     _head(top, ref.streams, batch, cfg=cfg, kernels=reference))
