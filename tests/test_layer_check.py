@@ -31,16 +31,18 @@ def model():
     return m
 
 
-def _check(model, decode=True):
+def _check(model, decode=True, on_layer=None):
     prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)  # two chunks of 8
     return layer_check.check_layers(model, "pallas_interpret", rows=2, ctx=16, chunk=8, token=7, prompt=prompt,
-                                    max_context=64, max_slots=2, dtype="float32", decode=decode)
+                                    max_context=64, max_slots=2, dtype="float32", decode=decode, on_layer=on_layer)
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_every_layer_agrees(model, decode):
-    res = _check(model, decode)
+    seen = []
+    res = _check(model, decode, on_layer=seen.append)
     assert [r["layer"] for r in res["layers"]] == list(range(CFG.num_layers))
+    assert [r["layer"] for r in seen] == list(range(CFG.num_layers)) and all(r["seconds"] > 0 for r in seen)
     assert res["failures"] == [] and res["worst"] > 0.9999, res
     # one program per layer kind and step shape and kernel set: the first and last layers share their kind's (the
     # embedding and the head run outside them); both tests together: 3 kinds x {8, 1} tokens x 2 kernel sets at most
