@@ -40,27 +40,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: train_default beside this file
+import train_default  # noqa: E402
 from ds4jax.model.forward import forward_full, mtp_forward_full  # noqa: E402
 
 CHAIN_WEIGHT = 0.5  # draft steps 2..k: reached only when step 1 was accepted, so weighted below it
 BIAS_RATE = 1e-3  # as scripts/train_default.py
 
 
-@dataclasses.dataclass(frozen=True)
-class Hyper:
-    batch: int = 64
-    seq_len: int = 512
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.01
-
-
-SMOKE = Hyper(batch=4, seq_len=32, lr=3e-3, warmup=1)
+# the training script's step-size rule, optimizer and data windows; a fine-tune's own sizes and rates
+HYPER = dataclasses.replace(train_default.Hyper(), batch=64, lr=1e-3, weight_decay=0.01)
+SMOKE = train_default.SMOKE
 
 
 # ---- objective --------------------------------------------------------------------------------------------------
@@ -92,29 +85,16 @@ def objective(cfg, mtp, frozen, tokens, t_logp, streams):
                                       "load": load}
 
 
-def optimizer(hp: Hyper) -> optax.GradientTransformation:
-    decay_mask = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.95),
-                       optax.add_decayed_weights(hp.weight_decay, mask=decay_mask))
-
-
-def lr_at(step, total, hp: Hyper):
-    step = jnp.asarray(step, jnp.float32)
-    warm = jnp.minimum(1.0, (step + 1) / max(hp.warmup, 1))
-    frac = jnp.clip((step - hp.warmup) / jnp.maximum(total - hp.warmup, 1), 0.0, 1.0)
-    return hp.lr * warm * (hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
-
-
 @functools.lru_cache(maxsize=4)
-def make_step(cfg, hp: Hyper):
-    tx = optimizer(hp)
+def make_step(cfg, hp: train_default.Hyper):
+    tx = train_default.optimizer(hp)
 
     def step_fn(mtp, opt_state, frozen, tokens, step, total):
         t_logp, streams = teacher(cfg, dict(frozen, mtp=mtp), tokens)
         grad_fn = jax.value_and_grad(objective, argnums=1, has_aux=True)
         (loss, m), grads = grad_fn(cfg, mtp, frozen, tokens, t_logp, streams)
         updates, opt_state = tx.update(grads, opt_state, mtp)
-        mtp = jax.tree.map(lambda p, u: p - lr_at(step, total, hp) * u, mtp, updates)
+        mtp = jax.tree.map(lambda p, u: p - train_default.lr_at(step, total, hp) * u, mtp, updates)
         load = m["load"].astype(jnp.float32)  # aux-loss-free balancing of the MTP router (train_default's rule)
         ffn = mtp["block"]["ffn"]
         ffn = dict(ffn, bias=ffn["bias"] + BIAS_RATE * jnp.sign(jnp.mean(load) - load))
@@ -215,7 +195,6 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
 
     import ds4jax
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from train_default import load_corpus, sample_batch, smoke_corpus, windows
 
     if args.smoke:
@@ -224,7 +203,7 @@ def main(argv=None) -> dict:
     else:
         if not args.data:
             ap.error("--data is required unless --smoke")
-        corpus, hp = load_corpus(args.data), Hyper()
+        corpus, hp = load_corpus(args.data), HYPER
     model = ds4jax.load(args.checkpoint, dtype=jnp.float32)
     cfg = model.config
     if not model.has_mtp:
@@ -238,7 +217,7 @@ def main(argv=None) -> dict:
     frozen = {k: v for k, v in model.params.items() if k != "mtp"}
     start = jax.device_get(model.params["mtp"])  # host copy: the steps donate their MTP params
     mtp = jax.device_put(start)
-    tx = optimizer(hp)
+    tx = train_default.optimizer(hp)
     opt_state = tx.init(mtp)
     step_fn = make_step(cfg, hp)
     total = args.steps
