@@ -42,13 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: train_default beside this file
 import train_default  # noqa: E402
 from ds4jax.model.forward import forward_full, mtp_forward_full  # noqa: E402
 
 CHAIN_WEIGHT = 0.5  # draft steps 2..k: reached only when step 1 was accepted, so weighted below it
-BIAS_RATE = 1e-3  # as scripts/train_default.py
 
 
 # the training script's step-size rule, optimizer and data windows; a fine-tune's own sizes and rates
@@ -97,7 +95,7 @@ def make_step(cfg, hp: train_default.Hyper):
         mtp = jax.tree.map(lambda p, u: p - train_default.lr_at(step, total, hp) * u, mtp, updates)
         load = m["load"].astype(jnp.float32)  # aux-loss-free balancing of the MTP router (train_default's rule)
         ffn = mtp["block"]["ffn"]
-        ffn = dict(ffn, bias=ffn["bias"] + BIAS_RATE * jnp.sign(jnp.mean(load) - load))
+        ffn = dict(ffn, bias=ffn["bias"] + train_default.BIAS_RATE * jnp.sign(jnp.mean(load) - load))
         mtp = dict(mtp, block=dict(mtp["block"], ffn=ffn))
         return mtp, opt_state, {"loss": loss, "kl": m["kl"], "chain_kl": m["chain_kl"],
                                 "agree": jnp.mean(m["agree"]), "chain_agree": jnp.mean(m["chain_agree"])}
@@ -195,7 +193,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
 
     import ds4jax
-    from train_default import load_corpus, sample_batch, smoke_corpus, windows
+    from train_default import load_corpus, sample_batch, smoke_corpus, windows  # noqa: I001
 
     if args.smoke:
         corpus, hp = smoke_corpus(), SMOKE
