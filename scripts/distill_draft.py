@@ -193,21 +193,20 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
 
     import ds4jax
-    from train_default import load_corpus, sample_batch, smoke_corpus, windows  # noqa: I001
 
     if args.smoke:
-        corpus, hp = smoke_corpus(), SMOKE
+        corpus, hp = train_default.smoke_corpus(), SMOKE
         args.checkpoint = smoke_checkpoint(args.out + ".source", corpus.vocab_size)
     else:
         if not args.data:
             ap.error("--data is required unless --smoke")
-        corpus, hp = load_corpus(args.data), HYPER
+        corpus, hp = train_default.load_corpus(args.data), HYPER
     model = ds4jax.load(args.checkpoint, dtype=jnp.float32)
     cfg = model.config
     if not model.has_mtp:
         ap.error(f"{args.checkpoint} has no MTP block to distil")
     window = hp.seq_len + 2
-    held = windows(corpus.heldout, window, args.eval_windows)
+    held = train_default.windows(corpus.heldout, window, args.eval_windows)
     before = evaluate(cfg, model.params, held, hp.batch)
     print(f"before: agreement {before['agree']:.4f} / chain {before['chain_agree']:.4f}, KL {before['kl']:.4f}",
           file=sys.stderr, flush=True)
@@ -225,7 +224,7 @@ def main(argv=None) -> dict:
             if i == 5:
                 jax.block_until_ready(probe)
                 t0 = time.perf_counter()
-            batch = jnp.asarray(sample_batch(corpus.train, i, args.seed, hp.batch, window))
+            batch = jnp.asarray(train_default.sample_batch(corpus.train, i, args.seed, hp.batch, window))
             probe, probe_state, _ = step_fn(probe, probe_state, frozen, batch, i, 10**6)
         jax.block_until_ready(probe)
         per_step = (time.perf_counter() - t0) / 20
@@ -235,7 +234,7 @@ def main(argv=None) -> dict:
     history, step, stopped_early = [], 0, False
     t_loop = time.perf_counter()
     while step < total:
-        batch = jnp.asarray(sample_batch(corpus.train, step, args.seed, hp.batch, window))
+        batch = jnp.asarray(train_default.sample_batch(corpus.train, step, args.seed, hp.batch, window))
         mtp, opt_state, scalars = step_fn(mtp, opt_state, frozen, batch, step, total)
         step += 1
         if step % 100 == 0 or step == total or step == 1:
