@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: trai
 import train_default  # noqa: E402
 from ds4jax.model.forward import forward_full, mtp_forward_full  # noqa: E402
 
+MIN_STEPS = 20  # a planned run's least, however little of --budget-s the set-up left
 CHAIN_WEIGHT = 0.5  # draft steps 2..k: reached only when step 1 was accepted, so weighted below it
 
 
@@ -92,7 +93,8 @@ def make_step(cfg, hp: train_default.Hyper):
         grad_fn = jax.value_and_grad(objective, argnums=1, has_aux=True)
         (loss, m), grads = grad_fn(cfg, mtp, frozen, tokens, t_logp, streams)
         updates, opt_state = tx.update(grads, opt_state, mtp)
-        mtp = jax.tree.map(lambda p, u: p - train_default.lr_at(step, total, hp) * u, mtp, updates)
+        lr = train_default.lr_at(step, total, hp)
+        mtp = jax.tree.map(lambda p, u: p - lr * u, mtp, updates)
         load = m["load"].astype(jnp.float32)  # aux-loss-free balancing of the MTP router (train_default's rule)
         ffn = mtp["block"]["ffn"]
         ffn = dict(ffn, bias=ffn["bias"] + train_default.BIAS_RATE * jnp.sign(jnp.mean(load) - load))
@@ -217,6 +219,11 @@ def main(argv=None) -> dict:
     tx = train_default.optimizer(hp)
     opt_state = tx.init(mtp)
     step_fn = make_step(cfg, hp)
+
+    def run_step(mtp, opt_state, i: int, total: int):
+        batch = jnp.asarray(train_default.sample_batch(corpus.train, i, args.seed, hp.batch, window))
+        return step_fn(mtp, opt_state, frozen, batch, i, total)
+
     total = args.steps
     if total is None:  # plan the schedule: compile, warm up, time 20 steps on a throwaway copy, fill the budget
         probe, probe_state = jax.device_put(start), tx.init(jax.device_put(start))
@@ -224,25 +231,24 @@ def main(argv=None) -> dict:
             if i == 5:
                 jax.block_until_ready(probe)
                 t0 = time.perf_counter()
-            batch = jnp.asarray(train_default.sample_batch(corpus.train, i, args.seed, hp.batch, window))
-            probe, probe_state, _ = step_fn(probe, probe_state, frozen, batch, i, 10**6)
+            probe, probe_state, _ = run_step(probe, probe_state, i, 10**6)
         jax.block_until_ready(probe)
         per_step = (time.perf_counter() - t0) / 20
-        total = int(max(20, (args.budget_s - (time.perf_counter() - t_start)) / (per_step * 1.05)))
+        total = int(max(MIN_STEPS, (args.budget_s - (time.perf_counter() - t_start)) / (per_step * 1.05)))
         print(f"planned {total} steps ({per_step * 1e3:.1f} ms/step)", file=sys.stderr, flush=True)
         del probe, probe_state
     history, step, stopped_early = [], 0, False
     t_loop = time.perf_counter()
     while step < total:
-        batch = jnp.asarray(train_default.sample_batch(corpus.train, step, args.seed, hp.batch, window))
-        mtp, opt_state, scalars = step_fn(mtp, opt_state, frozen, batch, step, total)
+        mtp, opt_state, scalars = run_step(mtp, opt_state, step, total)
         step += 1
         if step % 100 == 0 or step == total or step == 1:
             h = {"step": step, **{k: float(v) for k, v in jax.device_get(scalars).items()}}
             history.append(h)
             print(f"step {step}/{total}: KL {h['kl']:.4f} chain {h['chain_kl']:.4f}, agreement {h['agree']:.4f} "
                   f"chain {h['chain_agree']:.4f}", file=sys.stderr, flush=True)
-            if args.steps is None and time.perf_counter() - t_start > args.budget_s * 1.15 and step < total:
+            if (args.steps is None and time.perf_counter() - t_start > args.budget_s * 1.15
+                    and MIN_STEPS <= step < total):
                 stopped_early = True  # the plan was off: keep what is trained (the report says so)
                 break
     jax.block_until_ready(mtp)
