@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ds4jax.generation import snapshots
 from ds4jax.generation.compiles import compile_count
 from ds4jax.runtime import executable_cache, precompile
 from ds4jax.runtime.executable_cache import cached_jit
@@ -116,6 +117,7 @@ def test_the_engine_warm_up_compiles_the_weights_digest_on_the_pool(monkeypatch)
 
     monkeypatch.setattr(programs_module.precompile, "compile_all", recording)
     monkeypatch.setattr(programs_module.EngineWarmup, "_warm_small_programs", small_recording)
+    monkeypatch.setattr(snapshots, "_HOST_DIGEST_BYTES", 0)  # the digest program (small weights: on the host)
     engine = Engine(one_layer_model(seed=5), max_slots=2, max_context=MAX_CONTEXT, prefill_chunk=8,
                     row_buckets=(2,), steps_per_call=2, snapshot_bytes=1 << 20)
     report = engine.warmup()

@@ -207,29 +207,78 @@ def entries_per_page(cfg, spec) -> tuple[tuple[str, int], ...]:
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
-def _leaf_digest(x) -> jax.Array:
-    """[2] uint32: two wrapping sums of every element's bits times an odd weight of its position. Changing any one
-    element changes both (an odd weight is invertible mod 2**32), so weights that differ anywhere differ here.
-    No reshape: a leaf sharded over a mesh keeps its sharding (partial sums, then one all-reduce of 8 bytes)."""
+def _rows_digest(x) -> jax.Array:
+    """[n, 2] uint32 for x [n, ...]: for each x[i], two wrapping sums of every element's bits times an odd weight
+    of its position in x[i]. Changing any one element changes both (an odd weight is invertible mod 2**32), so
+    weights that differ anywhere differ here. No reshape: a leaf sharded over a mesh keeps its sharding (partial
+    sums, then one all-reduce of 8 bytes a row)."""
     if x.dtype == jnp.bool_:
         bits = x.astype(jnp.uint32)
     else:  # an 8-byte element becomes two uint32 words on a trailing axis
         bits = jax.lax.bitcast_convert_type(x, _UINT[jnp.dtype(x.dtype).itemsize]).astype(jnp.uint32)
-    # the row-major position of each element from per-axis iotas (wrapping past 2**32: the weights stay odd)
+    # each element's row-major position within its row, from per-axis iotas (wrapping past 2**32: the weights
+    # stay odd)
     pos, stride = jnp.zeros(bits.shape, jnp.uint32), 1
-    for axis in reversed(range(bits.ndim)):
+    for axis in reversed(range(1, bits.ndim)):
         pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
         stride *= bits.shape[axis]
     odd = (pos << 1) | jnp.uint32(1)
     mixed = (pos * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
-    return jnp.stack([jnp.sum(bits * odd, dtype=jnp.uint32), jnp.sum((bits ^ pos) * mixed, dtype=jnp.uint32)])
+    within = tuple(range(1, bits.ndim))
+    return jnp.stack([jnp.sum(bits * odd, axis=within, dtype=jnp.uint32),
+                      jnp.sum((bits ^ pos) * mixed, axis=within, dtype=jnp.uint32)], axis=-1)
+
+
+def _leaf_digest(x) -> jax.Array:
+    """[2] uint32: `_rows_digest` of one array."""
+    return _rows_digest(x[None])[0]
+
+
+def _host_rows_digest(x: np.ndarray) -> np.ndarray:
+    """`_rows_digest` in numpy, the same numbers (wrapping uint32 arithmetic, exact in any order): no program to
+    compile, for weights small enough to read back (`_HOST_DIGEST_BYTES`)."""
+    bits = x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"uint{8 * x.dtype.itemsize}").astype(np.uint32)
+    flat = bits.reshape(bits.shape[0], -1)
+    pos = np.arange(flat.shape[1], dtype=np.uint32)
+    odd = (pos << np.uint32(1)) | np.uint32(1)
+    mixed = (pos * np.uint32(0x9E3779B1)) | np.uint32(1)
+    return np.stack([(flat * odd).sum(axis=1, dtype=np.uint32),
+                     ((flat ^ pos) * mixed).sum(axis=1, dtype=np.uint32)], axis=-1)
+
+
+# Weights up to this size are digested on the host: the digest program of the default model's 220 leaves compiled
+# 9.4 s of XLA on an H100 inside the Engine's cold warm-up (docs/benchmarks/startup_h100_b5fb11b.json) and ~1.5 s
+# on the 2-core CPU, where reading its 28 MB back and summing them in numpy takes milliseconds.
+_HOST_DIGEST_BYTES = 256 << 20
 
 
 @cached_jit  # a cached warm-up loads it like the engine's programs: no tracing of a few hundred leaf digests
-@functools.partial(jax.jit, static_argnames="rows")
-def _digests(leaves, *, rows):
-    """Digest of each leaf, or of row `rows[i]` of a stacked leaf (a layer of a `LayerStack`; None: whole leaves)."""
-    return jnp.stack([_leaf_digest(leaf if r is None else leaf[r]) for leaf, r in zip(leaves, rows)])
+@functools.partial(jax.jit, static_argnames="stacked")
+def _digests(leaves, *, stacked):
+    """[rows, 2]: the digest of each leaf (`stacked[i]` False) or of each row of a stacked leaf (its layers, when
+    True: one reduction over the stack, not one a layer), leaf after leaf; each row equals `_leaf_digest` of that
+    array alone."""
+    return jnp.concatenate([_rows_digest(leaf if s else leaf[None]) for leaf, s in zip(leaves, stacked)])
+
+
+def _digest_arrays(arrays: list, stacked: list[bool]) -> list[np.ndarray]:
+    """Each array's row digests ([rows, 2]; one row unless stacked): on the host when the weights are small, else
+    one program per device set (a layer split's stages hold disjoint devices)."""
+    total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays)
+    if total <= _HOST_DIGEST_BYTES and all(jnp.dtype(x.dtype).itemsize <= 4 for x in arrays):
+        host = jax.device_get(arrays)
+        return [_host_rows_digest(x if s else x[None]) for x, s in zip(host, stacked)]
+    groups = collections.defaultdict(list)
+    for i, x in enumerate(arrays):
+        groups[tuple(sorted(d.id for d in x.devices())) if isinstance(x, jax.Array) else ()].append(i)
+    out = [None] * len(arrays)
+    for idx in groups.values():
+        got = np.asarray(jax.device_get(_digests([arrays[i] for i in idx], stacked=tuple(stacked[i] for i in idx))))
+        start = 0
+        for i in idx:
+            n = arrays[i].shape[0] if stacked[i] else 1
+            out[i], start = got[start:start + n], start + n
+    return out
 
 
 class _Row:
@@ -252,21 +301,21 @@ def _per_layer(params) -> tuple[list, list, Any]:
 
 
 def fingerprint(model, tspec, dspec) -> dict[str, str]:
-    """What must match for a snapshot to be valid: model weights (every element of every tensor, one pass over
-    them in one program), config, dtype, pool specs."""
+    """What must match for a snapshot to be valid: model weights (every element of every tensor: one pass over
+    them, in one program a device set, or on the host for small weights), config, dtype, pool specs."""
     h = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
     leaves, at_row, treedef = _per_layer(model.params)
     shapes = [(x.shape if r is None else x.shape[1:], str(x.dtype)) for x, r in zip(leaves, at_row)]
     digest = hashlib.sha256(repr((treedef, shapes)).encode())
-    # one program per device set (a layer split's stages hold disjoint devices), rows back in leaf order
-    groups = collections.defaultdict(list)
-    for i, x in enumerate(leaves):
-        groups[tuple(sorted(d.id for d in x.devices())) if isinstance(x, jax.Array) else ()].append(i)
-    rows = [None] * len(leaves)
-    for idx in groups.values():
-        got = _digests([leaves[i] for i in idx], rows=tuple(at_row[i] for i in idx))
-        for i, row in zip(idx, np.asarray(jax.device_get(got))):
-            rows[i] = row
+    # each array once (a stacked leaf stands for every row of it), then the rows back in the per-layer order
+    arrays, stacked, seen = [], [], set()
+    for x, r in zip(leaves, at_row):
+        if id(x) not in seen:
+            seen.add(id(x))
+            arrays.append(x)
+            stacked.append(r is not None)
+    by_array = {id(x): got for x, got in zip(arrays, _digest_arrays(arrays, stacked))}
+    rows = [by_array[id(x)][0 if r is None else r] for x, r in zip(leaves, at_row)]
     digest.update(np.stack(rows).tobytes())
     return {"model": digest.hexdigest()[:16], "config": h(repr(model.config)),
             "dtype": str(jnp.dtype(model.params["embed"].dtype)), "pool": h(repr((tspec, dspec)))}
