@@ -262,10 +262,12 @@ def _digests(leaves, *, stacked):
 
 
 def _digest_arrays(arrays: list, stacked: list[bool]) -> list[np.ndarray]:
-    """Each array's row digests ([rows, 2]; one row unless stacked): on the host when the weights are small, else
-    one program per device set (a layer split's stages hold disjoint devices)."""
+    """Each array's row digests ([rows, 2]; one row unless stacked): on the host when the weights are small and
+    this process holds all of them, else one program per device set (a layer split's stages hold disjoint
+    devices; weights spread over several processes are digested where they are, every process getting the rows)."""
     total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays)
-    if total <= _HOST_DIGEST_BYTES and all(jnp.dtype(x.dtype).itemsize <= 4 for x in arrays):
+    readable = all(getattr(x, "is_fully_addressable", True) for x in arrays)
+    if readable and total <= _HOST_DIGEST_BYTES and all(jnp.dtype(x.dtype).itemsize <= 4 for x in arrays):
         host = jax.device_get(arrays)
         return [_host_rows_digest(x if s else x[None]) for x, s in zip(host, stacked)]
     groups = collections.defaultdict(list)
