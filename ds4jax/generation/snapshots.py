@@ -229,11 +229,6 @@ def _rows_digest(x) -> jax.Array:
                       jnp.sum((bits ^ pos) * mixed, axis=within, dtype=jnp.uint32)], axis=-1)
 
 
-def _leaf_digest(x) -> jax.Array:
-    """[2] uint32: `_rows_digest` of one array."""
-    return _rows_digest(x[None])[0]
-
-
 def _host_rows_digest(x: np.ndarray) -> np.ndarray:
     """`_rows_digest` in numpy, the same numbers (wrapping uint32 arithmetic, exact in any order): no program to
     compile, for weights small enough to read back (`_HOST_DIGEST_BYTES`)."""
@@ -256,8 +251,8 @@ _HOST_DIGEST_BYTES = 256 << 20
 @functools.partial(jax.jit, static_argnames="stacked")
 def _digests(leaves, *, stacked):
     """[rows, 2]: the digest of each leaf (`stacked[i]` False) or of each row of a stacked leaf (its layers, when
-    True: one reduction over the stack, not one a layer), leaf after leaf; each row equals `_leaf_digest` of that
-    array alone."""
+    True: one reduction over the stack, not one a layer), leaf after leaf; each row is the digest of that array
+    alone (`_rows_digest` of it with a leading axis of one)."""
     return jnp.concatenate([_rows_digest(leaf if s else leaf[None]) for leaf, s in zip(leaves, stacked)])
 
 
