@@ -168,3 +168,25 @@ def test_a_failed_pipelined_job_is_raised_by_compile_all():
         precompile.run_captured(lambda: precompile.capture(precompile.Job("bad", boom)))
     with pytest.raises(RuntimeError, match="compile failed here"):
         precompile.compile_all(jobs)
+
+
+def test_a_call_that_compiles_nothing_reports_the_time_it_ran_in_the_capture_pass(monkeypatch):
+    """Small weights' fingerprint runs on the host: it runs to its end in the warm-up's capture pass, and its row
+    reports that time (it read 0.00 s when only the second, memoised call was timed)."""
+    import time
+
+    from ds4jax import Engine
+    from ds4jax.generation import slot_snapshots
+    from small_engine import MAX_CONTEXT, one_layer_model
+
+    real = snapshots.fingerprint
+
+    def slow(*args):
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(slot_snapshots.snapshots, "fingerprint", slow)
+    engine = Engine(one_layer_model(seed=6), max_slots=2, max_context=MAX_CONTEXT, prefill_chunk=8,
+                    row_buckets=(2,), steps_per_call=2, snapshot_bytes=1 << 20)
+    [row] = [p for p in engine.warmup().programs if p.kind == "fingerprint"]
+    assert row.compiles == 0 and row.seconds >= 0.2, row

@@ -101,16 +101,17 @@ class Recorder:
         self.compile_threads = 1
 
     @contextlib.contextmanager
-    def program(self, kind: str, rows: int = 0, width: int = 0, precompiled=None, last: bool = False
-                ) -> Iterator[None]:
+    def program(self, kind: str, rows: int = 0, width: int = 0, precompiled=None, last: bool = False,
+                earlier: float = 0.0) -> Iterator[None]:
         """`precompiled`: the program's compile on precompile's pool (a `precompile.Compiled`), counted here. The
         calling thread's compiles only: the warm-up runs its small programs while the pool compiles the others.
         `last`: listed after the records without it (the report keeps the order a reader expects: the big programs,
-        then the small ones that ran meanwhile)."""
+        then the small ones that ran meanwhile). `earlier`: seconds the call already ran in the capture pass (one
+        that compiles nothing runs to its end there, e.g. small weights' fingerprint on the host)."""
         before, start = compiles.thread_totals(), time.perf_counter()
         yield
         self._wait()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start + earlier
         spent = compiles.thread_totals() - before
         if precompiled is not None:
             spent = compiles.CompileTotals(spent.compiles + precompiled.totals.compiles,
@@ -250,11 +251,17 @@ class EngineWarmup:
             calls.append(("restore", rows, 0, lambda rows=rows: self._restore_call(
                 pad(rows), np.zeros(rows, bool), np.zeros(rows, np.int32))))
         compiled = [None] * len(calls)
+        ran_here = {}  # seconds of the calls that ran to their end in the capture pass (nothing to compile)
         if self.programs.precompiles:  # lowered here, compiled side by side (each from its capture on), then run
             threads = precompile.threads(len(calls))
             order = _capture_order(calls)
             with precompile.capturing(threads=threads) as jobs:
-                captured = {i: precompile.run_captured(calls[i][-1]) for i in order}
+                captured = {}
+                for i in order:
+                    start = time.perf_counter()
+                    captured[i] = precompile.run_captured(calls[i][-1])
+                    if not captured[i]:
+                        ran_here[i] = time.perf_counter() - start
             # the small programs compile and run here while the pool compiles the big ones (after the pool they
             # stood alone on the critical path: 0.65 s of an H200 host's 24.5 s cold warm-up,
             # docs/benchmarks/startup_timeline_h200/); the padding-row runs below write nothing, so slot 0 stays reset
@@ -263,8 +270,9 @@ class EngineWarmup:
             for i in order:
                 compiled[i] = next(done) if captured[i] else None
             rec.compile_threads = min(threads, max(1, sum(c is not None for c in compiled)))
-        for (kind, rows, width, run), pre in zip(calls, compiled):  # the fingerprint before the restore
-            with rec.program(kind, rows, width, precompiled=pre):
+        # in the warm-up's order (the fingerprint before the restore)
+        for i, ((kind, rows, width, run), pre) in enumerate(zip(calls, compiled)):
+            with rec.program(kind, rows, width, precompiled=pre, earlier=ran_here.get(i, 0.0)):
                 run()
         if not self.programs.precompiles:
             self._warm_small_programs(rec, snapshots_on)
