@@ -176,7 +176,6 @@ def test_a_call_that_compiles_nothing_reports_the_time_it_ran_in_the_capture_pas
     import time
 
     from ds4jax import Engine
-    from ds4jax.generation import slot_snapshots
     from small_engine import MAX_CONTEXT, one_layer_model
 
     real = snapshots.fingerprint
@@ -185,7 +184,7 @@ def test_a_call_that_compiles_nothing_reports_the_time_it_ran_in_the_capture_pas
         time.sleep(0.2)
         return real(*args)
 
-    monkeypatch.setattr(slot_snapshots.snapshots, "fingerprint", slow)
+    monkeypatch.setattr(snapshots, "fingerprint", slow)  # the module the engine's snapshots call it through
     engine = Engine(one_layer_model(seed=6), max_slots=2, max_context=MAX_CONTEXT, prefill_chunk=8,
                     row_buckets=(2,), steps_per_call=2, snapshot_bytes=1 << 20)
     [row] = [p for p in engine.warmup().programs if p.kind == "fingerprint"]
