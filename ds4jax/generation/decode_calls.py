@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ds4jax.generation import logprob_rows, run_ahead
+from ds4jax.generation import logprob_rows, lookup as lookup_mod, run_ahead
 from ds4jax.generation.delivery import Live
 from ds4jax.generation.requests import TokenEvent
 from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
@@ -39,6 +39,8 @@ class EngineDecode:
             self._ahead, rows, out, start = None, ahead.rows, ahead.out.result(), max(ahead.dispatched, self._read_at)
         else:
             rows = self._padding_rows(plan, [min(lv.k, k) for lv in plan if lv is not None])
+            if k and self.lookup:
+                rows = rows._replace(history=lookup_history(plan))
             start = time.perf_counter()
             if k:
                 slots = np.array([lv.slot for lv in part], np.int32)
@@ -83,14 +85,18 @@ class EngineDecode:
         row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
         slots = np.array([lv.slot for lv in part], np.int32)
         after = out.lengths if getattr(out, "lengths", None) is not None else self.programs.lengths(self.tpool)
-        tokens, ran, bad, lengths, accepted, lp = fetch(
+        looked = (out.looked, out.skipped) if k and out.looked is not None else None
+        tokens, ran, bad, lengths, accepted, lp, looked = fetch(
             (out.tokens, out.rounds if k else out.steps, out.bad, after, out.accepted if k else None,
-             logprob_rows.wanted(out.logprobs, part)))
+             logprob_rows.wanted(out.logprobs, part), looked))
         self._read_at = time.perf_counter()
         ran = int(ran)
         if k:
             self.stats.spec_calls += 1
             self.stats.spec_rounds += ran
+            if looked is not None:
+                self.stats.lookup_drafts += int(np.sum(looked[0][[row_of[lv.slot] for lv in part]]))
+                self.stats.lookup_skips += int(looked[1])
         else:
             self.stats.decode_calls += 1
             self.stats.decode_steps += ran
@@ -107,3 +113,11 @@ class EngineDecode:
         self._out.deliver_call(part, row_of, tokens, bad, lp, events, self.check_finite)
         for lv in part if k else ():  # after delivery, which tells the requests that ended in this call
             self.policy.observe_rounds(lv, rounds[lv.slot], min(lv.k, k), finished=lv.done)
+
+
+def lookup_history(plan: list[Live | None]) -> np.ndarray:
+    """The rows' token histories for lookup drafting: each request's prompt then its tokens so far, the pending
+    token last (None: a padding row)."""
+    w = lookup_mod.WINDOW
+    return lookup_mod.host_history([None if lv is None else lv.ids[-w:] + lv.result.tokens[-w:] for lv in plan])
+

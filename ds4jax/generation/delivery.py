@@ -25,6 +25,8 @@ class EngineStats:
     decode_steps: int = 0  # decode steps inside them
     spec_calls: int = 0  # multi-round speculative calls
     spec_rounds: int = 0
+    lookup_drafts: int = 0  # row-rounds whose drafts came from the row's own history (`lookup`)
+    lookup_skips: int = 0  # speculative rounds that ran no MTP draft step (every running row looked its drafts up)
     tokens: int = 0  # tokens delivered
     prompt_tokens: int = 0  # prompt tokens prefilled
     completed: int = 0

@@ -39,7 +39,7 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
-from ds4jax.generation import draft_policy, engine_pools, logprob_rows, row_plan, run_ahead
+from ds4jax.generation import draft_policy, engine_pools, logprob_rows, lookup as lookup_mod, row_plan, run_ahead
 from ds4jax.generation.admission import EngineAdmission
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
@@ -86,7 +86,10 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
     logprobs: N > 0 makes every program also return each token's log-probability and its N most likely
     alternatives (requests ask with `Request.logprobs` <= N); 0 (the default) compiles the programs without them.
     kv_dtype: "auto" (the KV pools in the model's dtype) or "fp8" (E4M3 with a float32 scale per row, the device's
-    variant: `ds4jax.runtime.kv_quant`); with a memory budget, fp8 fits about twice the tokens."""
+    variant: `ds4jax.runtime.kv_quant`); with a memory budget, fp8 fits about twice the tokens.
+    lookup (with speculative=k): n > 0 lets a greedy row draft the k tokens that followed the latest earlier
+    occurrence of its last >= n tokens (prompt lookup, `ds4jax.generation.lookup`); a round whose running rows all
+    found one runs no MTP draft step. 0 (the default): the MTP block drafts every round."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
@@ -95,7 +98,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
                  check_finite: bool = True, adaptive: bool | Adaptive = False, logprobs: int = 0,
-                 kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None):
+                 kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None, lookup: int = 0):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -103,6 +106,12 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
             raise PoolError(f"speculative must be >= 0, got {speculative}")
         if k and not model.has_mtp:
             raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
+        try:
+            self.lookup = lookup_mod.check_min_n(lookup)
+        except ValueError as exc:
+            raise PoolError(str(exc)) from None
+        if self.lookup and not k:
+            raise PoolError(f"lookup={lookup} drafts inside speculative rounds: give speculative=k > 0 too")
         self.layout = model.layout  # a `MeshLayout` when the params are placed on a mesh
         self.data = 1 if self.layout is None else self.layout.axis_sizes["data"]
         # a shallow copy: park/unpark swap the engine's entries, never the caller's dict
@@ -113,6 +122,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         if not 0 <= self.logprobs <= cfg.vocab_size:
             raise PoolError(f"logprobs must be in [0, {cfg.vocab_size}] (the vocabulary), got {logprobs}")
         self.programs: Programs = programs_for(self.layout, cfg, self.model.params, self.logprobs)
+        if self.lookup and not self.programs.supports_lookup:
+            raise PoolError("lookup drafting does not run on a layer split (pass lookup=0)")
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in
@@ -391,9 +402,11 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         """Speculative rounds with the fewest drafts that serve every row's cap (`Rows.k_cap`)."""
         cap = int(np.max(rows.k_cap))
         k = next((k for k in self.policy.ks if k >= cap), self.policy.ks[-1])
+        if self.lookup and rows.history is None:  # the warm-up's padding rows: nothing to look up
+            rows = rows._replace(history=lookup_mod.host_history([None] * len(rows.slots)))
         out, self.tpool, self.dpool, self.slot_state = self.programs.speculate(
             self.model.params, self.tpool, self.dpool, self.slot_state, rows, spec=self.tspec, dspec=self.dspec,
-            k=k, kernels=self.kernels, max_rounds=self.steps_per_call)
+            k=k, kernels=self.kernels, max_rounds=self.steps_per_call, lookup=self.lookup)
         return out
 
     def _restore_call(self, rows: Rows, sampled, next_ids):

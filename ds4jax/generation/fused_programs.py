@@ -47,6 +47,7 @@ class FusedPrograms:
     """What `Engine` runs when a step fits one program: one device, or a mesh of one stage (`layout`)."""
 
     precompiles = True  # warm-up lowers these programs first and compiles them side by side
+    supports_lookup = True
 
     @property
     def runs_ahead(self) -> bool:
@@ -151,12 +152,13 @@ class FusedPrograms:
                                      kernels=kernels, max_steps=max_steps, logprobs=self.logprobs)
 
     def speculate(self, params, tpool, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
-                  dspec: PoolSpec, k: int, kernels, max_rounds: int):
-        """Up to `max_rounds` speculative rounds of k drafts. Returns (SpecOut, tpool, dpool, slot_state)."""
+                  dspec: PoolSpec, k: int, kernels, max_rounds: int, lookup: int = 0):
+        """Up to `max_rounds` speculative rounds of k drafts (`lookup` > 0: drafts from each row's history where
+        it repeats, `rows.history`). Returns (SpecOut, tpool, dpool, slot_state)."""
         with self.active():  # rows committed as in `decode`: a call run ahead takes the last one's outputs
             return spec_rounds.speculative_loop(params, tpool, dpool, slot_state, self.committed(rows), cfg=self.cfg,
                                                 tspec=spec, dspec=dspec, k=k, kernels=kernels, max_rounds=max_rounds,
-                                                logprobs=self.logprobs)
+                                                logprobs=self.logprobs, lookup=lookup)
 
     def restore(self, params, dpool, slot_state: SlotState, rows: Rows, sampled, next_ids, *, dspec, kernels):
         """First tokens from the saved logits and the draft's pending row. Returns (first, dpool, slot_state, their

@@ -58,6 +58,9 @@ class Rows(NamedTuple):
     # a waiting request. False: a finished row just stops taking steps and the others go on to the call's end
     # (with nothing waiting, returning early only adds calls: each row finishing would end one)
     wake: jax.Array
+    # [B, lookup.WINDOW] int32 each row's last tokens, the pending one last (-1 before the first): speculative calls
+    # with lookup drafting only (`ds4jax.generation.lookup`); None everywhere else
+    history: jax.Array | None = None
 
 
 class SlotState(NamedTuple):

@@ -48,8 +48,11 @@ class Ahead:
 
 
 def next_rows(rows: Rows, out: DecodeOut | SpecOut) -> Rows:
-    """The inputs of the call after `out`'s, from its outputs on the device: rows that finished are off."""
-    return rows._replace(cur=out.cur, n_out=out.n_out, active=out.live)
+    """The inputs of the call after `out`'s, from its outputs on the device: rows that finished are off (and, with
+    lookup drafting, each row's history is the one the call ended with)."""
+    history = getattr(out, "history", None)
+    return rows._replace(cur=out.cur, n_out=out.n_out, active=out.live,
+                         history=rows.history if history is None else history)
 
 
 def may_run_ahead(plan: list[Live | None]) -> bool:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ds4jax.generation import lookup as lookup_mod
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
 from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, cheaper_when, filter_logits, none_sample,
@@ -45,6 +46,11 @@ class SpecOut(NamedTuple):
     cur: jax.Array | None = None  # [B] each row's last token
     live: jax.Array | None = None  # [B] ~done: the rows the next call continues
     lengths: jax.Array | None = None  # [S] the target pool's lengths after the call
+    # with lookup drafting (`lookup`): each row's token history after the call (the next call's `Rows.history`),
+    # the rounds each row drafted by lookup, and the rounds that skipped the MTP chain's steps
+    history: jax.Array | None = None  # [B, WINDOW]
+    looked: jax.Array | None = None  # [B]
+    skipped: jax.Array | None = None  # []
 
 
 class RoundCarry(NamedTuple):
@@ -65,6 +71,9 @@ class RoundCarry(NamedTuple):
     fp: jax.Array  # [B] forced tokens consumed
     bad: jax.Array  # [B] see SpecOut.bad
     lp: TokenLogprobs | None = None  # see SpecOut.logprobs (None: logprobs off)
+    hist: jax.Array | None = None  # [B, WINDOW] token history, the pending token last (None: lookup off)
+    looked: jax.Array | None = None  # see SpecOut.looked
+    skipped: jax.Array | None = None  # see SpecOut.skipped
 
 
 def _rows(streams: jax.Array, index: jax.Array) -> jax.Array:
@@ -80,6 +89,8 @@ class Chain(NamedTuple):
     n_force: jax.Array  # [B] forced tokens in this round's drafts
     greedy_only: jax.Array  # [] no running row samples: drafts and acceptance skip the sampling machinery
     chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws); placeholders when greedy_only
+    looked: jax.Array | None = None  # [B] rows whose drafts came from their history (lookup on)
+    skipped: jax.Array | None = None  # [] whether the MTP chain's draft steps were skipped (lookup on)
 
     def verify_batch(self, c: RoundCarry, rows: Rows) -> steps.StepBatch:
         """The target step that verifies the chain: [cur, d1..dk] at positions P..P+k of the active rows."""
@@ -103,9 +114,12 @@ def round_keys(rows: Rows, n_out, k: int, greedy_only: jax.Array) -> jax.Array:
     return cheaper_when(greedy_only, unused, derived)
 
 
-def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) -> tuple[Chain, object]:
+def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels, lookup: int = 0) -> tuple[Chain, object]:
     """k proposals from the draft (d1 from the slot's saved draft logits, d2..dk from k-1 draft decode steps on
-    the draft's own streams), then the draft pool rolled back. Returns (Chain, draft pool)."""
+    the draft's own streams), then the draft pool rolled back. With `lookup` (the shortest suffix that may match,
+    0 = off) a greedy row whose history repeats its last tokens takes the tokens that followed instead
+    (`ds4jax.generation.lookup`), and when every running row did, the draft steps do not run. Returns (Chain,
+    draft pool)."""
     slots = rows.slots
     one = (~c.done).astype(jnp.int32)
     greedy = rows.temperature <= 0
@@ -128,19 +142,34 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels) ->
         tok, logp = cheaper_when(greedy_only, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), drawn)
         return jnp.where(j < pending, _forced_at(rows, c.fp, j), tok), logp
 
+    def mtp_chain(dpool, stream):
+        d, logq = propose(c.draft_logits, 0)
+        drafts, draft_logps = [d], [logq]
+        for j in range(1, k):
+            out, dpool = steps.step(params, dpool, steps.StepBatch(slots, d[:, None], one), stream[:, None],
+                                     cfg=cfg, spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
+            stream = out.streams[:, 0]
+            d, logq = propose(out.logits, j)
+            drafts.append(d)
+            draft_logps.append(logq)
+        return jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), dpool
+
     draft_len = c.dpool.lengths
-    d, logq = propose(c.draft_logits, 0)
-    drafts, draft_logps = [d], [logq]
-    dpool, stream = c.dpool, c.draft_stream
-    for j in range(1, k):
-        out, dpool = steps.step(params, dpool, steps.StepBatch(slots, d[:, None], one), stream[:, None], cfg=cfg,
-                                 spec=dspec, role=Role.DRAFT, logits=steps.Logits.LAST, kernels=kernels)
-        stream = out.streams[:, 0]
-        d, logq = propose(out.logits, j)
-        drafts.append(d)
-        draft_logps.append(logq)
-    chain = Chain(jnp.stack(drafts, axis=1), jnp.stack(draft_logps, axis=1), pending,
-                  jnp.minimum(pending, k), greedy_only, chain_keys)
+    looked = skipped = None
+    if lookup:
+        found_drafts, found = lookup_mod.propose(c.hist, k, lookup)
+        # greedy rows only (acceptance by exact match: any draft is exact), and not while forced tokens are due
+        looked = found & greedy & (pending == 0) & ~c.done
+        skipped = jnp.all(looked | c.done)
+
+        def without_chain(dpool, stream):
+            return found_drafts, jnp.zeros(c.draft_logits.shape[:1] + (k,) + c.draft_logits.shape[1:]), dpool
+
+        drafts, draft_logps, dpool = jax.lax.cond(skipped, without_chain, mtp_chain, c.dpool, c.draft_stream)
+        drafts = jnp.where(looked[:, None], found_drafts, drafts)
+    else:
+        drafts, draft_logps, dpool = mtp_chain(c.dpool, c.draft_stream)
+    chain = Chain(drafts, draft_logps, pending, jnp.minimum(pending, k), greedy_only, chain_keys, looked, skipped)
     return chain, dpool.replace(lengths=draft_len)
 
 
@@ -212,16 +241,21 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     draft_logits = jnp.where(active[:, None], ext.logits, c.draft_logits)
     draft_stream = jnp.where(active[:, None, None], _rows(ext.streams, jnp.maximum(a, 0)).astype(c.draft_stream.dtype),
                              c.draft_stream)
+    lookup_state = {}
+    if c.hist is not None:  # the history ends with the new pending token again
+        lookup_state = dict(hist=lookup_mod.append(c.hist, emitted, count),
+                            looked=c.looked + chain.looked.astype(jnp.int32),
+                            skipped=c.skipped + chain.skipped.astype(jnp.int32))
     nxt_carry = RoundCarry(c.tpool, dpool, jnp.where(active, nxt, c.cur), draft_logits, draft_stream, n_out,
-                       c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1,
-                       jnp.any((finished & rows.wake) | paused),
-                       c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad, lp)
+                           c.done | now_done, buf, c.n_buf + count, accepted, c.r + 1,
+                           jnp.any((finished & rows.wake) | paused),
+                           c.fp + jnp.where(active, jnp.minimum(pending, a + 1), 0), bad, lp, **lookup_state)
     return nxt_carry, lengths
 
 
-def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels) -> RoundCarry:
+def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels, lookup: int = 0) -> RoundCarry:
     """One round on one program: draft chain -> verify k+1 positions -> settle."""
-    chain, dpool = draft_chain(params, c, rows, cfg=cfg, dspec=dspec, k=k, kernels=kernels)
+    chain, dpool = draft_chain(params, c, rows, cfg=cfg, dspec=dspec, k=k, kernels=kernels, lookup=lookup)
     c = c._replace(dpool=dpool)
     target_len = c.tpool.lengths
     verify, tpool = steps.step(params, c.tpool, chain.verify_batch(c, rows), None, cfg=cfg, spec=tspec,
@@ -231,7 +265,7 @@ def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels) 
 
 
 def initial_carry(tpool, dpool, slot_state: SlotState, rows: Rows, *, k: int, max_rounds: int,
-                  logprobs: int = 0) -> RoundCarry:
+                  logprobs: int = 0, lookup: int = 0) -> RoundCarry:
     """The state before a call's first round (rows done from the start never run)."""
     b = rows.slots.shape[0]
     done0 = ~rows.active | (rows.n_out >= rows.max_new) | (rows.limit <= 0)
@@ -239,7 +273,8 @@ def initial_carry(tpool, dpool, slot_state: SlotState, rows: Rows, *, k: int, ma
                   rows.n_out, done0, jnp.full((b, max_rounds * (k + 1)), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
                   jnp.full((b, max_rounds), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), bool),
                   jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32),
-                  logprob_buffers((b, max_rounds * (k + 1)), logprobs))
+                  logprob_buffers((b, max_rounds * (k + 1)), logprobs),
+                  *((rows.history, jnp.zeros((b,), jnp.int32), jnp.zeros((), jnp.int32)) if lookup else ()))
 
 
 def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
@@ -248,23 +283,30 @@ def finish(c: RoundCarry, slot_state: SlotState, rows: Rows):
         draft_logits=set_rows(slot_state.draft_logits, rows.slots, rows.active, c.draft_logits),
         draft_stream=set_rows(slot_state.draft_stream, rows.slots, rows.active, c.draft_stream))
     ahead = () if c.tpool is None else (c.cur, ~c.done, c.tpool.lengths)  # a layer split keeps its pools apart
-    return SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad, c.lp, *ahead), rows_over_data(slot_state)
+    out = SpecOut(c.buf, c.n_out, c.done, c.accepted, c.r, c.bad, c.lp, *ahead)
+    return out._replace(history=c.hist, looked=c.looked, skipped=c.skipped), rows_over_data(slot_state)
 
 
 @cached_jit
-@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "tspec", "dspec", "k", "kernels", "max_rounds", "logprobs",
+                                             "lookup"),
                    donate_argnames=("tpool", "dpool", "slot_state"))
 def speculative_loop(params, tpool, dpool, slot_state: SlotState, rows: Rows, *, cfg, tspec, dspec, k, kernels,
-                     max_rounds: int, logprobs: int = 0):
-    """Up to `max_rounds` rounds; returns after the round in which any row finishes.
+                     max_rounds: int, logprobs: int = 0, lookup: int = 0):
+    """Up to `max_rounds` rounds; returns after the round in which any row finishes. `lookup` > 0: drafts from
+    each row's history where it repeats itself (`rows.history` [B, lookup.WINDOW]; `ds4jax.generation.lookup`).
 
     Returns (SpecOut, tpool, dpool, slot_state)."""
-    init = initial_carry(tpool, dpool, slot_state, rows, k=k, max_rounds=max_rounds, logprobs=logprobs)
+    if lookup and rows.history is None:
+        raise ValueError("lookup drafting needs each row's token history (Rows.history)")
+    init = initial_carry(tpool, dpool, slot_state, rows, k=k, max_rounds=max_rounds, logprobs=logprobs,
+                         lookup=lookup)
 
     def cond(c):
         return (c.r < max_rounds) & ~c.finished & jnp.any(~c.done)
 
-    body = functools.partial(_round, params, rows=rows, cfg=cfg, tspec=tspec, dspec=dspec, k=k, kernels=kernels)
+    body = functools.partial(_round, params, rows=rows, cfg=cfg, tspec=tspec, dspec=dspec, k=k, kernels=kernels,
+                             lookup=lookup)
     c = jax.lax.while_loop(cond, body, init)
     out, slot_state = finish(c, slot_state, rows)
     return out, c.tpool, c.dpool, slot_state

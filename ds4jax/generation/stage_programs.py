@@ -166,6 +166,7 @@ class StagePrograms:
 
     precompiles = False  # each stage's programs compile on their first warm-up call
     runs_ahead = False  # a decode call is a host loop over stages and steps (`run_ahead`)
+    supports_lookup = False  # its rounds are host loops of stage programs without the history (the engine refuses)
 
     def __init__(self, layout, cfg):
         self.layout, self.cfg = layout, cfg
@@ -363,11 +364,13 @@ class StagePrograms:
         return DecodeOut(carry.buf, carry.n_out, carry.done, np.int32(ran), carry.bad), pools
 
     def speculate(self, params, pools: StagePools, dpool, slot_state: SlotState, rows: Rows, *, spec: PoolSpec,
-                  dspec: PoolSpec, k: int, kernels, max_rounds: int):
+                  dspec: PoolSpec, k: int, kernels, max_rounds: int, lookup: int = 0):
         """Up to `max_rounds` speculative rounds, one host round trip each (`spec_rounds.speculative_loop`'s
         contract: it returns after the round in which a row finishes). The first round always runs (on rows
         that are all done it writes nothing), so warmup compiles every program.
-        Returns (SpecOut, pools, dpool, slot_state)."""
+        Returns (SpecOut, pools, dpool, slot_state). No lookup drafting (`supports_lookup`)."""
+        if lookup:
+            raise pools_lib.PoolError("lookup drafting does not run on a layer split (its rounds carry no history)")
         self._check(rows, spec)
         rows_last = self.put(rows, self.last)
         dparams = self.draft_params(params)
