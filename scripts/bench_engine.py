@@ -7,6 +7,10 @@ draft, acceptance ~0, so the adaptive policy must fall back to plain). Every (ba
 (the adaptive policy learns its costs and acceptance there, as it would while serving), then --repeats timed
 runs; the best is reported. Greedy throughout.
 
+With --lookup N every speculative mode also runs with lookup drafting (`Engine(lookup=N)`, mode "<k>+lookup" /
+"adaptive+lookup"): a greedy row whose history repeats drafts the tokens that followed, and a round whose rows all
+did runs no MTP draft step (rows drafted that way and rounds without draft steps are counted per run).
+
 Per run: output tokens/s; decode calls (plain and speculative); per call the device time (each program call is
 timed to `block_until_ready`, so it is the device's busy time plus one dispatch) and the host time (the run's
 wall time minus every program call's time, per decode call); "fused loop" tok/s = generated tokens / (time in
@@ -17,6 +21,7 @@ measurement (JSON + markdown), so a run cut short keeps what it finished.
 
     python scripts/bench_engine.py --out docs/benchmarks                  # both models
     python scripts/bench_engine.py --out /tmp/x --smoke                    # a tiny CPU check of the script
+    python scripts/bench_engine.py --models default --batches 1,8 --ks 3 --b1-prompts 8 --lookup 3 --out /tmp/x
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
     """One (batch, mode): an untimed run, then the best of `repeats`. `one_at_a_time`: the prompts are requests
     generated one after another, each alone (batch 1 over several prompts); a run's time is their sum."""
     k_max = engine.k
+    looking = mode.endswith("+lookup")
+    mode = mode.removesuffix("+lookup")
+    engine.lookup = engine.lookup_n if looking else 0  # a static argument of the speculative programs
     if mode == "plain":
         cap = 0
     elif mode == "adaptive":
@@ -105,6 +113,7 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
                "errors": [r.message for r in results if r.error is not None][:3],
                "decode_calls": d["decode_calls"], "spec_calls": d["spec_calls"], "decode_steps": d["decode_steps"],
                "spec_rounds": d["spec_rounds"], "mean_accepted": float(np.mean(acc)) if acc else None,
+               "lookup_drafts": d["lookup_drafts"], "lookup_skips": d["lookup_skips"],
                "compiles": compile_count() - c0}
         if i and (best is None or row["wall_s"] < best["wall_s"]):
             best = row
@@ -115,6 +124,7 @@ def measure(engine: Engine, timer: Timer, prompts, new: int, mode, repeats: int,
         best["choices"] = {str(k): v for k, v in sorted(engine.policy.choices.items())}
         best["trace"] = [list(t) for t in engine.policy.trace]  # the last choices and the speeds behind them
     engine.policy = engine.adaptive_policy
+    engine.lookup = engine.lookup_n
     return best, [r.tokens for r in results]
 
 
@@ -157,8 +167,9 @@ def bench_model(name: str, args, res: dict, save) -> bool:
     engine = Engine(model, max_slots=max(batches), max_context=args.prompt_len + new + k + 2, speculative=k,
                     adaptive=draft_policy.Adaptive(ks=tuple(ks)), prefill_chunk=args.prompt_len,
                     prefill_tokens=args.prompt_len * max(batches), row_buckets=tuple(batches),
-                    prefill_row_buckets=tuple(sorted({1, max(batches)})), steps_per_call=args.steps_per_call, snapshot_bytes=0)
-    engine.adaptive_policy = engine.policy
+                    prefill_row_buckets=tuple(sorted({1, max(batches)})), steps_per_call=args.steps_per_call,
+                    snapshot_bytes=0, lookup=args.lookup)
+    engine.adaptive_policy, engine.lookup_n = engine.policy, args.lookup
     t = time.perf_counter()
     warm = engine.warmup()
     out.update(kernels=engine.kernels.value, warmup_s=time.perf_counter() - t, warmup_compiles=warm.compiles,
@@ -168,7 +179,8 @@ def bench_model(name: str, args, res: dict, save) -> bool:
     timer, ok = Timer(engine), True
     for b in batches:
         plain = None
-        for mode in ["plain"] + [str(x) for x in ks] + ["adaptive"]:
+        spec_modes = [str(x) for x in ks] + ["adaptive"]
+        for mode in ["plain"] + spec_modes + ([f"{m}+lookup" for m in spec_modes] if args.lookup else []):
             if time.perf_counter() - res["started"] > args.deadline_s:
                 print(f"deadline: skipping {name} b={b} {mode}", flush=True)
                 res.setdefault("skipped", []).append(f"{name} b={b} {mode}")
@@ -220,8 +232,10 @@ def write_md(res: dict, path: str) -> None:
             acc = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "-"
             fused = r["fused_loop_tokens_per_s"] or 0
             ratio = r["tokens_per_s"] / fused if fused else 0
-            mode = r["mode"] if r["mode"] in ("plain", "adaptive") else f"k={r['mode']}"
-            if r["mode"] == "adaptive":
+            mode = r["mode"] if r["mode"].startswith(("plain", "adaptive")) else f"k={r['mode']}"
+            if r.get("lookup_drafts"):
+                mode += f" [lookup: {r['lookup_drafts']} row-rounds, {r['lookup_skips']} without draft steps]"
+            if r["mode"].startswith("adaptive"):
                 mode += " (" + ", ".join(f"k{k}: {n}" for k, n in r.get("choices", {}).items()) + ")"
             lines.append(f"| {r['batch']} | {mode} | {r['tokens_per_s']:,.1f} | {r['vs_plain']:.2f}x | {fused:,.1f} | "
                          f"{ratio:.2f} | {r['host_ms_per_decode_call']:.2f} | {r['device_ms_per_decode_call']:.2f} | "
@@ -248,6 +262,8 @@ def main(argv=None) -> int:
                     help="batch 1: this many prompts, generated one after another (tok/s over all of them)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the remaining runs after this")
     ap.add_argument("--smoke", action="store_true", help="the tiny random model, short runs (CPU check)")
+    ap.add_argument("--lookup", type=int, default=0,
+                    help="also run every speculative mode with lookup drafting of suffixes >= this (0: not)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.models, args.new, args.prompt_len = "default", min(args.new, 8), min(args.prompt_len, 8)

@@ -17,6 +17,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="MTP drafts per round (0 = off)")
     p.add_argument("--adaptive", action="store_true",
                    help="with --speculative K: each call picks 0..K drafts from the batch and the acceptance so far")
+    add_lookup_option(p)
     p.add_argument("--max-slots", type=positive_int, default=8, metavar="B", help="requests decoded together")
     p.add_argument("--max-context", type=positive_int, default=4096, metavar="T",
                    help="prompt + new tokens per request")
@@ -30,6 +31,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_mesh_option(p)
     add_kv_dtype_option(p)
     add_numerics_option(p)
+
+
+def add_lookup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
+                   help="with --speculative K: a greedy request whose last >= N tokens occurred earlier in its prompt "
+                        "or output drafts the K tokens that followed (no draft-model step when every row found one; "
+                        "0 = off; 3 is a good start)")
 
 
 def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
@@ -86,10 +94,10 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
                         prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
                         steps_per_call=args.steps_per_call, tokenizer=tokenizer,
                         adaptive=getattr(args, "adaptive", False), logprobs=getattr(args, "max_logprobs", 0),
-                        kv_dtype=getattr(args, "kv_dtype", "auto"))
+                        kv_dtype=getattr(args, "kv_dtype", "auto"), lookup=getattr(args, "lookup", 0))
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
-        flags = {"max_slots": "--max-slots", "max_context": "--max-context", "prefill_chunk": "--prefill-chunk",
-                 "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",
+        flags = {"lookup": "--lookup", "max_slots": "--max-slots", "max_context": "--max-context",
+                 "prefill_chunk": "--prefill-chunk", "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",
                  "speculative": "--speculative", "adaptive": "--adaptive"}
         attr = next((a for a in flags if a in str(e)), None)
         where = {} if attr is None else dict(name=flags[attr], value=getattr(args, attr, None))

@@ -13,7 +13,7 @@ import sys
 import time
 import unicodedata
 
-from ds4jax.commands.engine_options import add_kv_dtype_option, add_numerics_option
+from ds4jax.commands.engine_options import add_kv_dtype_option, add_lookup_option, add_numerics_option
 from ds4jax.commands.mesh_options import add_mesh_option
 from ds4jax.commands.options import HelpFormatter, Progress, integer, non_negative_float, positive_int, probability
 
@@ -44,6 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="speculative decoding: the checkpoint's MTP block drafts K tokens per round (greedy output "
                         "is identical to plain decoding in float32; in bfloat16 it can part on near-ties); "
                         "acceptance stats on stderr")
+    add_lookup_option(p)
     add_kv_dtype_option(p)
     add_numerics_option(p)
     p.add_argument("--steps-per-call", type=positive_int, default=STREAM_STEPS, metavar="M",
@@ -261,6 +262,13 @@ def run(args) -> int:
                          value=args.max_new_tokens)
     if args.speculative:
         _check_speculative(cfg, args.speculative, len(ids), args.max_new_tokens)
+    if args.lookup and not args.speculative:
+        raise UsageError("drafts inside speculative rounds: give --speculative K too", name="--lookup",
+                         value=args.lookup)
+    from ds4jax.generation.lookup import MAX_N
+
+    if args.lookup > MAX_N:
+        raise UsageError(f"the shortest suffix that may match, at most {MAX_N}", name="--lookup", value=args.lookup)
     prefetch_programs(args, len(ids))
     progress(f"loading {'the default model' if args.checkpoint is None else args.checkpoint}")
     model = load_model(args)
@@ -288,7 +296,8 @@ def run(args) -> int:
 
         result = speculative_generate(model, ids, sampling, k=args.speculative, prefill_chunk=args.prefill_chunk,
                                       check_finite=args.check_finite, on_token=lambda _row, token: printer.add(token),
-                                      steps_per_call=args.steps_per_call, kv_dtype=args.kv_dtype)
+                                      steps_per_call=args.steps_per_call, kv_dtype=args.kv_dtype,
+                                      lookup=args.lookup)
         new = result.tokens[0]
         progress(f"speculative k={args.speculative}: {result.rounds[0]} rounds, mean accepted "
                  f"{result.mean_accepted[0]:.2f} of {args.speculative} drafts per round")

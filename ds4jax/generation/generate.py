@@ -104,7 +104,7 @@ def _as_prompts(prompt_ids) -> list[list[int]]:
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
               prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
               check_finite: bool = False, steps_per_call: int | None = None,
-              kv_dtype: str = "auto") -> list[GenerateResult]:
+              kv_dtype: str = "auto", lookup: int = 0) -> list[GenerateResult]:
     """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
     `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
@@ -113,7 +113,7 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
                              max_position_embeddings=model.config.max_position_embeddings,
                              prefill_chunk=prefill_chunk, steps_per_call=steps_per_call,
                              most_drafts=most_drafts(model.config))
-    engine = Engine(model, **shape, check_finite=check_finite, kv_dtype=kv_dtype)
+    engine = Engine(model, **shape, check_finite=check_finite, kv_dtype=kv_dtype, lookup=lookup)
     requests = [Request(prompt=p, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, top_k=params.top_k, seed=row_seed(params.seed, r),
                         stop_ids=tuple(params.stop_ids), speculative=k or None,  # k: the pools may take more
@@ -136,7 +136,7 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
              prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             steps_per_call: int | None = None, kv_dtype: str = "auto") -> list[list[int]]:
+             steps_per_call: int | None = None, kv_dtype: str = "auto", lookup: int = 0) -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
 
     Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
@@ -144,7 +144,9 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     it is delivered.
 
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
-    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`).
+    decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`). With it,
+    lookup=n > 0 also drafts from each greedy request's own tokens where its last >= n tokens occurred before
+    (`Engine`'s `lookup`).
     steps_per_call: decode steps per host round trip (default `buckets.ONE_SHOT_STEPS`); `on_token` sees a
     call's tokens when it returns, so a streaming caller asks for few (`ds4jax generate`: 1).
     kv_dtype: "auto" (the KV cache in the model's dtype) or "fp8" (`Engine`'s argument)."""
@@ -156,6 +158,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     if prefill_chunk is not None:
         check_int(prefill_chunk, "prefill_chunk", low=1)
     k = check_int(speculative, "speculative", low=0)
+    lookup = check_lookup(lookup, k)
     if k and not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
     if steps_per_call is not None:
@@ -163,7 +166,20 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     kv_quant.check_argument(kv_dtype)
     return [r.tokens for r in run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk,
                                         on_token=on_token, check_finite=check_finite,
-                                        steps_per_call=steps_per_call, kv_dtype=kv_dtype)]
+                                        steps_per_call=steps_per_call, kv_dtype=kv_dtype, lookup=lookup)]
+
+
+def check_lookup(lookup, k: int) -> int:
+    """`lookup` for a call with `k` drafts: 0..MAX_N, and only with k > 0 (`ArgumentError` naming it)."""
+    from ds4jax.generation.lookup import check_min_n
+
+    try:
+        n = check_min_n(lookup)
+    except ValueError as e:
+        raise ArgumentError(str(e), name="lookup", value=lookup) from None
+    if n and not k:
+        raise ArgumentError("drafts inside speculative rounds: give speculative=k > 0 too", name="lookup", value=lookup)
+    return n
 
 
 def greedy_generate(model: Model, prompt_ids, max_new_tokens: int, *, prefill_chunk: int | None = None,

@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from ds4jax.runtime import kv_quant
-from ds4jax.generation.generate import SamplingParams, check_prompts, check_stop_ids, run_batch
+from ds4jax.generation.generate import SamplingParams, check_lookup, check_prompts, check_stop_ids, run_batch
 from ds4jax.model.inputs import check_int
 from ds4jax.generation.loops import MAX_STOP_IDS  # noqa: F401 (re-exported)
 from ds4jax.generation.spec_rounds import speculative_loop  # noqa: F401 (re-exported)
@@ -33,16 +33,18 @@ class SpecResult:
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
                          prefill_chunk: int | None = None, check_finite: bool = False,
                          on_token: Callable[[int, int], None] | None = None,
-                         steps_per_call: int | None = None, kv_dtype: str = "auto") -> SpecResult:
+                         steps_per_call: int | None = None, kv_dtype: str = "auto", lookup: int = 0) -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
 
     `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf, and
     `on_token(row, token)` sees every token as it is delivered (a round delivers its accepted drafts at once), as
-    in `generate`."""
+    in `generate`. `lookup` = n > 0 also drafts from the prompt's and the output's own tokens where the last >= n
+    tokens occurred before (`ds4jax.generation.lookup`)."""
     cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
     check_int(k, "k", low=1)
+    lookup = check_lookup(lookup, k)
     if len(params.stop_ids) > MAX_STOP_IDS:
         raise PoolError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(params.stop_ids)}")
     prompts = check_prompts(prompt_ids, cfg, params.max_new_tokens + k + 1)
@@ -52,7 +54,7 @@ def speculative_generate(model: Model, prompt_ids, params: SamplingParams = Samp
     start = time.perf_counter()
     kv_quant.check_argument(kv_dtype)
     results = run_batch(model, prompts, params, k=k, prefill_chunk=prefill_chunk, check_finite=check_finite,
-                        on_token=on_token, steps_per_call=steps_per_call, kv_dtype=kv_dtype)
+                        on_token=on_token, steps_per_call=steps_per_call, kv_dtype=kv_dtype, lookup=lookup)
     seconds = time.perf_counter() - start
     tokens = [r.tokens for r in results]
     per_round = [list(r.accepted_per_round or []) for r in results]
