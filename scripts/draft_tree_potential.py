@@ -16,7 +16,14 @@ where the engine's draft pool holds what its draft extends wrote (level 1). The 
 are reported beside the chain measured by the engine on the same prompts (`--measured`): their difference is this
 approximation's error.
 
+With --lookup N the same trajectories are replayed with lookup drafting (`ds4jax.generation.lookup`, the rule the
+engine runs on the device, here its Python twin): "lookup + chain" drafts a round from the history where the last
+>= N tokens occurred before and with the chain otherwise (what `Engine(lookup=N)` does at batch 1), "lookup
+alone" only from the history (a round without a match yields the target's one token). Each reports the share of
+rounds drafted by lookup: those run no draft-model step.
+
     python scripts/draft_tree_potential.py --out docs/benchmarks/draft_tree_potential_cpu.json   # CPU, ~1 min
+    python scripts/draft_tree_potential.py --lookup 3 --out /tmp/potential.json
 """
 
 from __future__ import annotations
@@ -73,6 +80,31 @@ def simulate(seq: np.ndarray, tops: list[np.ndarray], start: int, k: int, width:
     return accepted
 
 
+def simulate_lookup(seq: np.ndarray, tops: list[np.ndarray] | None, start: int, k: int, min_n: int,
+                    window: int) -> list[tuple[int, bool]]:
+    """(accepted drafts, drafted by lookup) per round along `seq` from pending position `start`: the drafts of a
+    round are the tokens that followed the latest longest earlier occurrence of the history's suffix (>= min_n
+    tokens, the last `window` tokens) when there is one, else the chain's (`tops` as in `simulate`; None: no
+    chain, such a round accepts nothing)."""
+    from ds4jax.generation.lookup import reference_propose
+
+    seq = [int(t) for t in seq]
+    rounds, p = [], start
+    while p + 1 < len(seq):
+        proposal = reference_propose(seq[max(0, p + 1 - window): p + 1], k, min_n)
+        if proposal is not None:
+            a = 0
+            while a < k and p + 1 + a < len(seq) and seq[p + 1 + a] == proposal[a]:
+                a += 1
+        elif tops is not None:
+            a = simulate(np.asarray(seq[: p + k + 2]), tops, p, k, 1)[0] if p + 1 < len(seq) else 0
+        else:
+            a = 0
+        rounds.append((a, proposal is not None))
+        p += a + 1
+    return rounds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="checkpoints/default")
@@ -83,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="1,2,3")
     ap.add_argument("--measured", default="docs/benchmarks/speculative_acceptance_cpu.json",
                     help="a bench_default_speculative.py JSON whose k rows are the engine's chain on these prompts")
+    ap.add_argument("--lookup", type=int, default=0, help="also replay lookup drafting of suffixes >= this")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -114,6 +147,17 @@ def main(argv=None) -> int:
             "per_position_acceptance": [float(np.sum(a >= j) / r) if r else None
                                         for j, r in zip(range(1, args.k + 1), reached)],
             "verify_tokens": None if w is None else 1 + w * args.k}  # the pending token + w branches of k drafts
+    if args.lookup:
+        from ds4jax.generation.lookup import WINDOW
+
+        for name, chained in (("lookup + chain", True), ("lookup alone", False)):
+            got = [r for s, tp in zip(seqs, zip(*tops))
+                   for r in simulate_lookup(s, list(tp) if chained else None, args.prompt_len, args.k, args.lookup,
+                                            WINDOW)]
+            a = np.asarray([x for x, _ in got])
+            res["widths"][name] = {"rounds": int(a.size), "tokens_per_round": float(a.mean() + 1),
+                                   "lookup_rounds": float(np.mean([looked for _, looked in got])),
+                                   "min_n": args.lookup, "verify_tokens": 1 + args.k}
     if args.measured and os.path.exists(args.measured):
         with open(args.measured) as f:
             rows = [r for r in json.load(f)["runs"] if r.get("k") == args.k]

@@ -33,3 +33,14 @@ def test_chain_tree_and_oracle_rounds():
     assert dtp.simulate(seq, tops, start=2, k=2, width=2) == [2, 0, 2, 2]
     # oracle first level: every d1 accepted (t=4's too); d2 as predicted: 2, 2, 2, then position 11 is the last
     assert dtp.simulate(seq, tops, start=2, k=2, width=None) == [2, 2, 2]
+
+
+def test_lookup_rounds_follow_the_history():
+    seq = np.array([1, 2, 3, 1, 2, 3, 1, 2, 3, 1])  # pending token at 3: its history "1 2 3 1" repeats itself
+    assert dtp.simulate_lookup(seq, None, start=3, k=2, min_n=1, window=64) == [(2, True), (2, True)]
+    # no repeat and no chain: each round yields the target's token alone
+    assert dtp.simulate_lookup(np.array([5, 6, 7, 8]), None, start=1, k=2, min_n=1, window=64) == [(0, False),
+                                                                                                    (0, False)]
+    # no repeat: the chain drafts (here always right) -> 2 accepted, as `simulate` says
+    seq = np.arange(100, 110)
+    assert dtp.simulate_lookup(seq, _tops(seq), start=2, k=2, min_n=1, window=64)[0] == (2, False)

@@ -140,3 +140,16 @@ def test_bad_engine_settings_are_refused(model):
         Engine(model, max_slots=4, max_context=MAX_CONTEXT, lookup=2)
     with pytest.raises(PoolError, match="lookup must be an int"):
         Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=2, lookup=lookup.MAX_N + 1)
+
+
+def test_without_free_branches_the_chain_runs_and_tokens_stay_plain(model, monkeypatch):
+    """Where a `lax.cond` costs a host round trip (ROCm: `sampling.branch_on_greedy` off) the chain runs in every
+    round: the looked-up drafts still replace its proposals, and no round counts as skipped."""
+    monkeypatch.setenv("DS4JAX_GREEDY_BRANCH", "off")
+    plain = Engine(model, max_slots=4, max_context=MAX_CONTEXT, prefill_chunk=8, row_buckets=(1, 4), steps_per_call=4)
+    want = plain.generate([greedy(REPEATING)])[0].tokens
+    # 3 rounds a call: a program traced now (the setting is read at trace time; jit caches by static arguments)
+    e = Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=3, prefill_chunk=8, row_buckets=(1, 4),
+               steps_per_call=3, snapshot_bytes=0, lookup=1)
+    assert e.generate([greedy(REPEATING)])[0].tokens == want
+    assert e.stats.lookup_drafts > 0 and e.stats.lookup_skips == 0

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from ds4jax.generation import lookup as lookup_mod
 from ds4jax.generation.acceptance import accept_greedy, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
-from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, cheaper_when, filter_logits, none_sample,
-                                       token_keys, token_logprobs)
+from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, branch_on_greedy, cheaper_when, filter_logits,
+                                       none_sample, token_keys, token_logprobs)
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
@@ -162,11 +162,16 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels, lo
         looked = found & greedy & (pending == 0) & ~c.done
         skipped = jnp.all(looked | c.done)
 
-        def without_chain(dpool, stream):
-            return found_drafts, jnp.zeros(c.draft_logits.shape[:1] + (k,) + c.draft_logits.shape[1:]), dpool
+        def without_chain():
+            return found_drafts, jnp.zeros(c.draft_logits.shape[:1] + (k,) + c.draft_logits.shape[1:]), c.dpool
 
-        drafts, draft_logps, dpool = jax.lax.cond(skipped, without_chain, mtp_chain, c.dpool, c.draft_stream)
+        # where branching is not free (`cheaper_when`: a host round trip per round), the chain runs anyway and
+        # the looked-up drafts replace its proposals; its draft-pool writes past the rolled-back lengths are never
+        # read, and no row it drafted for uses its log-probabilities (greedy rows accept by match)
+        drafts, draft_logps, dpool = cheaper_when(skipped, without_chain,
+                                                  lambda: mtp_chain(c.dpool, c.draft_stream))
         drafts = jnp.where(looked[:, None], found_drafts, drafts)
+        skipped = skipped & branch_on_greedy()  # what the stats count: rounds that really ran no draft step
     else:
         drafts, draft_logps, dpool = mtp_chain(c.dpool, c.draft_stream)
     chain = Chain(drafts, draft_logps, pending, jnp.minimum(pending, k), greedy_only, chain_keys, looked, skipped)
