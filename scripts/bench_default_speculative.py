@@ -58,7 +58,8 @@ def run(args) -> dict:
     sp = SamplingParams(max_new_tokens=args.new)  # greedy, no stop ids: every call emits exactly --new tokens
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "checkpoint": args.checkpoint,
            "dtype": args.dtype, "matmul_precision": args.precision, "new_tokens": args.new,
-           "prompt_len": args.prompt_len, "prompts": len(prompts_all), "repeats": args.repeats, "runs": []}
+           "prompt_len": args.prompt_len, "prompts": len(prompts_all), "repeats": args.repeats, "lookup": args.lookup,
+           "runs": []}
 
     def save():
         with open(args.json, "w") as f:
@@ -97,7 +98,7 @@ def run(args) -> dict:
         if time.perf_counter() - t_start > args.deadline_s:
             print(f"deadline: skipping b={b} k={k}", flush=True)
             continue
-        secs, outs = timed(lambda group: speculative_generate(model, group, sp, k=k), b)
+        secs, outs = timed(lambda group: speculative_generate(model, group, sp, k=k, lookup=args.lookup), b)
         tokens = [t for out in outs for t in out.tokens]
         n = sum(map(len, tokens))
         equal = [s == p for s, p in zip(tokens, plain[b])]
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8, help="held-out windows used (every one is measured)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lookup", type=int, default=0,
+                    help="lookup drafting beside the MTP draft (0, this script's default: the MTP draft alone)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision ('' keeps the default)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip remaining speculative runs after this")

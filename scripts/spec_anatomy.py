@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--lookup", type=int, default=0,
+                    help="lookup drafting (`Engine(lookup=)`; 0: MTP rounds only, this script's subject)")
     ap.add_argument("--new", type=int, default=129)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--command-buffers", choices=("auto", "loops", "on", "off"),
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
     else:
         model = default_model()
     engine = ds4jax.Engine(model, speculative=args.k, max_slots=1, max_context=256, row_buckets=(1,),
-                           prefill_chunk=64, snapshot_bytes=0, steps_per_call=16)
+                           prefill_chunk=64, snapshot_bytes=0, steps_per_call=16, lookup=args.lookup)
     engine.warmup()
     prompt = list(range(5, 69))
     req = lambda k: [ds4jax.Request(prompt=prompt, max_new_tokens=args.new, speculative=k)]

@@ -135,6 +135,12 @@ def test_a_sampling_row_never_drafts_by_lookup(model, monkeypatch):
             assert skipped == 0  # the chain ran in every round of a call the sampler ran through
 
 
+def test_on_by_default_with_speculation_only(model):
+    assert Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=2).lookup == lookup.DEFAULT_MIN_N
+    assert Engine(model, max_slots=4, max_context=MAX_CONTEXT, speculative=2, lookup=0).lookup == 0
+    assert Engine(model, max_slots=4, max_context=MAX_CONTEXT).lookup == 0
+
+
 def test_bad_engine_settings_are_refused(model):
     with pytest.raises(PoolError, match="speculative=k"):
         Engine(model, max_slots=4, max_context=MAX_CONTEXT, lookup=2)

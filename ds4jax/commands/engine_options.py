@@ -34,10 +34,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_lookup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--lookup", type=non_negative_int, default=None, metavar="N",
                    help="with --speculative K: a greedy request whose last >= N tokens occurred earlier in its prompt "
                         "or output drafts the K tokens that followed (no draft-model step when every row found one; "
-                        "0 = off; 3 is a good start)")
+                        "default 3 with --speculative; 0 = off)")
 
 
 def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
@@ -94,11 +94,11 @@ def build_engine(model, args: argparse.Namespace, tokenizer=None):
                         prefill_chunk=args.prefill_chunk, prefill_tokens=getattr(args, "prefill_tokens", None),
                         steps_per_call=args.steps_per_call, tokenizer=tokenizer,
                         adaptive=getattr(args, "adaptive", False), logprobs=getattr(args, "max_logprobs", 0),
-                        kv_dtype=getattr(args, "kv_dtype", "auto"), lookup=getattr(args, "lookup", 0))
+                        kv_dtype=getattr(args, "kv_dtype", "auto"), lookup=getattr(args, "lookup", None))
     except InputError as e:  # PoolError / PoolSpecError name the engine argument: report its flag
         flags = {"lookup": "--lookup", "max_slots": "--max-slots", "max_context": "--max-context",
-                 "prefill_chunk": "--prefill-chunk", "prefill_tokens": "--prefill-tokens", "steps_per_call": "--steps-per-call",
-                 "speculative": "--speculative", "adaptive": "--adaptive"}
+                 "prefill_chunk": "--prefill-chunk", "prefill_tokens": "--prefill-tokens",
+                 "steps_per_call": "--steps-per-call", "speculative": "--speculative", "adaptive": "--adaptive"}
         attr = next((a for a in flags if a in str(e)), None)
         where = {} if attr is None else dict(name=flags[attr], value=getattr(args, attr, None))
         raise UsageError(f"the engine cannot be built: {e}", **where) from None

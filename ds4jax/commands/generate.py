@@ -262,12 +262,12 @@ def run(args) -> int:
                          value=args.max_new_tokens)
     if args.speculative:
         _check_speculative(cfg, args.speculative, len(ids), args.max_new_tokens)
-    if args.lookup and not args.speculative:
+    if args.lookup and not args.speculative:  # (None: the default)
         raise UsageError("drafts inside speculative rounds: give --speculative K too", name="--lookup",
                          value=args.lookup)
     from ds4jax.generation.lookup import MAX_N
 
-    if args.lookup > MAX_N:
+    if (args.lookup or 0) > MAX_N:
         raise UsageError(f"the shortest suffix that may match, at most {MAX_N}", name="--lookup", value=args.lookup)
     prefetch_programs(args, len(ids))
     progress(f"loading {'the default model' if args.checkpoint is None else args.checkpoint}")

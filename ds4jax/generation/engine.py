@@ -89,7 +89,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
     variant: `ds4jax.runtime.kv_quant`); with a memory budget, fp8 fits about twice the tokens.
     lookup (with speculative=k): n > 0 lets a greedy row draft the k tokens that followed the latest earlier
     occurrence of its last >= n tokens (prompt lookup, `ds4jax.generation.lookup`); a round whose running rows all
-    found one runs no MTP draft step. 0 (the default): the MTP block drafts every round."""
+    found one runs no MTP draft step. None (the default): 3 when speculating on one program per call (not on a
+    layer split), else 0; 0: the MTP block drafts every round."""
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_context: int = 4096, speculative: int = 0,
                  draft: bool = False, memory_budget_bytes: int | None = None, page_size: int | None = None,
@@ -98,7 +99,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                  steps_per_call: int = 8, kernels: Impl | str | None = None,
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
                  check_finite: bool = True, adaptive: bool | Adaptive = False, logprobs: int = 0,
-                 kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None, lookup: int = 0):
+                 kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None, lookup: int | None = None):
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
@@ -107,7 +108,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         if k and not model.has_mtp:
             raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
         try:
-            self.lookup = lookup_mod.check_min_n(lookup)
+            self.lookup = 0 if lookup is None else lookup_mod.check_min_n(lookup)
         except ValueError as exc:
             raise PoolError(str(exc)) from None
         if self.lookup and not k:
@@ -124,6 +125,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         self.programs: Programs = programs_for(self.layout, cfg, self.model.params, self.logprobs)
         if self.lookup and not self.programs.supports_lookup:
             raise PoolError("lookup drafting does not run on a layer split (pass lookup=0)")
+        if lookup is None and k and self.programs.supports_lookup:
+            self.lookup = lookup_mod.DEFAULT_MIN_N
         self.kernels = resolve(kernels)
         self.max_queue = max_queue
         # NaN/Inf logits end that request with ErrorCode.NON_FINITE; False keeps generating (the greedy stand-in

@@ -104,7 +104,7 @@ def _as_prompts(prompt_ids) -> list[list[int]]:
 def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *, k: int = 0,
               prefill_chunk: int | None = None, on_token: Callable[[int, int], None] | None = None,
               check_finite: bool = False, steps_per_call: int | None = None,
-              kv_dtype: str = "auto", lookup: int = 0) -> list[GenerateResult]:
+              kv_dtype: str = "auto", lookup: int | None = None) -> list[GenerateResult]:
     """Run validated prompts through a one-shot engine sized for them; raises PoolError on a rejected request,
     `RuntimeFailure` (`DeviceMemoryError`) when an engine step failed, and
     `NonFiniteError` (check_finite) naming the first layer when a token's logits were NaN/Inf."""
@@ -136,7 +136,8 @@ def run_batch(model: Model, prompts: list[list[int]], params: SamplingParams, *,
 def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *,
              prefill_chunk: int | None = None, speculative: int = 0, check_finite: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             steps_per_call: int | None = None, kv_dtype: str = "auto", lookup: int = 0) -> list[list[int]]:
+             steps_per_call: int | None = None, kv_dtype: str = "auto",
+             lookup: int | None = None) -> list[list[int]]:
     """Generate for one prompt (list of ids) or several (list of lists, ragged). Returns new ids per prompt.
 
     Arguments are validated first (`ArgumentError` naming the prompt, position or field). `check_finite` raises
@@ -146,7 +147,7 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
     speculative=k > 0 drafts k tokens per round with the model's MTP block; greedy output is identical to plain
     decoding, sampled output follows the same distribution (not on a layer split: `ArgumentError`). With it,
     lookup=n > 0 also drafts from each greedy request's own tokens where its last >= n tokens occurred before
-    (`Engine`'s `lookup`).
+    (`Engine`'s `lookup`; None: its default, 3 with speculative decoding; 0: off).
     steps_per_call: decode steps per host round trip (default `buckets.ONE_SHOT_STEPS`); `on_token` sees a
     call's tokens when it returns, so a streaming caller asks for few (`ds4jax generate`: 1).
     kv_dtype: "auto" (the KV cache in the model's dtype) or "fp8" (`Engine`'s argument)."""
@@ -169,10 +170,13 @@ def generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams()
                                         steps_per_call=steps_per_call, kv_dtype=kv_dtype, lookup=lookup)]
 
 
-def check_lookup(lookup, k: int) -> int:
-    """`lookup` for a call with `k` drafts: 0..MAX_N, and only with k > 0 (`ArgumentError` naming it)."""
+def check_lookup(lookup, k: int) -> int | None:
+    """`lookup` for a call with `k` drafts: None (the engine's default), 0..MAX_N, and > 0 only with k > 0
+    (`ArgumentError` naming it)."""
     from ds4jax.generation.lookup import check_min_n
 
+    if lookup is None:
+        return None
     try:
         n = check_min_n(lookup)
     except ValueError as e:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+DEFAULT_MIN_N = 3  # what `lookup=None` (auto) uses with speculative decoding (docs/benchmarks/lookup/)
 WINDOW = 512  # tokens of history per row (the host uploads [rows, WINDOW] int32 per speculative call)
 MAX_N = 8  # the longest suffix a match counts (longer matches rank as MAX_N)
 _OUTSIDE = -2  # what a shifted history reads before its start (never equal to a token or to the padding -1)

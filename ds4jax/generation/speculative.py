@@ -33,13 +33,14 @@ class SpecResult:
 def speculative_generate(model: Model, prompt_ids, params: SamplingParams = SamplingParams(), *, k: int = 2,
                          prefill_chunk: int | None = None, check_finite: bool = False,
                          on_token: Callable[[int, int], None] | None = None,
-                         steps_per_call: int | None = None, kv_dtype: str = "auto", lookup: int = 0) -> SpecResult:
+                         steps_per_call: int | None = None, kv_dtype: str = "auto",
+                         lookup: int | None = None) -> SpecResult:
     """Speculative generation with the model's MTP block as the draft (k draft tokens per round).
 
     `check_finite` raises `NonFiniteError` naming the first layer when the target's logits turn NaN/Inf, and
     `on_token(row, token)` sees every token as it is delivered (a round delivers its accepted drafts at once), as
     in `generate`. `lookup` = n > 0 also drafts from the prompt's and the output's own tokens where the last >= n
-    tokens occurred before (`ds4jax.generation.lookup`)."""
+    tokens occurred before (`ds4jax.generation.lookup`; None: the engine's default, 3; 0: off)."""
     cfg = model.config
     if not model.has_mtp:
         raise PoolError("speculative decoding needs the MTP block; this checkpoint has no mtp.* tensors")
