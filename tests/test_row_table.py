@@ -83,6 +83,9 @@ def test_rows_from_the_table_equal_the_row_by_row_build(order, pad, running, cap
     want = reference_rows(plan, running, SLOTS, VOCAB, caps)
     for name in Rows._fields:
         a, b = getattr(got, name), getattr(want, name)
+        if name == "history":  # lookup drafting's, added by the engine's speculative calls only
+            assert a is None and b is None
+            continue
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
 
 

@@ -124,7 +124,7 @@ def check_stop_and_budget(model, res, reference, k):
     stop, row, index = candidates[0]
     absent = next(t for t in range(model.config.vocab_size) if all(t not in r for r in reference))
     got = speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, stop_ids=(absent, stop)), k=k,
-                               prefill_chunk=CHUNK[k])
+                               prefill_chunk=CHUNK[k], lookup=0)
     assert got.tokens == plain(model, MAX_NEW, stop_ids=(absent, stop))
     assert got.tokens[row] == reference[row][: index + 1]  # cut inside a round, the stop token included
     # stats count tokens actually emitted, not the drafts a stop cut off
@@ -133,7 +133,8 @@ def check_stop_and_budget(model, res, reference, k):
     budgets = [m for m in range(MAX_NEW // 2 + 1, MAX_NEW)
                if any(_mid_round(res, r, m - 1) for r in range(len(PROMPTS)))]
     assert budgets
-    got = speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=budgets[0]), k=k, prefill_chunk=CHUNK[k])
+    got = speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=budgets[0]), k=k, prefill_chunk=CHUNK[k],
+                               lookup=0)
     assert got.tokens == plain(model, budgets[0])
 
 
@@ -184,11 +185,12 @@ def test_greedy_speculative(model, reference_long, k):
     4. the loop compiles once per (spec, k, batch bucket): this k's first call compiles one new program (so a
        different k compiles its own); stop ids, budgets of the same max-new bucket, seeds and other prompts of
        the same batch and context buckets compile nothing.
-    The engine returns from the loop whenever a request finishes, so one generation makes several loop calls."""
+    The engine returns from the loop whenever a request finishes, so one generation makes several loop calls.
+    The MTP chain alone drafts here (lookup=0: step 3 recomputes its chain; tests/test_lookup.py has lookup's)."""
     reference = [r[:MAX_NEW] for r in reference_long]
     with capture_loop() as calls, CompileCounter("speculative_loop") as first:
         res = speculative_generate(model, PROMPTS, SamplingParams(max_new_tokens=MAX_NEW), k=k,
-                                   prefill_chunk=CHUNK[k])
+                                   prefill_chunk=CHUNK[k], lookup=0)
     assert first.count == 1 and calls
     call = calls[0]
     assert all(c["k"] == k for c in calls)
@@ -201,7 +203,7 @@ def test_greedy_speculative(model, reference_long, k):
         check_stop_and_budget(model, res, reference, k)
         for seed, prompts in enumerate(OTHER_PROMPTS):
             got = speculative_generate(model, prompts, SamplingParams(max_new_tokens=20 + seed, seed=seed), k=k,
-                                       prefill_chunk=CHUNK[k])
+                                       prefill_chunk=CHUNK[k], lookup=0)
             assert [len(t) for t in got.tokens] == [20 + seed] * len(prompts)
     assert again.count == 0
     assert speculative_loop._cache_size() == size
