@@ -6,11 +6,12 @@ draft's own streams) -> the target verifies [cur, d1..dk] at P..P+k in one step 
 target token (exact match when greedy, rejection sampling otherwise; per row) -> roll both pools back by lengths
 (rejected rows are never read: validity is positional) -> draft extend with the a+1 accepted rows and the
 target's streams. `speculative_loop` runs rounds until M are done or any row finishes, then returns so the host
-can stream tokens, free slots and admit requests.
+can stream tokens, free slots and admit requests. With lookup drafting (`lookup`) a greedy row whose history
+repeats drafts from it instead, and a round whose rows all did runs no draft step.
 
 Every step goes through `steps.step` with the engine's `kernels` choice (target and draft alike).
-Compiles once per (config, pool specs, k, row bucket, M, kernels, logprobs). With ``logprobs=N`` the emitted
-tokens' log-probabilities come from the verify logits that chose them (position j of the round for its j-th
+Compiles once per (config, pool specs, k, row bucket, M, kernels, logprobs, lookup). With ``logprobs=N`` the
+emitted tokens' log-probabilities come from the verify logits that chose them (position j of the round for its j-th
 token), so they are the target's, exactly as plain decoding would report them.
 """
 
