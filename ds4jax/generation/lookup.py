@@ -43,12 +43,14 @@ def match_lengths(history: jax.Array) -> jax.Array:
     up to MAX_N: the length of the match whose continuation starts at c. Column 0 never matches (nothing before
     it); the padding -1 never counts."""
     b, h = history.shape
-    equal = []
+    length = jnp.zeros((b, h), jnp.int32)
+    running = jnp.ones((b, h), bool)  # the suffix's last i tokens all matched (a chain of elementwise ops: one fusion)
     for i in range(min(MAX_N, h)):
         last = history[:, h - 1 - i: h - i]  # [B, 1] suffix token i from the end
         shifted = jnp.pad(history, ((0, 0), (i + 1, 0)), constant_values=_OUTSIDE)[:, :h]  # [c] -> history[c-1-i]
-        equal.append((shifted == last) & (last >= 0))
-    return jnp.sum(jnp.cumprod(jnp.stack(equal, axis=1).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        running = running & (shifted == last) & (last >= 0)
+        length = length + running.astype(jnp.int32)
+    return length
 
 
 def propose(history: jax.Array, k: int, min_n: int) -> tuple[jax.Array, jax.Array]:
