@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -61,10 +62,12 @@ def traced(run) -> tuple[list, float]:
             return [], wall
 
 
-def summary(events, units: int, wall: float) -> dict:
+def summary(events, units: int, wall: float, scopes: dict[str, str] | None = None) -> dict:
+    """Per unit (step / round): wall, busy time, kernels, and kernels / busy time per group (`group_of` the event's
+    scope, or the scope the optimized HLO gives its kernel name: `device_trace.hlo_scopes`)."""
     busy, count = collections.Counter(), collections.Counter()
-    for _, a, b, scope in events:
-        g = group_of(scope)
+    for name, a, b, scope in events:
+        g = group_of(device_trace.scope_of(name, scope, scopes or {}))
         busy[g] += b - a
         count[g] += 1
     return {"units": units, "wall_ms": wall / units * 1e3,
@@ -85,9 +88,16 @@ def main(argv=None) -> int:
     ap.add_argument("--command-buffers", choices=("auto", "loops", "on", "off"),
                     help="DS4JAX_COMMAND_BUFFERS for this run (default: as set). A kernel that a command-buffer "
                          "graph replays may not show in the trace: `off` counts every kernel (at off's speed)")
+    ap.add_argument("--no-hlo-scopes", dest="hlo_scopes", action="store_false",
+                    help="do not dump the optimized HLO to name the scopes of kernels the trace leaves unnamed")
     args = ap.parse_args(argv)
     if args.command_buffers:  # before ds4jax's import sets XLA_FLAGS from it
         os.environ["DS4JAX_COMMAND_BUFFERS"] = args.command_buffers
+    # (a temporary folder: XLA dumps thousands of files there, LLVM IR included; only the HLO text is read)
+    dump = tempfile.mkdtemp(prefix="spec_anatomy_hlo_")
+    if args.hlo_scopes:  # before the backend starts: the optimized HLO of the two loops, to map kernels to scopes
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                   "--xla_dump_hlo_module_re=.*(decode_loop|speculative_loop).*").strip()
     import ds4jax
 
     os.makedirs(args.out, exist_ok=True)
@@ -110,10 +120,14 @@ def main(argv=None) -> int:
     plain_events, plain_wall = traced(lambda: box.__setitem__("plain", engine.generate(req(0))))
     spec_events, spec_wall = traced(lambda: box.__setitem__("spec", engine.generate(req(args.k))))
     plain, spec = box["plain"][0], box["spec"][0]
+    scopes = {m: device_trace.hlo_scopes(dump, m) if args.hlo_scopes else {} for m in ("decode_loop",
+                                                                                       "speculative_loop")}
+    shutil.rmtree(dump, ignore_errors=True)
     rounds = len(spec.accepted_per_round or [])
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "k": args.k, "new_tokens": args.new,
-           "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall),
-           "spec_round": summary(spec_events, max(rounds, 1), spec_wall),
+           "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall, scopes["decode_loop"]),
+           "spec_round": summary(spec_events, max(rounds, 1), spec_wall, scopes["speculative_loop"]),
+           "hlo_scope_kernels": {m: len(v) for m, v in scopes.items()},
            "rounds": rounds, "mean_accepted": sum(spec.accepted_per_round or [0]) / max(rounds, 1),
            "equal": plain.tokens == spec.tokens == plain_ref[0].tokens == spec_ref[0].tokens,
            "compiles_after_warmup": engine.stats.compiles_after_warmup,

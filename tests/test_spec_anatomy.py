@@ -23,3 +23,36 @@ def test_groups_name_unrolled_layers_and_scanned_bodies():
     assert spec_anatomy.group_of(f"{hca}/indexer/reduce_max") == f"target/{hca}"  # a scan body's op
     assert spec_anatomy.group_of("jit(speculative_loop)/while/body/draft/mtp/layer0_sliding/dot") == "draft"
     assert spec_anatomy.group_of("jit(decode_loop)/while/body/argmax") == "other"
+
+
+_BODY = "jit(speculative_loop)/while/body/"
+HLO = "\n".join([
+    "HloModule jit_speculative_loop, entry_computation_layout={()->f32[]}", "",
+    "%body.1 (p: f32[]) -> f32[] {",
+    "  %p = f32[] parameter(0)",
+    "  %loop_fusion.3 = f32[] fusion(f32[] %p), kind=kLoop, calls=%fc.3, "
+    f'metadata={{op_name="{_BODY}draft/mtp/layer0_sliding/add"}}',
+    "  %input_reduce_fusion.12 = f32[] fusion(f32[] %p), kind=kInput, calls=%fc.12, "
+    f'metadata={{op_name="{_BODY}layer1+2j_csa/attention/reduce_sum"}}',
+    '  ROOT %custom-call.7 = f32[] custom-call(f32[] %loop_fusion.3), custom_call_target="__gpu$xla.gpu.triton", '
+    f'backend_config={{"name":"grouped_matmul","ir":"xyz"}}, metadata={{op_name="{_BODY}layer2_hca/grouped_matmul"}}',
+    "}", ""])
+
+
+def test_kernels_without_a_scope_take_it_from_the_optimized_hlo(tmp_path):
+    """A trace that names kernels but records no scope (an H100, jax 0.11.2): the optimized HLO's op_name of the
+    instruction the kernel is named after decides its group (XLA kernels: the instruction name with dots as
+    underscores; Pallas kernels: their call's name, a repeat's ``__<n>`` suffix dropped)."""
+    import device_trace
+
+    (tmp_path / "module_0007.jit_speculative_loop.sm_9.0_gpu_after_optimizations.txt").write_text(HLO)
+    (tmp_path / "module_0003.jit_decode_loop.sm_9.0_gpu_after_optimizations.txt").write_text(
+        HLO.replace("layer1+2j_csa", "layer5_hca"))
+    scopes = device_trace.hlo_scopes(tmp_path, "speculative_loop")
+    events = [("loop_fusion_3", 0, 10, ""), ("input_reduce_fusion_12", 10, 30, ""), ("grouped_matmul__1", 30, 60, ""),
+              ("sm90_xmma_gemm", 60, 70, ""), ("loop_fusion_3", 70, 80, " layer4_sliding/x")]  # its own scope wins
+    got = spec_anatomy.summary(events, units=1, wall=1.0, scopes=scopes)["groups"]
+    assert {g: v["kernels"] for g, v in got.items()} == {"draft": 1, "target/layer1+2j_csa": 1,
+                                                         "target/layer2_hca": 1, "other": 1,
+                                                         "target/layer4_sliding": 1}
+    assert device_trace.hlo_scopes(tmp_path, "nothing_here") == {}
