@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup", type=int, default=0,
                     help="lookup drafting (`Engine(lookup=)`; 0: MTP rounds only, this script's subject)")
     ap.add_argument("--new", type=int, default=129)
+    ap.add_argument("--heldout", type=int, default=None, metavar="I",
+                    help="the prompt: held-out window I of the default model (default: the tokens 5, 6, ..., 68)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--command-buffers", choices=("auto", "loops", "on", "off"),
                     help="DS4JAX_COMMAND_BUFFERS for this run (default: as set). A kernel that a command-buffer "
@@ -114,6 +116,12 @@ def main(argv=None) -> int:
                            prefill_chunk=64, snapshot_bytes=0, steps_per_call=16, lookup=args.lookup)
     engine.warmup()
     prompt = list(range(5, 69))
+    if args.heldout is not None and not args.smoke:  # a held-out window of the default model's corpus (64 tokens)
+        import numpy as np
+
+        windows = np.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
+                                       "default", "heldout_eval.npy"))
+        prompt = [int(t) for t in windows[args.heldout][:64]]
     req = lambda k: [ds4jax.Request(prompt=prompt, max_new_tokens=args.new, speculative=k)]
     plain_ref, spec_ref = engine.generate(req(0)), engine.generate(req(args.k))  # untimed: warm
     box = {}
@@ -127,7 +135,8 @@ def main(argv=None) -> int:
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "k": args.k, "new_tokens": args.new,
            "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall, scopes["decode_loop"]),
            "spec_round": summary(spec_events, max(rounds, 1), spec_wall, scopes["speculative_loop"]),
-           "hlo_scope_kernels": {m: len(v) for m, v in scopes.items()},
+           "hlo_scope_kernels": {m: len(v) for m, v in scopes.items()}, "prompt": args.heldout,
+           "lookup": args.lookup, "lookup_skips": engine.stats.lookup_skips,
            "rounds": rounds, "mean_accepted": sum(spec.accepted_per_round or [0]) / max(rounds, 1),
            "equal": plain.tokens == spec.tokens == plain_ref[0].tokens == spec_ref[0].tokens,
            "compiles_after_warmup": engine.stats.compiles_after_warmup,
