@@ -79,6 +79,8 @@ def commit() -> str:
 def environment() -> dict:
     import jax
 
+    import ds4jax  # noqa: F401 (its XLA flags go in before the backend starts; the compiles measured here get them)
+
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device_kind": dev.device_kind, "jax_version": jax.__version__,
             "commit": commit(), "xla_flags": ENV0.get("XLA_FLAGS", ""), "cpus": os.cpu_count()}
