@@ -104,11 +104,27 @@ def test_lookup_engine_gives_plain_greedy_tokens_and_skips_the_chain(model, monk
         assert e.generate([greedy(p)])[0].tokens == w
     assert e.stats.lookup_drafts > 0 and e.stats.lookup_skips > 0
     assert e.stats.compiles_after_warmup == 0
-    together = [r.tokens for r in e.generate([greedy(p) for p in prompts])]  # batch 4, rows mixed
-    assert together == want
+    counted = lambda: (e.stats.spec_rounds, e.stats.lookup_drafts, e.stats.lookup_skips)  # noqa: E731
+    before = counted()
+    made = []
+
+    class Counting(run_ahead.Ahead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.k)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_ahead, "Ahead", Counting)
+        together = [r.tokens for r in e.generate([greedy(p) for p in prompts])]  # batch 4, rows mixed
+    assert together == want and 3 in made  # speculative calls did run ahead
+    ahead = [b - a for a, b in zip(before, counted())]
     with monkeypatch.context() as m:  # and without run-ahead (the host builds every call's history)
         m.setattr(run_ahead, "may_run_ahead", lambda plan: False)
+        before = counted()
         assert [r.tokens for r in e.generate([greedy(p) for p in prompts])] == want
+    # the histories a call run ahead took from its predecessor on the device are the ones the host builds: the
+    # same rounds, the same lookups
+    assert [b - a for a, b in zip(before, counted())] == ahead and ahead[1] > 0
     assert e.stats.compiles_after_warmup == 0
 
 
