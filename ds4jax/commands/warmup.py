@@ -46,7 +46,8 @@ def run(args) -> int:
     engine = build_engine(model, args, tokenizer)
     b = engine.buckets
     progress(f"compiling: prefill {list(b.prefill)} (rows, tokens per row), decode rows {list(b.rows)} x "
-             f"{engine.steps_per_call} steps" + (f", speculative k={engine.k}" if engine.k else ""))
+             f"{engine.steps_per_call} steps" + (f", speculative k={engine.k}" if engine.k else "")
+             + (f", lookup drafting of >= {engine.lookup} tokens" if engine.lookup else ""))
     report = engine.warmup()
     print(report.table(), flush=True)
     progress(f"{len(report.programs)} programs, {report.compiles} compilations ({report.disk_hits} from the cache) "
