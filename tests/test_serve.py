@@ -232,6 +232,19 @@ def test_greedy_server_equals_generate(served, capsys, monkeypatch):
 
 
 
+def test_lookup_counters_reach_the_metrics(served):
+    """Lookup drafting (on by default with speculation) counts its rounds in /metrics, as the engine does."""
+    server, base = served
+    assert server.engine.lookup == 3
+    body = {"prompt": "abcabcabcabcabcabcabc", "max_tokens": 12, "temperature": 0}
+    assert httpx.post(base + "/v1/completions", json=body).status_code == 200
+    assert server.driver.wait_idle(GUARD_S)
+    text = httpx.get(base + "/metrics").text
+    stats = server.engine.stats
+    assert metric(text, "ds4jax_speculative_lookup_drafts") == stats.lookup_drafts
+    assert metric(text, "ds4jax_speculative_rounds_without_draft_steps") == stats.lookup_skips
+
+
 def _driver_state(server) -> str:
     """What the engine thread is doing, for assertion messages: a timed-out wait then explains itself."""
     waiting, running = server.driver.depth()

@@ -43,6 +43,10 @@ def _greedy(host, prompt: list[int], n: int) -> list[int]:
     return host.engine.generate([Request(prompt=prompt, max_new_tokens=n, stop_ids=(TOK.eos_id,))])[0].tokens
 
 
+def _lookup_counts(host) -> tuple[int, int]:
+    return host.engine.stats.lookup_drafts, host.engine.stats.lookup_skips
+
+
 def _hold_first_tokens(host) -> None:
     """A job's first tokens wait in the engine thread until the job is cancelled (the front end's cancel reached
     the engine process): the cancellation surely happens mid-generation."""
@@ -81,6 +85,11 @@ def test_whole_and_streamed_answers_are_the_engine_s_greedy_tokens(served):
     events = _stream(base, body)
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == TOK.decode(want)
+    # the engine process's lookup-drafting counters reach the front end's /metrics (lookup is on by default)
+    counts = server.driver.call(_lookup_counts, timeout=GUARD_S)
+    text = httpx.get(base + "/metrics").text
+    assert (metric(text, "ds4jax_speculative_lookup_drafts"),
+            metric(text, "ds4jax_speculative_rounds_without_draft_steps")) == counts
 
 
 def test_a_client_that_leaves_is_cancelled_in_the_engine_process(served):
@@ -219,10 +228,10 @@ def test_the_front_end_admits_by_its_own_count_of_waiting_jobs():
     assert driver.depth() == (2, 0)
     with pytest.raises(QueueFull):
         driver.submit([job()])
-    driver._on_batch([], 0, 2, (0, 0))  # the engine runs both
+    driver._on_batch([], 0, 2, (0, 0, 0, 0))  # the engine runs both (stats: compiles, rounds, lookup counts)
     assert driver.depth() == (0, 2)
     driver.submit([job(), job()])
-    driver._on_batch([(first[0].key, "done", GenerateResult(error=None, finish_reason="length"))], 2, 1, (0, 0))
+    driver._on_batch([(first[0].key, "done", GenerateResult(error=None, finish_reason="length"))], 2, 1, (0, 0, 0, 0))
     assert driver.depth() == (2, 1) and first[0].result.ok
     driver.stop_accepting()
     with pytest.raises(NotAccepting):

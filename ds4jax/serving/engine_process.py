@@ -102,7 +102,7 @@ class EngineView:
         self.tspec = types.SimpleNamespace(max_slots=info.max_slots, max_context=info.max_context)
         self.cfg = types.SimpleNamespace(vocab_size=info.vocab_size)
         self.k, self.logprobs, self.steps_per_call = info.k, info.logprobs, info.steps_per_call
-        self.stats = types.SimpleNamespace(compiles_after_warmup=0, spec_rounds=0)
+        self.stats = types.SimpleNamespace(compiles_after_warmup=0, spec_rounds=0, lookup_drafts=0, lookup_skips=0)
 
 
 # ---- the engine process --------------------------------------------------------------------------------------------
@@ -165,7 +165,8 @@ class EngineHost:
             stats = self.engine.stats
             self.send(("batch", [(key, kind, pack_events(value) if kind == "tokens" else value)
                                  for key, kind, value in items], *depth,
-                       (stats.compiles_after_warmup, stats.spec_rounds)))
+                       (stats.compiles_after_warmup, stats.spec_rounds, getattr(stats, "lookup_drafts", 0),
+                        getattr(stats, "lookup_skips", 0))))
 
     def _sink(self, key: int, job: Job) -> Callable[[str, object], None]:
         def sink(kind: str, value) -> None:
@@ -473,7 +474,8 @@ class RemoteDriver:
                     continue
                 got.append((job, kind, value))
             depth = self._depth()
-        self.engine.stats.compiles_after_warmup, self.engine.stats.spec_rounds = stats
+        s = self.engine.stats
+        s.compiles_after_warmup, s.spec_rounds, s.lookup_drafts, s.lookup_skips = stats
         try:
             with self._batch_context():  # one event-loop wake-up for the whole message
                 for job, kind, value in got:

@@ -78,6 +78,10 @@ class ServerMetrics:
         self.spec_rounds = Gauge("ds4jax_speculative_rounds", "Speculative rounds run", registry=r)
         self.spec_accepted = Gauge("ds4jax_speculative_accepted_drafts", "Draft tokens accepted", registry=r)
         self.spec_rate = Gauge("ds4jax_speculative_accepted_per_round", "Mean accepted drafts per round", registry=r)
+        self.lookup_drafts = Gauge("ds4jax_speculative_lookup_drafts", "Request-rounds drafted from the request's own "
+                                   "tokens (lookup drafting)", registry=r)
+        self.lookup_skips = Gauge("ds4jax_speculative_rounds_without_draft_steps", "Speculative rounds whose requests "
+                                  "all drafted by lookup (no draft-model step ran)", registry=r)
         self.ready = Gauge("ds4jax_ready", "1 once the warm-up is done and the server takes requests", registry=r)
         self._accepted = 0
 
@@ -106,6 +110,8 @@ class ServerMetrics:
     def engine_stats(self, stats) -> None:
         self.compiles.set(stats.compiles_after_warmup)
         self.spec_rounds.set(stats.spec_rounds)
+        self.lookup_drafts.set(getattr(stats, "lookup_drafts", 0))
+        self.lookup_skips.set(getattr(stats, "lookup_skips", 0))
         if stats.spec_rounds:
             self.spec_rate.set(self._accepted / stats.spec_rounds)
 
