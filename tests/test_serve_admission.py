@@ -134,10 +134,10 @@ def test_the_engine_process_s_stamps_reach_the_front_end_s_job():
     driver.submit([job])
     message = theirs.recv()
     assert message[0] == "submit" and message[1][0][3] is True  # the engine process is told to trace it
-    driver._on_batch([(job.key, "tokens", engine_process.pack_events([TokenEvent(0, 5, 0)]))], 0, 1, (0, 0))
+    driver._on_batch([(job.key, "tokens", engine_process.pack_events([TokenEvent(0, 5, 0)]))], 0, 1, (0, 0, 0, 0))
     engine_side = {"arrived": 2.0, "handed": 3.0, "first_token": 4.0, "received": 99.0}
     done = GenerateResult(tokens=[5], finish_reason="length")
-    driver._on_batch([(job.key, "trace", engine_side), (job.key, "done", done)], 0, 0, (0, 0))
+    driver._on_batch([(job.key, "trace", engine_side), (job.key, "done", done)], 0, 0, (0, 0, 0, 0))
     assert job.result is done
     assert {k: job.trace[k] for k in ("received", "arrived", "handed", "first_token")} == {
         "received": 1.0, "arrived": 2.0, "handed": 3.0, "first_token": 4.0}
