@@ -97,7 +97,7 @@ def simulate_lookup(seq: np.ndarray, tops: list[np.ndarray] | None, start: int, 
             while a < k and p + 1 + a < len(seq) and seq[p + 1 + a] == proposal[a]:
                 a += 1
         elif tops is not None:
-            a = simulate(np.asarray(seq[: p + k + 2]), tops, p, k, 1)[0] if p + 1 < len(seq) else 0
+            a = simulate(np.asarray(seq[: p + k + 2]), tops, p, k, 1)[0]  # this round's chain alone
         else:
             a = 0
         rounds.append((a, proposal is not None))

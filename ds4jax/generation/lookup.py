@@ -61,7 +61,7 @@ def propose(history: jax.Array, k: int, min_n: int) -> tuple[jax.Array, jax.Arra
     length = match_lengths(history)
     col = jnp.arange(h, dtype=jnp.int32)[None, :]
     # the suffix itself (continuation at column h) is out of range by construction; column h-1 is allowed: its
-    # continuation is the pending token itself, then the proposal repeats (a period of length h-1-c+...)
+    # continuation is the pending token itself, then the proposal repeats (the tokens from c on are a period)
     score = jnp.where(length >= min_n, length * h + col, -1)
     best = jnp.max(score, axis=1)
     found = best >= 0
