@@ -77,11 +77,15 @@ def hlo_scopes(dump_dir, module: str) -> dict[str, str]:
 
 
 def scope_of(name: str, scope: str, scopes: dict[str, str]) -> str:
-    """An event's scope: its own, else the HLO's for its kernel name (`hlo_scopes`; a Pallas kernel's ``__<n>``
-    suffix dropped)."""
-    if scope.strip() or not scopes:
+    """An event's scope: its own, then the HLO's (`hlo_scopes`) for its kernel name (a Pallas kernel's ``__<n>``
+    suffix dropped) and for any instruction its stats name (``hlo_op``: ``loop_fusion.3``). The own scope comes
+    first, so a caller's leftmost match prefers it: where a trace's events name no layer (an H100, jax 0.11.2),
+    the HLO's op_name says which layer ran the kernel."""
+    if not scopes:
         return scope
-    return scopes.get(name) or scopes.get(re.sub(r"__\d+$", "", name), "")
+    keys = [name, re.sub(r"__\d+$", "", name)] + [w.replace(".", "_") for w in scope.split()]
+    found = [scopes[k] for k in dict.fromkeys(keys) if k in scopes]
+    return " ".join([scope] + found)
 
 
 def busy_ns(intervals) -> int:

@@ -65,16 +65,20 @@ def traced(run) -> tuple[list, float]:
 def summary(events, units: int, wall: float, scopes: dict[str, str] | None = None) -> dict:
     """Per unit (step / round): wall, busy time, kernels, and kernels / busy time per group (`group_of` the event's
     scope, or the scope the optimized HLO gives its kernel name: `device_trace.hlo_scopes`)."""
-    busy, count = collections.Counter(), collections.Counter()
+    busy, count, unnamed = collections.Counter(), collections.Counter(), collections.Counter()
     for name, a, b, scope in events:
         g = group_of(device_trace.scope_of(name, scope, scopes or {}))
         busy[g] += b - a
         count[g] += 1
+        if g == "other":
+            unnamed[f"{name} |{scope.strip()[:120]}"] += 1
     return {"units": units, "wall_ms": wall / units * 1e3,
             "busy_ms": device_trace.busy_ns((a, b) for _, a, b, _ in events) / units / 1e6,
             "kernels": len(events) / units,
             "groups": {g: {"kernels": count[g] / units, "busy_us": busy[g] / units / 1e3}
-                       for g in sorted(count, key=lambda g: -busy[g])}}
+                       for g in sorted(count, key=lambda g: -busy[g])},
+            # the commonest kernels left in `other`, with the scope their events carried: what to name next
+            "other_kernels": {k: v / units for k, v in unnamed.most_common(25)}}
 
 
 def main(argv=None) -> int:

@@ -50,9 +50,12 @@ def test_kernels_without_a_scope_take_it_from_the_optimized_hlo(tmp_path):
         HLO.replace("layer1+2j_csa", "layer5_hca"))
     scopes = device_trace.hlo_scopes(tmp_path, "speculative_loop")
     events = [("loop_fusion_3", 0, 10, ""), ("input_reduce_fusion_12", 10, 30, ""), ("grouped_matmul__1", 30, 60, ""),
-              ("sm90_xmma_gemm", 60, 70, ""), ("loop_fusion_3", 70, 80, " layer4_sliding/x")]  # its own scope wins
-    got = spec_anatomy.summary(events, units=1, wall=1.0, scopes=scopes)["groups"]
-    assert {g: v["kernels"] for g, v in got.items()} == {"draft": 1, "target/layer1+2j_csa": 1,
-                                                         "target/layer2_hca": 1, "other": 1,
-                                                         "target/layer4_sliding": 1}
+              ("sm90_xmma_gemm", 60, 70, ""), ("loop_fusion_3", 70, 80, " layer4_sliding/x"),  # its own scope wins
+              # a library kernel whose event names its instruction (an `hlo_op` stat) but no layer
+              ("sm90_xmma_gemm", 80, 90, " input_reduce_fusion.12 jit(speculative_loop)")]
+    summary = spec_anatomy.summary(events, units=1, wall=1.0, scopes=scopes)
+    assert {g: v["kernels"] for g, v in summary["groups"].items()} == {"draft": 1, "target/layer1+2j_csa": 2,
+                                                                       "target/layer2_hca": 1, "other": 1,
+                                                                       "target/layer4_sliding": 1}
+    assert summary["other_kernels"] == {"sm90_xmma_gemm |": 1}  # what stayed unnamed, to name next
     assert device_trace.hlo_scopes(tmp_path, "nothing_here") == {}
