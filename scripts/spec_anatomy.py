@@ -65,20 +65,25 @@ def traced(run) -> tuple[list, float]:
 def summary(events, units: int, wall: float, scopes: dict[str, str] | None = None) -> dict:
     """Per unit (step / round): wall, busy time, kernels, and kernels / busy time per group (`group_of` the event's
     scope, or the scope the optimized HLO gives its kernel name: `device_trace.hlo_scopes`)."""
-    busy, count, unnamed = collections.Counter(), collections.Counter(), collections.Counter()
+    busy, count = collections.Counter(), collections.Counter()
+    unnamed, unnamed_ns = collections.Counter(), collections.Counter()
     for name, a, b, scope in events:
-        g = group_of(device_trace.scope_of(name, scope, scopes or {}))
+        resolved = device_trace.scope_of(name, scope, scopes or {})
+        g = group_of(resolved)
         busy[g] += b - a
         count[g] += 1
         if g == "other":
-            unnamed[f"{name} |{scope.strip()[:120]}"] += 1
+            key = f"{name} |{resolved.strip()[-160:]}"
+            unnamed[key] += 1
+            unnamed_ns[key] += b - a
     return {"units": units, "wall_ms": wall / units * 1e3,
             "busy_ms": device_trace.busy_ns((a, b) for _, a, b, _ in events) / units / 1e6,
             "kernels": len(events) / units,
             "groups": {g: {"kernels": count[g] / units, "busy_us": busy[g] / units / 1e3}
                        for g in sorted(count, key=lambda g: -busy[g])},
-            # the commonest kernels left in `other`, with the scope their events carried: what to name next
-            "other_kernels": {k: v / units for k, v in unnamed.most_common(25)}}
+            # the kernels left in `other` that take the most time, with their scopes (the event's, then the HLO's):
+            # [kernels, busy us] per unit
+            "other_kernels": {k: [unnamed[k] / units, v / units / 1e3] for k, v in unnamed_ns.most_common(40)}}
 
 
 def main(argv=None) -> int:

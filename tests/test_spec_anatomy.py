@@ -57,5 +57,5 @@ def test_kernels_without_a_scope_take_it_from_the_optimized_hlo(tmp_path):
     assert {g: v["kernels"] for g, v in summary["groups"].items()} == {"draft": 1, "target/layer1+2j_csa": 2,
                                                                        "target/layer2_hca": 1, "other": 1,
                                                                        "target/layer4_sliding": 1}
-    assert summary["other_kernels"] == {"sm90_xmma_gemm |": 1}  # what stayed unnamed, to name next
+    assert summary["other_kernels"] == {"sm90_xmma_gemm |": [1, 0.01]}  # what stayed unnamed, to name next
     assert device_trace.hlo_scopes(tmp_path, "nothing_here") == {}
