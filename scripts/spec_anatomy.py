@@ -1,8 +1,9 @@
 """Where a speculative round's device time goes, against a plain decode step: one profiler trace each of the
 trained default model generating at batch 1 through a warmed-up `ds4jax.Engine` (plain, then fixed k), the
-device's kernels grouped by the op scope XLA records with them: the draft (`draft/...`), each target layer
-(`target/layer<i>_<kind>`, or `target/layer<i>+<n>j_<kind>` for a scanned unit's body), and the rest (sampling,
-acceptance, pool commits, the loop itself).
+device's kernels grouped by the op scope XLA records with them: the draft's steps (`draft_step/...`, the MTP
+block and its head), each target layer (`target/layer<i>_<kind>`, or `target/layer<i>+<n>j_<kind>` for a scanned
+unit's body), the rest of a target step (`target_step/...`: the embedding, the pools' geometry, the head), and the
+rest (sampling, acceptance, pool commits, the loop itself).
 
 Per plain decode step and per speculative round: device busy ms, kernels, and kernels / busy us per group; the
 wall ms per step / round of the same runs. Greedy speculative tokens must equal plain (fp32): exit 1 otherwise.
@@ -42,8 +43,8 @@ _GROUP = re.compile(r"draft|layer\d+(?:\+\d+j)?_[a-z]+")
 
 def group_of(scope: str) -> str:
     m = _GROUP.search(scope)
-    if m is None:
-        return "other"
+    if m is None:  # a target step's own ops outside its layers (`steps._step`'s scope)
+        return "target/head, embedding, geometry" if "target_step" in scope else "other"
     return "draft" if m.group(0) == "draft" else "target/" + m.group(0)
 
 

@@ -125,7 +125,8 @@ def scope(op_name: str, depth: int) -> str:
     """`jit(step)/while/body/target/layer1+2j_csa/attention/...` -> `layer1+2j_csa/attention` (depth parts from the
     layer scope on; outside the layers, the first parts after the jit and control-flow prefixes)."""
     parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "pjit(")) and p not in
-             ("while", "body", "cond", "checkpoint", "remat", "closed_call", "target")]
+             ("while", "body", "cond", "checkpoint", "remat", "closed_call", "target", "target_step",
+              "draft_step")]
     for i, p in enumerate(parts):
         if p.startswith("layer"):
             return "/".join(parts[i:i + depth])

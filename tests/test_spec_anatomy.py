@@ -23,6 +23,10 @@ def test_groups_name_unrolled_layers_and_scanned_bodies():
     assert spec_anatomy.group_of(f"{hca}/indexer/reduce_max") == f"target/{hca}"  # a scan body's op
     assert spec_anatomy.group_of("jit(speculative_loop)/while/body/draft/mtp/layer0_sliding/dot") == "draft"
     assert spec_anatomy.group_of("jit(decode_loop)/while/body/argmax") == "other"
+    # a step's ops outside its layers: the draft's under its step's scope, the target's in a group of their own
+    assert spec_anatomy.group_of("jit(speculative_loop)/while/body/draft_step/dot_general") == "draft"
+    assert spec_anatomy.group_of("jit(decode_loop)/while/body/target_step/dot_general") == \
+        "target/head, embedding, geometry"
 
 
 _BODY = "jit(speculative_loop)/while/body/"
