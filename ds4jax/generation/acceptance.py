@@ -20,7 +20,12 @@ def accept_greedy(drafts: jax.Array, target_logits: jax.Array, limit: jax.Array 
     """drafts [b, k], target_logits [b, k+1, v]: accept the longest prefix equal to the target's argmax.
 
     limit [b] (optional): accept at most limit[b] drafts (a request speculating with fewer than k)."""
-    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, k+1]
+    return accept_choices(drafts, jnp.argmax(target_logits, axis=-1).astype(jnp.int32), limit)
+
+
+def accept_choices(drafts: jax.Array, choice: jax.Array, limit: jax.Array | None = None) -> Acceptance:
+    """`accept_greedy` from the target's argmax tokens `choice` [b, k+1] (a caller that needs them too computes
+    them once)."""
     match = drafts == choice[:, :-1]
     if limit is not None:
         match = match & (jnp.arange(drafts.shape[1])[None, :] < limit[:, None])

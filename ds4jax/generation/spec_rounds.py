@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.generation import lookup as lookup_mod
-from ds4jax.generation.acceptance import accept_greedy, accept_sampled
+from ds4jax.generation.acceptance import accept_choices, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
 from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, branch_on_greedy, cheaper_when, filter_logits,
                                        none_sample, token_keys, token_logprobs)
@@ -195,10 +195,11 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
     # a budget's end: emit at most `limit` tokens this call, so accept at most remaining - 1 drafts this round
     remaining = rows.limit - (c.n_out - rows.n_out)
     cap = jnp.where(pending > 0, n_force, jnp.minimum(rows.k_cap, jnp.maximum(remaining - 1, 0)))
-    by_match = accept_greedy(drafts, verify.logits, cap)
+    choice = jnp.argmax(verify.logits, axis=-1).astype(jnp.int32)  # [b, k+1] the target's greedy tokens
+    by_match = accept_choices(drafts, choice, cap)
     # forced rows: exactly n_force drafts accepted; the token after them from the target at that position
     at = lambda x: jnp.take_along_axis(x, n_force[:, None, None], axis=1)[:, 0]
-    greedy_after = jnp.argmax(at(verify.logits), axis=-1).astype(jnp.int32)
+    greedy_after = jnp.take_along_axis(choice, n_force[:, None], axis=1)[:, 0]
 
     def sampled():
         t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
