@@ -87,28 +87,6 @@ def summary(events, units: int, wall: float, scopes: dict[str, str] | None = Non
             "other_kernels": {k: [unnamed[k] / units, v / units / 1e3] for k, v in unnamed_ns.most_common(40)}}
 
 
-def launch_sources(dump_dir, module: str) -> dict:
-    """The launching instructions of the module's last optimized HLO outside the layers (the draft's included),
-    counted by the ds4jax source line that made them (`step_kernels.launches`): which lines of the loop and the
-    round the `other` group's kernels come from."""
-    import glob
-
-    import step_kernels
-
-    paths = [p for p in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")))
-             if module in os.path.basename(p)]
-    if not paths:
-        return {}
-    res = step_kernels.launches(open(paths[-1]).read(), depth=3)
-    count = collections.Counter()
-    for comp in res["computations"].values():
-        for item in comp["items"]:
-            if not item["scope"].startswith("layer"):
-                count[f"{item['kind']} {item['scope']} {item['source']}"] += 1
-    return {"file": os.path.basename(paths[-1]), "by_layer": res["by_layer"],
-            "outside_layers": dict(count.most_common())}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -162,14 +140,12 @@ def main(argv=None) -> int:
     plain, spec = box["plain"][0], box["spec"][0]
     scopes = {m: device_trace.hlo_scopes(dump, m) if args.hlo_scopes else {} for m in ("decode_loop",
                                                                                        "speculative_loop")}
-    sources = {m: launch_sources(dump, m) for m in ("decode_loop", "speculative_loop")} if args.hlo_scopes else {}
     shutil.rmtree(dump, ignore_errors=True)
     rounds = len(spec.accepted_per_round or [])
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "k": args.k, "new_tokens": args.new,
            "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall, scopes["decode_loop"]),
            "spec_round": summary(spec_events, max(rounds, 1), spec_wall, scopes["speculative_loop"]),
-           "hlo_scope_kernels": {m: len(v) for m, v in scopes.items()}, "launch_sources": sources,
-           "prompt": args.heldout,
+           "hlo_scope_kernels": {m: len(v) for m, v in scopes.items()}, "prompt": args.heldout,
            "lookup": args.lookup, "lookup_skips": engine.stats.lookup_skips,
            "rounds": rounds, "mean_accepted": sum(spec.accepted_per_round or [0]) / max(rounds, 1),
            "equal": plain.tokens == spec.tokens == plain_ref[0].tokens == spec_ref[0].tokens,
