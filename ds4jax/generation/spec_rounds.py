@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from ds4jax.generation import lookup as lookup_mod
 from ds4jax.generation.acceptance import accept_choices, accept_sampled
 from ds4jax.generation.loops import MAX_FORCED, Rows, SlotState, is_stop, logprob_buffers, set_rows
-from ds4jax.generation.sampling import (KEY_IMPL, TokenLogprobs, branch_on_greedy, cheaper_when, filter_logits,
+from ds4jax.generation.sampling import (TokenLogprobs, branch_on_greedy, cheaper_when, filter_logits,
                                        none_sample, token_keys, token_logprobs)
 from ds4jax.runtime import steps
 from ds4jax.runtime.data_parallel import rows_over_data
@@ -89,7 +89,6 @@ class Chain(NamedTuple):
     pending: jax.Array  # [B] forced tokens still to emit
     n_force: jax.Array  # [B] forced tokens in this round's drafts
     greedy_only: jax.Array  # [] no running row samples: drafts and acceptance skip the sampling machinery
-    chain_keys: jax.Array  # [B, k+1] per-position keys (k: the acceptance draws); placeholders when greedy_only
     looked: jax.Array | None = None  # [B] rows whose drafts came from their history (lookup on)
     skipped: jax.Array | None = None  # [] whether the MTP chain's draft steps were skipped (lookup on)
 
@@ -105,14 +104,12 @@ def _forced_at(rows: Rows, fp, j):
     return jnp.take_along_axis(rows.forced, idx[:, None], axis=1)[:, 0]
 
 
-def round_keys(rows: Rows, n_out, k: int, greedy_only: jax.Array) -> jax.Array:
-    """[B, k+1] typed keys of a round (position j < k: draft j's draw; k: the acceptance draws), from each request's
-    seed and tokens emitted so far: derived once per round, and not at all when no row samples (`cheaper_when`;
-    the all-greedy round gets placeholder keys that nothing reads)."""
-    derived = lambda: jax.vmap(lambda kk: jax.random.split(kk, k + 1))(token_keys(rows.key_data, n_out))  # noqa: E731
-    unused = lambda: jax.random.wrap_key_data(  # noqa: E731  (the same key type as `derived`: cond needs it)
-        jnp.zeros((rows.key_data.shape[0], k + 1, rows.key_data.shape[-1]), rows.key_data.dtype), impl=KEY_IMPL)
-    return cheaper_when(greedy_only, unused, derived)
+def round_key(rows: Rows, n_out, k: int, j: int) -> jax.Array:
+    """[B] typed keys of a round's position j (j < k: draft j's draw; k: the acceptance draws), from each request's
+    seed and tokens emitted so far. Derived inside the branches a sampling row takes (each proposal's draw, the
+    acceptance), so an all-greedy round derives none and takes no conditional for them: a conditional is a node
+    of its own in the loop's command-buffer graph (docs/benchmarks/spec_anatomy_h100_dab9779/)."""
+    return jax.vmap(lambda kk: jax.random.split(kk, k + 1)[j])(token_keys(rows.key_data, n_out))
 
 
 def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels, lookup: int = 0) -> tuple[Chain, object]:
@@ -129,14 +126,13 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels, lo
     # target says; the token after them is the target's (greedy: its argmax; sampled: drawn from p itself)
     pending = jnp.maximum(rows.n_forced - c.fp, 0)  # [b]
     greedy_only = none_sample(rows.temperature, ~c.done)
-    chain_keys = round_keys(rows, c.n_out, k, greedy_only)
 
     def propose(logits, j):
         top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
         def drawn():
             logp = filter_logits(logits, safe_t, rows.top_p, rows.top_k)
-            tok = jax.vmap(jax.random.categorical)(chain_keys[:, j], logp).astype(jnp.int32)
+            tok = jax.vmap(jax.random.categorical)(round_key(rows, c.n_out, k, j), logp).astype(jnp.int32)
             return jnp.where(greedy, top, tok), logp
 
         # all greedy: the log-probabilities are never read (acceptance takes the same branch), zeros stand in
@@ -175,7 +171,7 @@ def draft_chain(params, c: RoundCarry, rows: Rows, *, cfg, dspec, k, kernels, lo
         skipped = skipped & branch_on_greedy()  # what the stats count: rounds that really ran no draft step
     else:
         drafts, draft_logps, dpool = mtp_chain(c.dpool, c.draft_stream)
-    chain = Chain(drafts, draft_logps, pending, jnp.minimum(pending, k), greedy_only, chain_keys, looked, skipped)
+    chain = Chain(drafts, draft_logps, pending, jnp.minimum(pending, k), greedy_only, looked, skipped)
     return chain, dpool.replace(lengths=draft_len)
 
 
@@ -203,7 +199,7 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
 
     def sampled():
         t_logp = filter_logits(verify.logits, safe_t[:, None], rows.top_p[:, None], rows.top_k[:, None])
-        key = chain.chain_keys[:, k]  # the acceptance draws' key
+        key = round_key(rows, c.n_out, k, k)  # the acceptance draws' key
         by_sample = accept_sampled(drafts, chain.draft_logps, t_logp, key, cap)
         after = jax.vmap(jax.random.categorical)(key, at(t_logp)).astype(jnp.int32)
         return (jnp.where(greedy, by_match.accepted, by_sample.accepted),
