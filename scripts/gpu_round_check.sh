@@ -5,9 +5,8 @@
 #   branch     scripts/bench_engine.py, default model plain and k=3 at batch 1 and 8, with DS4JAX_GREEDY_BRANCH=off
 #              then on (the greedy batches' skip of the sampling machinery, issue 23), a fresh process each
 #   serve      scripts/bench_serve.py in process: 1, 8, 32, 64 clients, burst and sustained (issue 25)
-#   anatomy    scripts/spec_anatomy.py: a speculative round vs a plain step, kernels by scope (issue 23), as set
-#              and with command buffers off (every kernel in the trace: the H100 trace at the default setting showed
-#              37 kernels per step, fewer than the model's layers launch)
+#   anatomy    scripts/spec_anatomy.py: a speculative round vs a plain step (issue 23), command buffers on with the
+#              greedy branch on and off (wall per step / round), then off (every kernel in the trace, by group)
 #   startup    scripts/bench_compile.py --parts engine,cli: default-model warm-up and CLI first token, cold and
 #              cached in new processes (issue 22)
 #   serve_ep   bench_serve.py with --engine-process
@@ -41,8 +40,11 @@ part branch "${1:-150}" bash -c 'for b in off on; do DS4JAX_COMPILATION_CACHE=/t
     --out "$OUT/branch/greedy_branch"'
 part serve "${2:-120}" python3 scripts/bench_serve.py --out "$OUT/serve" --name serve_in_process --in-process \
     --clients 1,8,32,64 --requests-per-client 4 --repeats 2
-part anatomy "${3:-100}" bash -c 'python3 scripts/spec_anatomy.py --out "$OUT/anatomy/auto";
-    python3 scripts/spec_anatomy.py --out "$OUT/anatomy/off" --command-buffers off'
+# (the wall per step and per round with command buffers on, the greedy branch on and off: what its conditionals
+# cost; then every kernel, by group, with command buffers off: docs/benchmarks/spec_anatomy_h100_dab9779/)
+part anatomy "${3:-100}" bash -c 'for b in on off; do DS4JAX_GREEDY_BRANCH=$b python3 scripts/spec_anatomy.py \
+    --heldout 1 --no-hlo-scopes --out "$OUT/anatomy/auto_branch_$b"; done
+    python3 scripts/spec_anatomy.py --heldout 1 --out "$OUT/anatomy/off" --command-buffers off'
 part startup "${4:-110}" python3 scripts/bench_compile.py --parts engine,cli --engine-models default \
     --deadline-s $(( ${4:-110} - 25 )) --out "$OUT/startup/startup.json"
 part serve_ep "${5:-0}" python3 scripts/bench_serve.py --out "$OUT/serve_ep" --name serve_engine_process \
