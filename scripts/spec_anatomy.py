@@ -2,8 +2,9 @@
 trained default model generating at batch 1 through a warmed-up `ds4jax.Engine` (plain, then fixed k), the
 device's kernels grouped by the op scope XLA records with them: the draft's steps (`draft_step/...`, the MTP
 block and its head), each target layer (`target/layer<i>_<kind>`, or `target/layer<i>+<n>j_<kind>` for a scanned
-unit's body), the rest of a target step (`target_step/...`: the embedding, the pools' geometry, the head), and the
-rest (sampling, acceptance, pool commits, the loop itself).
+unit's body), a target step's own ops (`target_step/...`: the embedding, the pools' geometry, the head), and
+everything else (sampling, acceptance, pool commits, the loop itself: `other`, whose costliest kernels the JSON
+lists by name as `other_kernels`).
 
 Per plain decode step and per speculative round: device busy ms, kernels, and kernels / busy us per group; the
 wall ms per step / round of the same runs. Greedy speculative tokens must equal plain (fp32): exit 1 otherwise.
