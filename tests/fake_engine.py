@@ -21,7 +21,7 @@ class FakeEngine:
         self.cfg = types.SimpleNamespace(vocab_size=ByteTokenizer.VOCAB_SIZE)
         self.k, self.logprobs, self.steps_per_call = 0, 0, 1
         self.tokenizer = ByteTokenizer()
-        self.stats = types.SimpleNamespace(compiles_after_warmup=0, spec_rounds=0)
+        self.stats = types.SimpleNamespace(compiles_after_warmup=0, spec_rounds=0, lookup_drafts=0, lookup_skips=0)
 
     def warmup(self):
         return types.SimpleNamespace(programs=(), compiles=0)

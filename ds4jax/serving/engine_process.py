@@ -165,8 +165,7 @@ class EngineHost:
             stats = self.engine.stats
             self.send(("batch", [(key, kind, pack_events(value) if kind == "tokens" else value)
                                  for key, kind, value in items], *depth,
-                       (stats.compiles_after_warmup, stats.spec_rounds, getattr(stats, "lookup_drafts", 0),
-                        getattr(stats, "lookup_skips", 0))))
+                       (stats.compiles_after_warmup, stats.spec_rounds, stats.lookup_drafts, stats.lookup_skips)))
 
     def _sink(self, key: int, job: Job) -> Callable[[str, object], None]:
         def sink(kind: str, value) -> None:

@@ -110,8 +110,8 @@ class ServerMetrics:
     def engine_stats(self, stats) -> None:
         self.compiles.set(stats.compiles_after_warmup)
         self.spec_rounds.set(stats.spec_rounds)
-        self.lookup_drafts.set(getattr(stats, "lookup_drafts", 0))
-        self.lookup_skips.set(getattr(stats, "lookup_skips", 0))
+        self.lookup_drafts.set(stats.lookup_drafts)
+        self.lookup_skips.set(stats.lookup_skips)
         if stats.spec_rounds:
             self.spec_rate.set(self._accepted / stats.spec_rounds)
 
