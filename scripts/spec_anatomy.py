@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     if args.command_buffers:  # before ds4jax's import sets XLA_FLAGS from it
         os.environ["DS4JAX_COMMAND_BUFFERS"] = args.command_buffers
     # (a temporary folder: XLA dumps thousands of files there, LLVM IR included; only the HLO text is read)
-    dump = tempfile.mkdtemp(prefix="spec_anatomy_hlo_")
-    if args.hlo_scopes:  # before the backend starts: the optimized HLO of the two loops, to map kernels to scopes
+    dump = tempfile.mkdtemp(prefix="spec_anatomy_hlo_") if args.hlo_scopes else None
+    if dump:  # before the backend starts: the optimized HLO of the two loops, to map kernels to scopes
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
                                    "--xla_dump_hlo_module_re=.*(decode_loop|speculative_loop).*").strip()
     import ds4jax
@@ -139,9 +139,9 @@ def main(argv=None) -> int:
     plain_events, plain_wall = traced(lambda: box.__setitem__("plain", engine.generate(req(0))))
     spec_events, spec_wall = traced(lambda: box.__setitem__("spec", engine.generate(req(args.k))))
     plain, spec = box["plain"][0], box["spec"][0]
-    scopes = {m: device_trace.hlo_scopes(dump, m) if args.hlo_scopes else {} for m in ("decode_loop",
-                                                                                       "speculative_loop")}
-    shutil.rmtree(dump, ignore_errors=True)
+    scopes = {m: device_trace.hlo_scopes(dump, m) if dump else {} for m in ("decode_loop", "speculative_loop")}
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     rounds = len(spec.accepted_per_round or [])
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "k": args.k, "new_tokens": args.new,
            "plain_step": summary(plain_events, len(plain.tokens) - 1, plain_wall, scopes["decode_loop"]),
