@@ -3,8 +3,9 @@ trained default model generating at batch 1 through a warmed-up `ds4jax.Engine` 
 device's kernels grouped by the op scope XLA records with them: the draft's steps (`draft_step/...`, the MTP
 block and its head), each target layer (`target/layer<i>_<kind>`, or `target/layer<i>+<n>j_<kind>` for a scanned
 unit's body), a target step's own ops (`target_step/...`: the embedding, the pools' geometry, the head), and
-everything else (sampling, acceptance, pool commits, the loop itself: `other`, whose costliest kernels the JSON
-lists by name as `other_kernels`).
+a round's own work outside the steps (`round: proposals, lookup` and `round: acceptance, emit, bookkeeping`, by
+`spec_rounds`' two scopes), and everything else (a plain step's sampling, the loop itself, a call's first and last
+work: `other`). The kernels outside the steps are listed by name, costliest first, as `other_kernels`.
 
 Per plain decode step and per speculative round: device busy ms, kernels, and kernels / busy us per group; the
 wall ms per step / round of the same runs. Greedy speculative tokens must equal plain (fp32): exit 1 otherwise.
@@ -42,10 +43,19 @@ import device_trace
 _GROUP = re.compile(r"draft|layer\d+(?:\+\d+j)?_[a-z]+")
 
 
+# a round's own work outside the steps, by the scopes `spec_rounds._round` puts it under (its PROPOSE_SCOPE and
+# ACCEPT_SCOPE, spelled out: importing ds4jax here would set XLA_FLAGS before --command-buffers is read)
+ROUND_GROUPS = {"round_propose": "round: proposals, lookup", "round_accept": "round: acceptance, emit, bookkeeping"}
+# the groups whose kernels the JSON lists by name (`other_kernels`): everything outside the steps
+UNNAMED = ("other", *ROUND_GROUPS.values())
+
+
 def group_of(scope: str) -> str:
     m = _GROUP.search(scope)
-    if m is None:  # a target step's own ops outside its layers (`steps._step`'s scope)
-        return "target/head, embedding, geometry" if "target_step" in scope else "other"
+    if m is None:  # a target step's own ops outside its layers (`steps._step`'s scope), a round's, the loop's
+        if "target_step" in scope:
+            return "target/head, embedding, geometry"
+        return next((g for s, g in ROUND_GROUPS.items() if s in scope), "other")
     return "draft" if m.group(0) == "draft" else "target/" + m.group(0)
 
 
@@ -74,7 +84,7 @@ def summary(events, units: int, wall: float, scopes: dict[str, str] | None = Non
         g = group_of(resolved)
         busy[g] += b - a
         count[g] += 1
-        if g == "other":
+        if g in UNNAMED:
             key = f"{name} |{resolved.strip()[-160:]}"
             unnamed[key] += 1
             unnamed_ns[key] += b - a
@@ -83,9 +93,9 @@ def summary(events, units: int, wall: float, scopes: dict[str, str] | None = Non
             "kernels": len(events) / units,
             "groups": {g: {"kernels": count[g] / units, "busy_us": busy[g] / units / 1e3}
                        for g in sorted(count, key=lambda g: -busy[g])},
-            # the kernels left in `other` that take the most time, with their scopes (the event's, then the HLO's):
-            # [kernels, busy us] per unit
-            "other_kernels": {k: [unnamed[k] / units, v / units / 1e3] for k, v in unnamed_ns.most_common(40)}}
+            # the kernels outside the steps (`other` and a round's own groups) that take the most time, with their
+            # scopes (the event's, then the HLO's): [kernels, busy us] per unit
+            "other_kernels": {k: [unnamed[k] / units, v / units / 1e3] for k, v in unnamed_ns.most_common(80)}}
 
 
 def main(argv=None) -> int:

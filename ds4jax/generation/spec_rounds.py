@@ -33,6 +33,11 @@ from ds4jax.runtime.data_parallel import rows_over_data
 from ds4jax.runtime.roles import Role
 from ds4jax.runtime.executable_cache import cached_jit
 
+# op scopes of a round's two phases outside the steps (profiles group kernels by them; neither may contain "draft"
+# or "layer", which name the steps' own groups in scripts/spec_anatomy.py)
+PROPOSE_SCOPE = "round_propose"  # the draft chain: proposals (argmax / draws), lookup, the draft pool's roll-back
+ACCEPT_SCOPE = "round_accept"  # acceptance, the draft extend's inputs, emitting, the carry's bookkeeping
+
 
 class SpecOut(NamedTuple):
     tokens: jax.Array  # [B, M * (k+1)] emitted tokens in order (-1 = none)
@@ -257,13 +262,17 @@ def settle(params, c: RoundCarry, rows: Rows, chain: Chain, verify: steps.StepOu
 
 
 def _round(params, c: RoundCarry, rows: Rows, *, cfg, tspec, dspec, k, kernels, lookup: int = 0) -> RoundCarry:
-    """One round on one program: draft chain -> verify k+1 positions -> settle."""
-    chain, dpool = draft_chain(params, c, rows, cfg=cfg, dspec=dspec, k=k, kernels=kernels, lookup=lookup)
+    """One round on one program: draft chain -> verify k+1 positions -> settle. The chain and the settling run
+    under scopes of their own (``round_propose``, ``round_accept``) so that a profile tells their kernels apart
+    from the loop's (scripts/spec_anatomy.py groups by them; the draft steps inside stay ``draft_step``)."""
+    with jax.named_scope(PROPOSE_SCOPE):
+        chain, dpool = draft_chain(params, c, rows, cfg=cfg, dspec=dspec, k=k, kernels=kernels, lookup=lookup)
     c = c._replace(dpool=dpool)
     target_len = c.tpool.lengths
     verify, tpool = steps.step(params, c.tpool, chain.verify_batch(c, rows), None, cfg=cfg, spec=tspec,
                                 role=Role.TARGET, logits=steps.Logits.ALL, kernels=kernels)
-    c, lengths = settle(params, c, rows, chain, verify, target_len, cfg=cfg, dspec=dspec, k=k, kernels=kernels)
+    with jax.named_scope(ACCEPT_SCOPE):
+        c, lengths = settle(params, c, rows, chain, verify, target_len, cfg=cfg, dspec=dspec, k=k, kernels=kernels)
     return c._replace(tpool=tpool.replace(lengths=lengths))
 
 
