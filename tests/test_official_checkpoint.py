@@ -214,3 +214,21 @@ def test_default_model_quantizes(tmp_path):
     ids = np.arange(32)[None] % model.config.vocab_size
     a, b = (np.asarray(ds4jax.forward_logits(m, ids), np.float64).ravel() for m in (quantized, model))
     assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99  # measured 0.9976 over 64 positions
+
+
+
+
+@pytest.mark.parametrize("weights", ["bf16", "checkpoint"])
+def test_loading_lifts_no_array_through_a_program(official, weights):
+    """Each leaf goes to the device as a transfer when it is read: `jnp.asarray` of a numpy array compiles an
+    identity program (`jit(stage)`) per shape in jax 0.10+, dozens of compiles before a first token. (Stacking a
+    scanned model's layers still compiles one small `jit(stack)` per leaf shape.)"""
+    from ds4jax.generation import compiles
+
+    _, directory = official
+    jax.clear_caches()  # programs this process compiled earlier count again (a cache hit is counted as a compile)
+    before = compiles.program_compiles()
+    model = ds4jax.load(directory, jnp.float32, weights=weights)
+    compiled = compiles.program_compiles() - before
+    assert set(compiled) <= {"jit(stack)"}, compiled
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(model.params))  # on the device

@@ -94,7 +94,9 @@ def _load_leaf(leaf: Leaf, locs: dict[str, Loc], cfg: Config, block: tuple[int, 
         if leaf.integer:
             check_tid2eid(a, loc, cfg)
         out = np.ascontiguousarray(_to_layout(a, leaf.layout, leaf.target).astype(np_dtype))
-    return jnp.asarray(out)
+    # a transfer, not `jnp.asarray`: in jax 0.10+ that lifts a numpy array through an identity program compiled
+    # once per shape (a checkpoint's leaves have dozens of shapes: as many compiles before the first token)
+    return jax.device_put(out)
 
 
 

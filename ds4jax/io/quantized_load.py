@@ -14,6 +14,7 @@ bytes); FP4 scales stay E8M0 bytes, which the kernels decode.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -76,6 +77,7 @@ def load_quantized(leaf: Leaf, locs: dict[str, Loc], fmt: Format, block: tuple[i
     else:
         (values, scales), = parts
     values, scales = np.ascontiguousarray(values), np.ascontiguousarray(scales)
+    put = jax.device_put  # a transfer; `jnp.asarray` would compile an identity program per shape (checkpoint.py)
     if fmt is Format.FP8:
-        return QuantizedWeight(jnp.asarray(values.view(fp8_dtype)), jnp.asarray(scales), fmt, (block[1], block[0]))
-    return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), fmt, FP4_BLOCK)
+        return QuantizedWeight(put(values.view(fp8_dtype)), put(scales), fmt, (block[1], block[0]))
+    return QuantizedWeight(put(values), put(scales), fmt, FP4_BLOCK)

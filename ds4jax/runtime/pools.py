@@ -118,7 +118,7 @@ def reset_slots(pool: KVPool, slots: Iterable[int]) -> KVPool:
     """`pool` with `slots` emptied; `pool` is donated (use the returned pool only)."""
     mask = np.zeros(pool.lengths.shape[0], bool)
     mask[list(slots)] = True
-    return _reset(pool, jnp.asarray(mask))
+    return _reset(pool, mask)  # numpy into the jit: a transfer (jnp.asarray would compile an identity program)
 
 
 @jax.jit
@@ -238,4 +238,4 @@ class PoolBook:
 
             return pool.replace(page_table=put(table, pool.page_table.sharding),
                                 lengths=put(lengths, pool.lengths.sharding))
-        return _set_rows(pool, jnp.asarray(table), jnp.asarray(lengths))
+        return _set_rows(pool, table, lengths)  # numpy into the jit: transfers, no identity programs
