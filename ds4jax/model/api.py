@@ -14,6 +14,8 @@ from ds4jax.model.inputs import check_token_ids
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg, params, token_ids):
+    if token_ids.ndim == 1:  # one sequence: its batch axis added and dropped inside the program (each of those
+        return _model.forward(cfg, params, token_ids[None])[0]  # outside it would compile a program per shape)
     return _model.forward(cfg, params, token_ids)
 
 
@@ -25,8 +27,8 @@ def forward_logits(model: Model, token_ids) -> jax.Array:
     ensure_compilation_cache()
     if isinstance(token_ids, jax.core.Tracer):
         ids = jnp.asarray(token_ids, jnp.int32)
-    else:
-        ids = jnp.asarray(check_token_ids(token_ids, model.config.vocab_size))
+    else:  # numpy until the program: `jnp.asarray` of numpy compiles an identity program per shape (jax 0.10+)
+        ids = check_token_ids(token_ids, model.config.vocab_size)
         if ids.ndim not in (1, 2):
             raise ArgumentError("must be [tokens] or [batch, tokens]", name="token_ids", value=ids.shape)
         if ids.shape[-1] > model.config.max_position_embeddings:
@@ -34,6 +36,4 @@ def forward_logits(model: Model, token_ids) -> jax.Array:
                                 name="token_ids", value=ids.shape)
     if model.layout is not None:  # placed on a mesh (runtime floor; duck-typed to keep imports downward)
         return model.layout.forward_logits(model, ids)
-    if ids.ndim == 1:
-        return _forward(model.config, model.params, ids[None])[0]
     return _forward(model.config, model.params, ids)

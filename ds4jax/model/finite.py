@@ -29,7 +29,7 @@ def _finite_per_stage(cfg, params, token_ids):
 
 def first_nonfinite(model: Model, token_ids) -> str | None:
     """Name of the first stage ("embedding", "layer i", "logits") whose output holds NaN/Inf, or None."""
-    ids = jnp.asarray(np.asarray(token_ids, np.int32).reshape(1, -1))
+    ids = np.asarray(token_ids, np.int32).reshape(1, -1)  # into the jit as numpy: a transfer, no identity program
     ok = np.asarray(_finite_per_stage(model.config, model.params, ids))
     if ok.all():
         return None
