@@ -23,7 +23,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.config import AttentionType, Config
@@ -154,7 +153,8 @@ class MeshSteps:
         for s, (lo, hi) in enumerate(ranges):
             first, last = s == 0, s == len(ranges) - 1
             put = lambda a: jax.device_put(a, self.layout.batch_sharding(a.shape, s))
-            b = StepBatch(*(put(jnp.asarray(a)) for a in batch))
+            # host arrays go as transfers (`jnp.asarray` of numpy would compile an identity program per shape)
+            b = StepBatch(*(put(a if isinstance(a, jax.Array) else np.asarray(a)) for a in batch))
             if x is not None:  # the hyper-connection state moves to this stage
                 x = put(x)
             top = {k: params[k] for k in (("embed",) if first else ()) + (("hc_head", "norm", "head") if last else ())}
