@@ -12,6 +12,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ds4jax.model.config import Config
 from ds4jax.model.forward import block, embed, logits_from_streams
@@ -38,7 +39,9 @@ def _stage(params, layers, token_ids, x, *, cfg: Config, rules, lo: int, first: 
 def forward_logits(layout, model, token_ids) -> jax.Array:
     """`ds4jax.forward_logits` on a mesh: token_ids [b, t] (or [t]) -> float32 logits [b, t, v] (or [t, v])."""
     cfg, params = model.config, model.params
-    ids = jnp.asarray(token_ids, jnp.int32)
+    # host ids stay numpy until placed (`jnp.asarray` / `[None]` on the device would each compile a program per shape)
+    traced = isinstance(token_ids, jax.core.Tracer)
+    ids = jnp.asarray(token_ids, jnp.int32) if traced else np.asarray(token_ids, np.int32)
     squeeze = ids.ndim == 1
     ids = ids[None] if squeeze else ids
     ranges = layout.stage_ranges(cfg.num_layers)
