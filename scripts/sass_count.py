@@ -126,7 +126,7 @@ def gemv_variants(selections: int, k: int = 4096, n: int = 2048, experts: int = 
     w = (S((experts, k // 2, n), jnp.uint8), S((experts, k // 32, n), jnp.uint8))
     args = (S((selections, k), jnp.bfloat16), (w, w), S((selections,), jnp.int32))
     res = {}
-    for decode in ("bits", "quarter", "fp8"):
+    for decode in ("bits", "quarter", "fp8", "f16"):
         bs = dataclasses.replace(gemv.GEMV_DEFAULT, decode=decode)
         fn = functools.partial(pallas_kernels.grouped_gemv_fp4, block_sizes=bs)
         # a step ("group" dots): one scale group, 16 packed rows x block_n columns, two nibbles each, gate and up

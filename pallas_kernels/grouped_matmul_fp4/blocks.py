@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DOTS = ("tile", "group")
-DECODES = ("bits", "arith", "quarter", "fp8")  # the last two: the GEMV's only (`gemv.py`)
+DECODES = ("bits", "arith", "quarter", "fp8", "f16")  # the last three: the GEMV's only (`gemv.py`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, E4M3_PER_E2M1, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale,
                                    unpack_fp4)
 from pallas_kernels.grouped_matmul.tiles import write_tile
+from pallas_kernels.grouped_matmul_fp4 import gemv_words
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
 from pallas_kernels.grouped_matmul_fp4.kernel import _scale_rows
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
@@ -153,7 +154,8 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
         rows a step, each weight decoded times its own scale (the scale tile loaded per packed row); "group": one
         scale group (16 packed rows) a step, its scale row loaded once and applied to the step's products;
         decode (dots="group"): "quarter" (the default integer decode, `_quarter_values`), "fp8" (through the FP8
-        conversion), "bits" / "arith" (the first integer decode, `_fp4_values`)).
+        conversion), "f16" (32-bit words, two codes per mask and shift, through float16: `gemv_words.py`),
+        "bits" / "arith" (the first integer decode, `_fp4_values`)).
     Returns:
       tuple of [selections, n] f32, one per weight.
     """
@@ -161,8 +163,16 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     validate_grouped_gemv_fp4_static(x, ws, group)
     bs = block_sizes or GEMV_DEFAULT
     bs.validate()
-    if bs.decode in ("fp8", "quarter") and bs.dots != "group":
+    if bs.decode in ("fp8", "quarter", "f16") and bs.dots != "group":
         raise ValueError(f"block_sizes.decode={bs.decode!r} needs dots='group' (one scale group a step)")
+    if bs.decode == "f16":
+        block_n = min(bs.block_n, ws[0][0].shape[-1])
+        if block_n % gemv_words.WORD:
+            raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={block_n} must be a multiple "
+                             f"of {gemv_words.WORD}")
+        out = launch(gemv_words.kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret,
+                     view=gemv_words.as_words)
+        return tuple(gemv_words.columns_in_order(y, block_n) for y in out)
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from grouped_tiles import Case, check_outputs
+from pallas_kernels.grouped_matmul_fp4 import gemv_words
 from pallas_kernels.grouped_matmul_fp4 import (BlockSizes, gemv_block_sizes, grouped_gemv_fp4,
                                                grouped_gemv_fp4_reference, grouped_matmul_fp4)
 from test_grouped_matmul_fp4 import make_inputs
@@ -33,6 +34,10 @@ CASES = [
          block_sizes=BlockSizes(block_n=16, dots="group", decode="fp8", k_splits=2)),
     Case("fp8_decode_bf16", groups=4, k=256, n=64, tile_m=1, tile_group=(3, 0, 2), live_rows=(1, 1, 1),
          n_w=1, dtype="bfloat16", block_sizes=BlockSizes(dots="group", decode="fp8")),
+    Case("f16_decode", groups=8, k=128, n=32, tile_m=1, tile_group=(5, -1, 1, 5), live_rows=(1, 0, 1, 1),
+         block_sizes=BlockSizes(block_n=16, dots="group", decode="f16", k_splits=2)),
+    Case("f16_decode_bf16_two_blocks", groups=4, k=256, n=256, tile_m=1, tile_group=(3, 0, -1, 2),
+         live_rows=(1, 1, 0, 1), n_w=1, dtype="bfloat16", block_sizes=BlockSizes(dots="group", decode="f16")),
 ]
 
 
@@ -66,17 +71,39 @@ class TestDevice(Base):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_decode_gives_the_same_bits(dtype):
-    """The decodes read the weights at different powers of two (1, 1/4, 2^-6) and the inputs take the inverse: every
-    product, so every sum, is bitwise the same (same order of operations)."""
+    """The decodes read the weights at different powers of two (1, 1/4, 2^-6, 2^-14) and the inputs take the inverse:
+    every product, so every sum, is bitwise the same (same order of operations)."""
     case = Case("fp8_vs_bits", groups=8, k=256, n=64, tile_m=1, tile_group=(5, -1, 1, 5, 7), live_rows=(1, 0, 1, 1, 1),
                 dtype=dtype)
     x, ws, group = make_inputs(case)
     run = lambda decode: grouped_gemv_fp4(  # noqa: E731
         x, ws, group, block_sizes=BlockSizes(block_n=32, dots="group", decode=decode, k_splits=2), interpret=True)
     first = run("bits")
-    for decode in ("quarter", "fp8"):
+    for decode in ("quarter", "fp8", "f16"):
         for a, b in zip(run(decode), first):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_word_decode_reads_every_byte_of_every_position():
+    """`gemv_words.decode_words`: each of the 256 byte values at each of the 4 byte positions of a word (the other
+    three positions holding other values) gives its two codes' E2M1 values times 2^-14, signed zeros included: the
+    shifts that decode two positions at once never let a neighbour's bits in."""
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    byte = np.arange(256, dtype=np.uint8)
+    columns = np.stack([byte, byte[::-1], np.roll(byte, 85), np.roll(byte, 170)], axis=-1)  # [256 words, 4 bytes]
+    decoded = gemv_words.decode_words(jnp.asarray(columns.reshape(-1).view(np.uint32)))
+    assert sorted(decoded) == [0, 1, 2, 3]
+    for b, (even, odd) in decoded.items():
+        for got, codes in ((even, columns[:, b] & 15), (odd, columns[:, b] >> 4)):
+            got = np.asarray(got) * 2.0**14
+            np.testing.assert_array_equal(got, table[codes])
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(table[codes]))
+
+
+def test_word_decode_needs_whole_words():
+    x, ws, group = make_inputs(CASES[0])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(block_n=6, dots="group", decode="f16"), interpret=True)
 
 
 @pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "fp8"), ("sm89", "fp8"), ("sm100", "fp8"),
