@@ -1,5 +1,6 @@
 """Static instruction counts of the FP4 expert kernels' inner loops on sm90 (H100 / H200), on a host without a GPU:
-the tile kernel's decodes (prefill and 16-row decode tiles) and the GEMV's (one row per selection).
+the tile kernel's decodes (prefill and 16-row decode tiles) and the GEMV's (one row per selection; the word-wise
+float16 decode also at 2 warps, where each thread holds two rows of a scale group and converts its scales once).
 
 Each variant is lowered for CUDA on this host (`rocm_check.lowering.as_if_on`), its Triton IR compiled by the pip
 `triton` wheel for sm90, the cubin disassembled (`nvdisasm`), and the instructions of its innermost loop (the body
@@ -126,11 +127,12 @@ def gemv_variants(selections: int, k: int = 4096, n: int = 2048, experts: int = 
     w = (S((experts, k // 2, n), jnp.uint8), S((experts, k // 32, n), jnp.uint8))
     args = (S((selections, k), jnp.bfloat16), (w, w), S((selections,), jnp.int32))
     res = {}
-    for decode in ("bits", "quarter", "fp8", "f16"):
-        bs = dataclasses.replace(gemv.GEMV_DEFAULT, decode=decode)
+    for decode, num_warps in (("bits", 4), ("quarter", 4), ("fp8", 4), ("f16", 4), ("f16", 2)):
+        bs = dataclasses.replace(gemv.GEMV_DEFAULT, decode=decode, num_warps=num_warps)
         fn = functools.partial(pallas_kernels.grouped_gemv_fp4, block_sizes=bs)
         # a step ("group" dots): one scale group, 16 packed rows x block_n columns, two nibbles each, gate and up
-        res[f"gemv_{decode}"] = _variant(fn, args, 2 * 2 * gemv.ROWS_PER_SCALE * bs.block_n, bs.num_warps)
+        name = f"gemv_{decode}" + ("" if num_warps == gemv.GEMV_DEFAULT.num_warps else f"_{num_warps}_warps")
+        res[name] = _variant(fn, args, 2 * 2 * gemv.ROWS_PER_SCALE * bs.block_n, bs.num_warps)
     return res
 
 

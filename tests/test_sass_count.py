@@ -1,5 +1,6 @@
 """scripts/sass_count.py: the innermost-loop finder on a disassembly, and (with the pip triton wheel's NVIDIA
-backend, as the ROCm checks use) the GEMV's quarter decode issuing fewer loop instructions than its first."""
+backend, as the ROCm checks use) the GEMV's quarter decode issuing fewer loop instructions than its first, and the
+word-wise float16 decode fewer per weight than the quarter one."""
 
 import os
 import sys
@@ -38,3 +39,6 @@ def test_gemv_quarter_decode_is_shorter_than_the_first():
         pytest.skip("this triton wheel has no NVIDIA backend")
     got = sass_count.gemv_variants(8)
     assert got["gemv_quarter"]["loop_instructions"] < got["gemv_bits"]["loop_instructions"], got
+    # and the word-wise float16 decode fewer per weight than either (two codes per mask and shift)
+    per_weight = {name: r["instructions_per_weight_per_thread"] for name, r in got.items()}
+    assert per_weight["gemv_f16_2_warps"] < per_weight["gemv_f16"] < per_weight["gemv_quarter"], per_weight
