@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The FP4 GEMV's word-wise float16 decode (`pallas_kernels/grouped_matmul_fp4/gemv_words.py`, decode="f16") on a GPU
 # against the byte-wise decodes: the kernel device tests, then the GEMV alone at decode batches 1 and 8 (gate + up
-# and down at Flash dims) with the default ("fp8" on sm89+), "quarter" and "f16" at several tiles.
-# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_fp4_words.sh [device kernels seconds]
+# and down at Flash dims) with the default ("fp8" on sm89+), "quarter" and "f16" at several tiles; first
+# scripts/probe_fp4_words.py: "f16" on byte-stored weights (viewed as words in the call: a copy in XLA) against
+# weights stored as words.
+# Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_fp4_words.sh [device kernels probe seconds]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh
 part device "${1:-150}" python3 -m pytest -q -m device -p no:cacheprovider tests/kernels/test_grouped_gemv_fp4.py \
     tests/test_model_kernels.py tests/test_quantized_weights.py
+part probe "${3:-90}" python3 scripts/probe_fp4_words.py --out "$OUT/probe/fp4_words"
 g="block_n=128,k_splits=16,dots=group"
 variants="fp4gemv:$g,decode=quarter;fp4gemv:$g,decode=f16;fp4gemv:$g,decode=f16,num_warps=2"
 variants+=";fp4gemv:$g,decode=f16,num_warps=1;fp4gemv:block_n=256,k_splits=16,dots=group,decode=f16"

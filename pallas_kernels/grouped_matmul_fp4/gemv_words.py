@@ -16,12 +16,15 @@ grouped by byte position; the wrapper puts them back in order (fused with the k 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._mxfp4 import e8m0_to_float_max
-from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE
+from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 
 WORD = 4  # packed bytes (columns) per uint32 word
 F16_PER_E2M1 = 2.0**-14  # what an E2M1 code reads as once its bits sit in a float16 (`_f16_pair`)
@@ -29,7 +32,9 @@ F16_PER_E2M1 = 2.0**-14  # what an E2M1 code reads as once its bits sit in a flo
 
 def as_words(a):
     """uint8 [..., n] -> uint32 [..., n / 4], the same bytes: byte b of word w is column 4w + b (little-endian, as
-    every GPU JAX runs on)."""
+    every GPU JAX runs on). NOT free in XLA: a bitcast-convert to a wider type is expanded into shifts and ors, a
+    copy of the whole array (seen in XLA:CPU's optimized HLO), so a caller whose weights are stored as bytes pays a
+    copy of them per call; weights kept as words (`grouped_gemv_words`) do not."""
     return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // WORD, WORD), jnp.uint32)
 
 
@@ -112,3 +117,17 @@ def columns_in_order(y, block_n: int):
     """[rows, n] with each block's columns grouped by byte position (the kernel's output) -> columns in order."""
     rows, n = y.shape
     return y.reshape(rows, n // block_n, WORD, block_n // WORD).swapaxes(2, 3).reshape(rows, n)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def grouped_gemv_words(x, words, group, *, block_sizes, interpret=False):
+    """`grouped_gemv_fp4` with decode "f16" on weights already in words: ((packed [groups, k/2, n/4] uint32,
+    scales [groups, k/32, n/4] uint32), ...), `as_words` of the byte arrays. Returns [selections, n] f32 each."""
+    for i, (p, s) in enumerate(words):
+        if p.dtype != jnp.uint32 or s.dtype != jnp.uint32 or p.shape[-1] != s.shape[-1]:
+            raise ValueError(f"words[{i}] must be uint32 (packed, scales) with the same last axis, got "
+                             f"{p.dtype}{list(p.shape)} and {s.dtype}{list(s.shape)}")
+    block_n = min(block_sizes.block_n, words[0][0].shape[-1] * WORD)
+    out = launch(kernel, x, words, group, block_sizes, name="grouped_gemv_fp4", interpret=interpret,
+                 columns_per_element=WORD)
+    return tuple(columns_in_order(y, block_n) for y in out)

@@ -15,13 +15,15 @@ from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits
 ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale
 
 
-def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, view=None, **static):
+def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, view=None, columns_per_element: int = 1,
+           **static):
     """`kernel(group_ref, xe_ref, xo_ref, *weight refs, *out refs, n_w, block_j, j_per_split, **static)` over the
     grid (tile, column block, k split); tiles of x.shape[0] // len(tile_group) rows. Returns [rows, n] f32 per
     weight. `view`: applied to each packed and scale array before the call (the kernel sees what it returns, e.g.
-    the same bytes as 32-bit words); block sizes and outputs follow the uint8 arrays' shapes."""
+    the same bytes as 32-bit words); block sizes and outputs follow the arrays' shapes as given, each element of
+    their last axis `columns_per_element` columns (4 for arrays already in words)."""
     rows = x.shape[0]
-    kk, n = ws[0][0].shape[1:]
+    kk, n = ws[0][0].shape[1], ws[0][0].shape[2] * columns_per_element
     tiles = tile_group.shape[0]
     tile_m = rows // tiles
     block_n = min(bs.block_n, n)
