@@ -170,8 +170,7 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
         if block_n % gemv_words.WORD:
             raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={block_n} must be a multiple "
                              f"of {gemv_words.WORD}")
-        words = tuple((gemv_words.as_words(p), gemv_words.as_words(s)) for p, s in ws)
-        return gemv_words.grouped_gemv_words(x, words, group, block_sizes=bs, interpret=interpret)
+        return gemv_words.grouped_gemv_words(x, ws, group, block_sizes=bs, interpret=interpret)
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)
 

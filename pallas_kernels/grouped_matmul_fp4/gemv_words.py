@@ -1,17 +1,19 @@
-"""The FP4 GEMV reading its weights as 32-bit words and decoding them through float16 (`decode="f16"`).
+"""The FP4 GEMV decoding 32-bit words of packed codes through float16 (`decode="f16"`).
 
 The byte-wise decodes (`gemv.py`: "quarter", "fp8") spend ~9.3 instructions per weight in the loop on sm90, most
-of them integer work on one code at a time (each byte extracted into its own register, then masked and shifted
-twice). Here the packed bytes are read as uint32 words (four columns a word; a free bitcast of the same bytes) and
-every mask and shift works on two codes at once: the magnitude bits (e1 e0 m) of bytes b and b + 2 of a word (16
-bits apart) go to bits 9..11 of their 16-bit halves and the sign bits to bit 15, which makes each half a float16
-reading exactly 2^-14 times the code's E2M1 value (exponent field e; for e = 0 the float16 subnormal m/2 * 2^-14:
-no special case, unlike the float32 placement of "quarter"). The conversion float16 -> float32 is one instruction
-per value on every GPU (sm90 reads either half of a register; no FP8 or FP4 hardware needed, so MI300 can use it
-too), and the inputs take the inverse factor 2^14 (a power of two: every product is bitwise the other decodes').
+of them integer work on one code at a time (each byte in its own register, masked and shifted twice). Here a
+step's packed bytes are assembled into uint32 words in registers (four columns a word: the shifts and ors of
+consecutive bytes a thread already holds, which the compiler turns into plain word moves; weights stored as words
+are read as they are) and every mask and shift works on two codes at once: the magnitude bits (e1 e0 m) of bytes
+b and b + 2 of a word (16 bits apart) go to bits 9..11 of their 16-bit halves and the sign bits to bit 15, which
+makes each half a float16 reading exactly 2^-14 times the code's E2M1 value (exponent field e; for e = 0 the
+float16 subnormal m/2 * 2^-14: no special case, unlike the float32 placement of "quarter"). The conversion
+float16 -> float32 is one instruction per value on every GPU (no FP8 or FP4 hardware needed: MI300 can use it
+too), the decoded values are joined back into column order, and the inputs take the inverse factor 2^14 (a power
+of two: every product is bitwise the other decodes').
 
-A program keeps one accumulator per byte position of the words (columns 4w + b), and writes its block's columns
-grouped by byte position; the wrapper puts them back in order (fused with the k splits' sum).
+sm90 loop, gate + up at Flash dims (`scripts/sass_count.py`): ~6.2 instructions per weight per thread at 4 warps,
+~6.0 at 2, against 9.28 for "quarter" and 9.77 for "fp8". Not timed on a GPU yet (`scripts/gpu_fp4_words.sh`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._mxfp4 import e8m0_to_float_max
+from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 
 WORD = 4  # packed bytes (columns) per uint32 word
@@ -32,9 +35,9 @@ F16_PER_E2M1 = 2.0**-14  # what an E2M1 code reads as once its bits sit in a flo
 
 def as_words(a):
     """uint8 [..., n] -> uint32 [..., n / 4], the same bytes: byte b of word w is column 4w + b (little-endian, as
-    every GPU JAX runs on). NOT free in XLA: a bitcast-convert to a wider type is expanded into shifts and ors, a
-    copy of the whole array (seen in XLA:CPU's optimized HLO), so a caller whose weights are stored as bytes pays a
-    copy of them per call; weights kept as words (`grouped_gemv_words`) do not."""
+    every GPU JAX runs on). For weights to be stored as words: in XLA it is not a free view (a bitcast-convert to
+    a wider type is expanded into shifts and ors, a copy of the whole array), so never call it per step; the
+    kernel reads byte-stored weights as they are."""
     return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // WORD, WORD), jnp.uint32)
 
 
@@ -67,20 +70,32 @@ def decode_words(words):
     return dict(sorted(out.items()))
 
 
-def _scales(s_words):
-    """E8M0 scale words [1, c] -> {byte position b: float32 [1, c]}."""
-    return {b: e8m0_to_float_max((s_words >> (8 * b)) & jnp.uint32(0xFF)) for b in range(WORD)}
+def _load_words(ref, g, r0, c0, cols: int, rows: int = ROWS_PER_SCALE):
+    """Rows r0 .. r0 + rows, words c0 .. c0 + cols of expert g's packed codes as uint32 [rows, cols], from a uint32
+    (words) or uint8 (bytes) ref; bytes are joined into words in registers (no copy of the weights in memory)."""
+    if ref.dtype == jnp.uint32:
+        return ref[g, pl.ds(r0, rows), pl.ds(c0, cols)]
+    b = ref[g, pl.ds(r0, rows), pl.ds(c0 * WORD, cols * WORD)].astype(jnp.uint32).reshape(rows, cols, WORD)
+    shifts = lax.broadcasted_iota(jnp.uint32, (1, 1, WORD), 2) * jnp.uint32(8)
+    return jnp.sum(b << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def _in_column_order(by_position):
+    """{byte position b: [rows, c]} -> [rows, 4c] with column 4w + b (joins of pairs: what Triton lowers)."""
+    even_b = jnp.stack([by_position[0], by_position[2]], axis=-1)  # [rows, c, 2]: byte 2h at [w, h]
+    odd_b = jnp.stack([by_position[1], by_position[3]], axis=-1)
+    joined = jnp.stack([even_b, odd_b], axis=-1)  # [rows, c, 2, 2]: byte 2h + q at [w, h, q]
+    return joined.reshape(joined.shape[0], -1)
 
 
 def kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int):
-    """Program (selection, column block, k split) of `launch` with word views of the weights: one scale group (16
-    packed rows) a step; writes its block's columns as [byte 0 columns, byte 1 columns, ...]."""
+    """Program (selection, column block, k split) of `launch`: one scale group (16 packed rows) a step."""
     del block_j
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
     block_n = o_refs[0].shape[1]
     cols = block_n // WORD
     g = group_ref[0]
-    c0 = pl.program_id(1) * cols
+    n0 = pl.program_id(1) * block_n
     j_base = pl.program_id(2) * j_per_split
     inverse = 1.0 / F16_PER_E2M1
 
@@ -90,44 +105,28 @@ def kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split
         xo = xo_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None] * inverse
         out = []
         for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
-            scale = _scales(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(c0, cols)])
-            values = decode_words(p_ref[g, pl.ds(j0, ROWS_PER_SCALE), pl.ds(c0, cols)])
-            out.append(tuple(a + (xe * even + xo * odd) * scale[b]
-                             for a, (b, (even, odd)) in zip(acc, values.items())))
+            scale = e8m0_to_float_max(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
+            values = decode_words(_load_words(p_ref, g, j0, n0 // WORD, cols))
+            lo = _in_column_order({b: even for b, (even, _) in values.items()})
+            hi = _in_column_order({b: odd for b, (_, odd) in values.items()})
+            out.append(acc + (xe * lo + xo * hi) * scale)
         return tuple(out)
 
-    def store(accs):
-        for o_ref, acc in zip(o_refs, accs):
-            for b, a in enumerate(acc):
-                o_ref[:, pl.ds(b * cols, cols)] = jnp.sum(a, axis=0, keepdims=True)
+    def store(o_ref, acc):
+        o_ref[...] = jnp.sum(acc, axis=0, keepdims=True)
 
-    zeros = lambda: tuple(tuple(jnp.zeros((ROWS_PER_SCALE, cols), jnp.float32) for _ in range(WORD))  # noqa: E731
-                          for _ in o_refs)
-
-    @pl.when(g >= 0)
-    def _():  # a static trip count: Triton software-pipelines the weight loads
-        store(lax.fori_loop(0, j_per_split // ROWS_PER_SCALE, body, zeros()))
-
-    @pl.when(g < 0)
-    def _():  # an empty selection reads no weight
-        store(zeros())
-
-
-def columns_in_order(y, block_n: int):
-    """[rows, n] with each block's columns grouped by byte position (the kernel's output) -> columns in order."""
-    rows, n = y.shape
-    return y.reshape(rows, n // block_n, WORD, block_n // WORD).swapaxes(2, 3).reshape(rows, n)
+    write_tile(g, o_refs, j_per_split // ROWS_PER_SCALE, body, shape=(ROWS_PER_SCALE, block_n), store=store)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def grouped_gemv_words(x, words, group, *, block_sizes, interpret=False):
-    """`grouped_gemv_fp4` with decode "f16" on weights already in words: ((packed [groups, k/2, n/4] uint32,
-    scales [groups, k/32, n/4] uint32), ...), `as_words` of the byte arrays. Returns [selections, n] f32 each."""
-    for i, (p, s) in enumerate(words):
-        if p.dtype != jnp.uint32 or s.dtype != jnp.uint32 or p.shape[-1] != s.shape[-1]:
-            raise ValueError(f"words[{i}] must be uint32 (packed, scales) with the same last axis, got "
-                             f"{p.dtype}{list(p.shape)} and {s.dtype}{list(s.shape)}")
-    block_n = min(block_sizes.block_n, words[0][0].shape[-1] * WORD)
-    out = launch(kernel, x, words, group, block_sizes, name="grouped_gemv_fp4", interpret=interpret,
-                 columns_per_element=WORD)
-    return tuple(columns_in_order(y, block_n) for y in out)
+def grouped_gemv_words(x, ws, group, *, block_sizes, interpret=False):
+    """`grouped_gemv_fp4` with decode "f16": ws = ((packed, scales uint8 [groups, k/32, n]), ...) with packed as
+    bytes (uint8 [groups, k/2, n]) or words (uint32 [groups, k/2, n/4], `as_words`). Returns [selections, n] f32
+    each."""
+    per = WORD if ws[0][0].dtype == jnp.uint32 else 1
+    for i, (p, s) in enumerate(ws):
+        if p.dtype != ws[0][0].dtype or s.dtype != jnp.uint8 or p.shape[-1] * per != s.shape[-1]:
+            raise ValueError(f"ws[{i}]: packed must be uint8 [.., n] or uint32 words [.., n/4] like ws[0], scales "
+                             f"uint8 [.., n]; got {p.dtype}{list(p.shape)} and {s.dtype}{list(s.shape)}")
+    return launch(kernel, x, ws, group, block_sizes, name="grouped_gemv_fp4", interpret=interpret,
+                  columns_per_element=per)

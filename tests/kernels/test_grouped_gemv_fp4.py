@@ -100,6 +100,27 @@ def test_word_decode_reads_every_byte_of_every_position():
             np.testing.assert_array_equal(np.signbit(got), np.signbit(table[codes]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_word_decode_reads_bytes_or_words_alike(dtype):
+    """`gemv_words.grouped_gemv_words` on the packed codes stored as bytes and as 32-bit words (`as_words`):
+    the same bits, and the byte-wise decode's."""
+    case = Case("words", groups=8, k=256, n=64, tile_m=1, tile_group=(5, -1, 1, 5, 7), live_rows=(1, 0, 1, 1, 1),
+                dtype=dtype)
+    x, ws, group = make_inputs(case)
+    blocks = BlockSizes(block_n=32, dots="group", decode="f16", k_splits=2)
+    words = tuple((gemv_words.as_words(p), s) for p, s in ws)
+    by_bytes = gemv_words.grouped_gemv_words(x, ws, group, block_sizes=blocks, interpret=True)
+    by_words = gemv_words.grouped_gemv_words(x, words, group, block_sizes=blocks, interpret=True)
+    first = grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(block_n=32, dots="group", k_splits=2),
+                             interpret=True)
+    for a, b, c in zip(by_bytes, by_words, first):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(c).view(np.uint32))
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        gemv_words.grouped_gemv_words(x, ((words[0][0], ws[0][1]), ws[1]), group, block_sizes=blocks,
+                                      interpret=True)
+
+
 def test_word_decode_needs_whole_words():
     x, ws, group = make_inputs(CASES[0])
     with pytest.raises(ValueError, match="multiple of 4"):
