@@ -15,13 +15,11 @@ from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits
 ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale
 
 
-def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, view=None, columns_per_element: int = 1,
-           **static):
+def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, columns_per_element: int = 1, **static):
     """`kernel(group_ref, xe_ref, xo_ref, *weight refs, *out refs, n_w, block_j, j_per_split, **static)` over the
     grid (tile, column block, k split); tiles of x.shape[0] // len(tile_group) rows. Returns [rows, n] f32 per
-    weight. `view`: applied to each packed and scale array before the call (the kernel sees what it returns, e.g.
-    the same bytes as 32-bit words); block sizes and outputs follow the arrays' shapes as given, each element of
-    their last axis `columns_per_element` columns (4 for arrays already in words)."""
+    weight. `columns_per_element`: columns per element of the packed arrays' last axis (4 for codes stored as
+    32-bit words; the scales stay one byte a column)."""
     rows = x.shape[0]
     kk, n = ws[0][0].shape[1], ws[0][0].shape[2] * columns_per_element
     tiles = tile_group.shape[0]
@@ -35,7 +33,7 @@ def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, view=No
     x_even, x_odd = x[:, 0::2], x[:, 1::2]  # inputs 2j and 2j + 1: packed row j's low and high nibbles
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j, s: (0,) * a.ndim)  # noqa: E731
     x_spec = pl.BlockSpec((tile_m, kk), lambda t, j, s: (t, 0))
-    flat_ws = [view(a) if view else a for pair in ws for a in pair]
+    flat_ws = [a for pair in ws for a in pair]
     out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
     out = pl.pallas_call(
         functools.partial(kernel, n_w=len(ws), block_j=block_j, j_per_split=kk // k_splits, **static),
