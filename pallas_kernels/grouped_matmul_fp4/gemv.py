@@ -166,10 +166,6 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     if bs.decode in ("fp8", "quarter", "f16") and bs.dots != "group":
         raise ValueError(f"block_sizes.decode={bs.decode!r} needs dots='group' (one scale group a step)")
     if bs.decode == "f16":
-        block_n = min(bs.block_n, ws[0][0].shape[-1])
-        if block_n % gemv_words.WORD:
-            raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={block_n} must be a multiple "
-                             f"of {gemv_words.WORD}")
         return gemv_words.grouped_gemv_words(x, ws, group, block_sizes=bs, interpret=interpret)
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)

@@ -128,5 +128,9 @@ def grouped_gemv_words(x, ws, group, *, block_sizes, interpret=False):
         if p.dtype != ws[0][0].dtype or s.dtype != jnp.uint8 or p.shape[-1] * per != s.shape[-1]:
             raise ValueError(f"ws[{i}]: packed must be uint8 [.., n] or uint32 words [.., n/4] like ws[0], scales "
                              f"uint8 [.., n]; got {p.dtype}{list(p.shape)} and {s.dtype}{list(s.shape)}")
+    block_n = min(block_sizes.block_n, ws[0][1].shape[-1])
+    if block_n % WORD:
+        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={block_n} must be a multiple of "
+                         f"{WORD}")
     return launch(kernel, x, ws, group, block_sizes, name="grouped_gemv_fp4", interpret=interpret,
                   columns_per_element=per)
