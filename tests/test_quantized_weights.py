@@ -198,11 +198,10 @@ def test_fp4_tiles_in_passes_equal_the_dequantized_experts(both, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch, decode", [("gfx950", "fp8"), ("sm90", "fp8"), ("gfx942", "quarter"), (None, "quarter")])
+@pytest.mark.parametrize("arch, decode", [("gfx950", "f16"), ("sm90", "f16"), ("gfx942", "f16"), (None, "f16")])
 def test_fp4_gemv_takes_the_architectures_decode(both, arch, decode, monkeypatch):
-    """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the FP8-conversion decode on sm89+ and
-    MI355),
-    and every decode gives the same sum."""
+    """The dispatch hands the GEMV its architecture's tiles (`gemv_block_sizes`: the word-wise float16 decode on every
+    architecture), and every architecture's gives the same sum."""
     quantized, _ = both
     cfg = quantized.config
     p = quantized.params["layers"][2]["ffn"]["experts"]

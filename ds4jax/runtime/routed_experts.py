@@ -116,7 +116,7 @@ def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interp
                     arch: str | None = None, offset: jax.Array | int = 0) -> jax.Array:
     """FP4 experts at decode: one row per (token, expert) selection through the GEMV kernel (no tiles, no sort):
     the tile kernel's 16-row dots left it ALU-bound at decode, far from the packed bytes' floor. Its tiles and
-    decode are `arch`'s (`gemv_block_sizes`: the FP8 conversion where the device has one)."""
+    decode are `arch`'s (`gemv_block_sizes`: the word-wise float16 decode)."""
     import pallas_kernels
 
     n, k = routing.experts.shape

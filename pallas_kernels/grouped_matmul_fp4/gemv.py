@@ -23,7 +23,6 @@ converts OCP FP8 (sm89+, MI355): 11-14 % faster than "quarter" on the H100.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,27 +43,30 @@ from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4
 # H100, Flash dims, batch 1 and 8 (`bench_kernels.py --ops fp4_gemv_gate_up,fp4_gemv_down --sweep`): a scale group a
 # step with 128 columns and 16 k splits took 63.5 / 406 us for gate + up and 34.1 / 218 us for down, against 80.3 /
 # 500 and 39.0 / 228 us for 64 packed rows a step (dots="tile", block_n 64, the heuristic's 2-3 splits); every
-# variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel
-GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group", decode="quarter")
-# Where the FP8-conversion decode is the GEMV's default. H100 (`scripts/gpu_fp4_decode.sh`, docs/benchmarks/
-# fp4_decode_h100.md), Flash dims, batch 1 / 8: gate + up 54.8 / 345 us against 61.6 / 394 for "quarter" and
-# 63.2 / 407 for the first integer decode; down 30.1 / 189 against 33.1 / 213 and 34.0 / 218. Its loop has as many
-# instructions on sm90 (625 SASS against 594) but fewer on the integer pipe, which bounds the kernel. gfx950 (static
-# count, Triton 3.6, not timed): 273 vector ALU instructions against 360, its v_cvt_scalef32_pk_f32_fp8 converting
-# two bytes at once. MI300 converts FNUZ only and keeps "quarter"; sm80 has no FP8 conversion.
+# variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel.
+# The default decode since round 3, session 23: "f16" (`gemv_words.py`: two codes per mask and shift, through
+# float16). H100, Flash dims, device time (docs/benchmarks/fp4_words_h100/kernels.md, one run at 2771c73), batch 1 /
+# 8: gate + up 39.9 / 244 us against 55.0 / 345 for "fp8" (the sm89+ default before) and 62.0 / 395 for "quarter";
+# down 22.6 / 134 against 30.3 / 190 and 33.2 / 213 (44-54 % of the measured bandwidth, from 29-39 %). It needs no
+# FP8 or FP4 instruction (integer ops and float16 -> float32 conversions), so every target takes it; on AMD it is
+# compiled and counted, not timed (no AMD GPU here). "fp8" (the device's FP8 conversion, sm89+ and gfx950) and
+# "quarter" stay selectable.
+GEMV_DEFAULT = BlockSizes(block_n=128, k_splits=16, dots="group", decode="f16")
 AMD_FP8_ARCHS = ("gfx950",)  # AMD targets whose Triton converts OCP E4M3
 
 
-def _converts_fp8(arch: str | None) -> bool:
+def converts_fp8(arch: str | None) -> bool:
+    """Whether `arch` converts OCP E4M3 in hardware (NVIDIA sm89+, `AMD_FP8_ARCHS`): where decode="fp8" can run."""
     if arch is not None and arch.startswith("sm") and arch[2:].isdigit():
         return int(arch[2:]) >= 89
     return arch in AMD_FP8_ARCHS
 
 
 def gemv_block_sizes(arch: str | None) -> BlockSizes:
-    """The GEMV's tiles on `arch` (None: generic, e.g. the interpreter): `GEMV_DEFAULT`, with the FP8-conversion
-    decode on NVIDIA sm89+ and `AMD_FP8_ARCHS`."""
-    return dataclasses.replace(GEMV_DEFAULT, decode="fp8") if _converts_fp8(arch) else GEMV_DEFAULT
+    """The GEMV's tiles on `arch` (None: generic, e.g. the interpreter): `GEMV_DEFAULT` on every architecture (the
+    word-wise float16 decode; the dispatcher asks per architecture so that one can differ again)."""
+    del arch
+    return GEMV_DEFAULT
 
 
 QUARTER_BIAS_BITS = 124 << 23  # float32 exponent field 124 (low two bits clear): OR-ed, not added, to the code bits
