@@ -12,13 +12,14 @@ scale row, and accumulates in the tile's own layout; the column sums are taken o
 either: the selections' experts index the weights directly (a selection of group -1 writes zeros and reads no
 weight). Two selections of one expert read its bytes twice (at decode batch 8, ~10 % of 48 selections).
 On the H100 the first integer decode (`decode="bits"`) was ~20 % faster than the tile kernel at batch 1 and 8 and
-still bound by its own integer work (22-33 % of the bandwidth over every tile tried), not by the bytes; the default
+still bound by its own integer work (22-33 % of the bandwidth over every tile tried), not by the bytes;
 `decode="quarter"` takes one integer op per code fewer (`_quarter_values`). `decode="fp8"`
 moves each code's bits into an OCP E4M3 byte instead (`_mxfp4.fp4_as_e4m3`: two masks and shifts per code) and lets
 the device's FP8 conversion make the float (one instruction per pair on sm90); the E4M3 byte reads 2^-6 times the
 code's value, which the kernel gives back exactly by taking the inputs times 2^6 (powers of two: every product is
-bitwise the integer decodes', unless an input exceeds 2^121). `gemv_block_sizes(arch)` picks it where the device
-converts OCP FP8 (sm89+, MI355): 11-14 % faster than "quarter" on the H100.
+bitwise the integer decodes', unless an input exceeds 2^121): 11-14 % faster than "quarter" on the H100, and the
+sm89+ default until `decode="f16"` (`gemv_words.py`: two codes per mask and shift on 32-bit words, through float16),
+1.34-1.42x faster again, became the default on every target (`GEMV_DEFAULT`).
 """
 
 from __future__ import annotations
