@@ -98,8 +98,8 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         GroupedMatmulBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=2),  # 72 KB: sm90 only
         GroupedMatmulBlockSizes(block_n=256, block_k=64, num_warps=8, num_stages=3),  # 216 KB: sm90 only
     ],
-    "fp4gemv": [  # the default (gemv_block_sizes): dots="group", block_n=128, k_splits=16, decode "fp8" where the
-        # device converts OCP FP8 (sm89+, gfx950), else "quarter"
+    "fp4gemv": [  # the default (gemv_block_sizes): dots="group", block_n=128, k_splits=16, decode "f16" on every
+        # target (the FP8-conversion decode before it on sm89+ and gfx950, "quarter" elsewhere)
         GroupedMatmulFp4BlockSizes(),  # the first: 64 packed rows a step, each weight times its own scale
         GroupedMatmulFp4BlockSizes(dots="group"),  # a scale group a step, its scale row once (first decode)
         # the default's tiles with each decode: the first integer one, "quarter", the FP8 conversion
