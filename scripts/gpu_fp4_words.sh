@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The FP4 GEMV's word-wise float16 decode (`pallas_kernels/grouped_matmul_fp4/gemv_words.py`, decode="f16") on a GPU
+# The FP4 GEMV's word-wise float16 decode (`pallas_kernels/grouped_matmul_fp4/decode_f16.py`, decode="f16") on a GPU
 # against the byte-wise decodes: the kernel device tests, then the GEMV alone at decode batches 1 and 8 (gate + up
-# and down at Flash dims) with the default ("fp8" on sm89+), "quarter" and "f16" at several tiles; first
-# scripts/probe_fp4_words.py: "f16" on byte-stored weights (viewed as words in the call: a copy in XLA) against
-# weights stored as words.
+# and down at Flash dims) with "quarter" and "f16" at several tiles; first scripts/probe_fp4_words.py (every decode,
+# each output checked against the reference).
 # Usage (on the device): OUT=/path COMMIT=<sha> bash scripts/gpu_fp4_words.sh [device kernels probe seconds]
 # (run in the order probe, kernels, device: a call cut short keeps the most telling parts)
 set -uo pipefail

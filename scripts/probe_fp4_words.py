@@ -1,7 +1,8 @@
 """The FP4 GEMV's decodes timed on a GPU at Flash dims: "quarter", "fp8" and the word-wise float16 decode ("f16",
-at 4 and 2 warps) on the weights as stored (bytes; the kernel joins them into words in registers), "f16" on the
-packed codes stored as 32-bit words, and `as_words` alone (in XLA a copy of the array). Every variant's output is
-checked against the reference; the script exits 1 when one disagrees.
+at 4 and 2 warps; the kernel joins the stored bytes into words in registers). Every variant's output is checked
+against the reference; the script exits 1 when one disagrees. (Session 23's run also timed the codes stored as
+32-bit words, no faster, and XLA's view of bytes as words, a copy: docs/benchmarks/fp4_words_h100/; that path is
+gone.)
 
     PYTHONPATH=. python scripts/probe_fp4_words.py --out /tmp/fp4_words   # writes .json and .md
 """
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.grouped_matmul_fp4 import gemv, gemv_words, grouped_gemv_fp4, grouped_gemv_fp4_reference
+from pallas_kernels.grouped_matmul_fp4 import gemv, grouped_gemv_fp4, grouped_gemv_fp4_reference
 
 EXPERTS = 256
 SHAPES = {"gate_up": (4096, 2048, 2), "down": (2048, 4096, 1)}  # k, n, weights
@@ -56,9 +57,6 @@ def main(argv=None) -> int:
     records, ok = [], True
     for shape, (k, n, count) in SHAPES.items():
         ws = _weights(rng, k, n, count)
-        words = tuple((gemv_words.as_words(p), s) for p, s in ws)
-        copy_us = _time(jax.jit(gemv_words.as_words), ws[0][0], iters=10)
-        records.append({"shape": shape, "case": "as_words alone (one packed weight)", "us": copy_us})
         for selections in ((3, 6) if args.interpret else (6, 48)):
             x = jnp.asarray(rng.standard_normal((selections, k)), jnp.bfloat16)
             group = jnp.asarray(rng.choice(EXPERTS, selections, replace=False), jnp.int32)
@@ -66,9 +64,6 @@ def main(argv=None) -> int:
             ref = grouped_gemv_fp4_reference(x, ws, group)
             runs = {name: (lambda bs=bs: (grouped_gemv_fp4, (x, ws, group), dict(block_sizes=bs, **interpret)))()
                     for name, bs in variants.items()}
-            for name in ("f16", "f16_2_warps"):
-                runs[f"{name} on words"] = (gemv_words.grouped_gemv_words, (x, words, group),
-                                            dict(block_sizes=variants[name], **interpret))
             for name, (fn, fn_args, kw) in runs.items():
                 call = jax.jit(lambda *a, fn=fn, kw=kw: fn(*a, **kw))
                 got = call(*fn_args)

@@ -18,7 +18,7 @@ moves each code's bits into an OCP E4M3 byte instead (`_mxfp4.fp4_as_e4m3`: two 
 the device's FP8 conversion make the float (one instruction per pair on sm90); the E4M3 byte reads 2^-6 times the
 code's value, which the kernel gives back exactly by taking the inputs times 2^6 (powers of two: every product is
 bitwise the integer decodes', unless an input exceeds 2^121): 11-14 % faster than "quarter" on the H100, and the
-sm89+ default until `decode="f16"` (`gemv_words.py`: two codes per mask and shift on 32-bit words, through float16),
+sm89+ default until `decode="f16"` (`decode_f16.py`: two codes per mask and shift on 32-bit words, through float16),
 1.34-1.42x faster again, became the default on every target (`GEMV_DEFAULT`).
 """
 
@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, E4M3_PER_E2M1, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale,
                                    unpack_fp4)
 from pallas_kernels.grouped_matmul.tiles import write_tile
-from pallas_kernels.grouped_matmul_fp4 import gemv_words
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, WORD, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.kernel import _scale_rows
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4_static
@@ -45,7 +45,7 @@ from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4
 # step with 128 columns and 16 k splits took 63.5 / 406 us for gate + up and 34.1 / 218 us for down, against 80.3 /
 # 500 and 39.0 / 228 us for 64 packed rows a step (dots="tile", block_n 64, the heuristic's 2-3 splits); every
 # variant stayed at 22-33 % of the bandwidth: the decode's integer work, not the bytes, bounds the kernel.
-# The default decode since round 3, session 23: "f16" (`gemv_words.py`: two codes per mask and shift, through
+# The default decode since round 3, session 23: "f16" (`decode_f16.py`: two codes per mask and shift, through
 # float16). H100, Flash dims, device time (docs/benchmarks/fp4_words_h100/kernels.md, one run at 2771c73), batch 1 /
 # 8: gate + up 39.9 / 244 us against 55.0 / 345 for "fp8" (the sm89+ default before) and 62.0 / 395 for "quarter";
 # down 22.6 / 134 against 30.3 / 190 and 33.2 / 213 (44-54 % of the measured bandwidth, from 29-39 %). It needs no
@@ -95,7 +95,7 @@ def _fp4_values(codes):
 
 # what the decoded weights read, as a fraction of their values (the inputs take the inverse, a power of two: exact,
 # so every product is bitwise x * value, unless an input exceeds 2^121 or is subnormal on a device that flushes)
-_DECODED_FRACTION = {"fp8": E4M3_PER_E2M1, "quarter": 0.25, "bits": 1.0, "arith": 1.0}
+_DECODED_FRACTION = {"f16": F16_PER_E2M1, "fp8": E4M3_PER_E2M1, "quarter": 0.25, "bits": 1.0, "arith": 1.0}
 
 
 def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, dots: str, decode: str):
@@ -115,7 +115,9 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
         for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
             scale = e8m0_to_float_max(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
             packed = p_ref[g, pl.ds(j0, ROWS_PER_SCALE), pl.ds(n0, block_n)]
-            if decode == "fp8":
+            if decode == "f16":
+                lo, hi = fp4_as_f16(packed)
+            elif decode == "fp8":
                 lo, hi = (v.astype(jnp.float32) for v in fp4_as_e4m3(packed))
             else:
                 even, odd = unpack_fp4(packed)
@@ -156,8 +158,9 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
         "tile": block_j packed
         rows a step, each weight decoded times its own scale (the scale tile loaded per packed row); "group": one
         scale group (16 packed rows) a step, its scale row loaded once and applied to the step's products;
-        decode (dots="group"): "quarter" (the default integer decode, `_quarter_values`), "fp8" (through the FP8
-        conversion), "f16" (32-bit words, two codes per mask and shift, through float16: `gemv_words.py`),
+        decode (dots="group"): "quarter" (an integer decode, `_quarter_values`), "fp8" (through the FP8
+        conversion), "f16" (the default: 32-bit words, two codes per mask and shift, through float16:
+        `decode_f16.py`),
         "bits" / "arith" (the first integer decode, `_fp4_values`)).
     Returns:
       tuple of [selections, n] f32, one per weight.
@@ -168,8 +171,9 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     bs.validate()
     if bs.decode in ("fp8", "quarter", "f16") and bs.dots != "group":
         raise ValueError(f"block_sizes.decode={bs.decode!r} needs dots='group' (one scale group a step)")
-    if bs.decode == "f16":
-        return gemv_words.grouped_gemv_words(x, ws, group, block_sizes=bs, interpret=interpret)
+    if bs.decode == "f16" and min(bs.block_n, ws[0][1].shape[-1]) % WORD:
+        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={bs.block_n} must be a multiple "
+                         f"of {WORD}")
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)
 

@@ -15,13 +15,12 @@ from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits
 ROWS_PER_SCALE = 16  # packed rows (32 inputs) per E8M0 scale
 
 
-def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, columns_per_element: int = 1, **static):
+def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, **static):
     """`kernel(group_ref, xe_ref, xo_ref, *weight refs, *out refs, n_w, block_j, j_per_split, **static)` over the
     grid (tile, column block, k split); tiles of x.shape[0] // len(tile_group) rows. Returns [rows, n] f32 per
-    weight. `columns_per_element`: columns per element of the packed arrays' last axis (4 for codes stored as
-    32-bit words; the scales stay one byte a column)."""
+    weight."""
     rows = x.shape[0]
-    kk, n = ws[0][0].shape[1], ws[0][0].shape[2] * columns_per_element
+    kk, n = ws[0][0].shape[1], ws[0][0].shape[2]
     tiles = tile_group.shape[0]
     tile_m = rows // tiles
     block_n = min(bs.block_n, n)

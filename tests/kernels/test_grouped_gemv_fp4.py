@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from grouped_tiles import Case, check_outputs
-from pallas_kernels.grouped_matmul_fp4 import gemv_words
+from pallas_kernels.grouped_matmul_fp4 import decode_f16
 from pallas_kernels.grouped_matmul_fp4 import (BlockSizes, gemv_block_sizes, grouped_gemv_fp4,
                                                grouped_gemv_fp4_reference, grouped_matmul_fp4)
 from test_grouped_matmul_fp4 import make_inputs
@@ -85,13 +85,13 @@ def test_every_decode_gives_the_same_bits(dtype):
 
 
 def test_word_decode_reads_every_byte_of_every_position():
-    """`gemv_words.decode_words`: each of the 256 byte values at each of the 4 byte positions of a word (the other
+    """`decode_f16.decode_words`: each of the 256 byte values at each of the 4 byte positions of a word (the other
     three positions holding other values) gives its two codes' E2M1 values times 2^-14, signed zeros included: the
     shifts that decode two positions at once never let a neighbour's bits in."""
     table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     byte = np.arange(256, dtype=np.uint8)
     columns = np.stack([byte, byte[::-1], np.roll(byte, 85), np.roll(byte, 170)], axis=-1)  # [256 words, 4 bytes]
-    decoded = gemv_words.decode_words(jnp.asarray(columns.reshape(-1).view(np.uint32)))
+    decoded = decode_f16.decode_words(jnp.asarray(columns.reshape(-1).view(np.uint32)))
     assert sorted(decoded) == [0, 1, 2, 3]
     for b, (even, odd) in decoded.items():
         for got, codes in ((even, columns[:, b] & 15), (odd, columns[:, b] >> 4)):
@@ -100,25 +100,16 @@ def test_word_decode_reads_every_byte_of_every_position():
             np.testing.assert_array_equal(np.signbit(got), np.signbit(table[codes]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_word_decode_reads_bytes_or_words_alike(dtype):
-    """`gemv_words.grouped_gemv_words` on the packed codes stored as bytes and as 32-bit words (`as_words`):
-    the same bits, and the byte-wise decode's."""
-    case = Case("words", groups=8, k=256, n=64, tile_m=1, tile_group=(5, -1, 1, 5, 7), live_rows=(1, 0, 1, 1, 1),
-                dtype=dtype)
-    x, ws, group = make_inputs(case)
-    blocks = BlockSizes(block_n=32, dots="group", decode="f16", k_splits=2)
-    words = tuple((gemv_words.as_words(p), s) for p, s in ws)
-    by_bytes = gemv_words.grouped_gemv_words(x, ws, group, block_sizes=blocks, interpret=True)
-    by_words = gemv_words.grouped_gemv_words(x, words, group, block_sizes=blocks, interpret=True)
-    first = grouped_gemv_fp4(x, ws, group, block_sizes=BlockSizes(block_n=32, dots="group", k_splits=2),
-                             interpret=True)
-    for a, b, c in zip(by_bytes, by_words, first):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(c).view(np.uint32))
-    with pytest.raises(ValueError, match="packed must be uint8"):
-        gemv_words.grouped_gemv_words(x, ((words[0][0], ws[0][1]), ws[1]), group, block_sizes=blocks,
-                                      interpret=True)
+def test_word_decode_keeps_column_order():
+    """`decode_f16.fp4_as_f16` on a loaded tile of packed bytes: column c of the even / odd output is the low / high
+    nibble of byte c, times 2^-14, signed zeros included (the words' byte positions joined back in order)."""
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    packed = np.random.default_rng(0).integers(0, 256, size=(16, 64), dtype=np.uint8)
+    even, odd = decode_f16.fp4_as_f16(jnp.asarray(packed))
+    for got, codes in ((even, packed & 15), (odd, packed >> 4)):
+        got = np.asarray(got) * 2.0**14
+        np.testing.assert_array_equal(got, table[codes])
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(table[codes]))
 
 
 def test_word_decode_needs_whole_words():

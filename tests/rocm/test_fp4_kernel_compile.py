@@ -64,7 +64,7 @@ def test_fp4_gemv_fp8_decode_compiles_where_it_can_run(case, target):
 @pytest.mark.parametrize("case", ["decode_gate_up", "decode_down"])
 @pytest.mark.parametrize("num_warps", [2, 4])
 def test_fp4_gemv_word_decode_compiles_on_every_target(case, target, num_warps):
-    """The word-wise float16 decode (`gemv_words.py`): integer ops, a float16 -> float32 conversion and no FP8 or FP4
+    """The word-wise float16 decode (`decode_f16.py`): integer ops, a float16 -> float32 conversion and no FP8 or FP4
     instruction, so every target (gfx942 included) can take it."""
     k, n, n_w = (4096, 2048, 2) if case == "decode_gate_up" else (2048, 4096, 1)
     x, ws, _ = _args(48, 48, n_w, k, n)
