@@ -85,7 +85,8 @@ def parse(argv=None):
                     help=f"also run the quantized model with the FP8 KV cache (mode {KV_MODE}, decode cases)")
     ap.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     ap.add_argument("--profile", action="store_true",
-                    help="decode cases: a device trace per mode (kernels per step, device busy, heaviest kernels)")
+                    help="a device trace per case and mode (kernels per step, device busy, heaviest kernels; a "
+                         "prefill counts as one step)")
     ap.add_argument("--quantized-only", action="store_true",
                     help="only the FP8 + FP4 model, built leaf by leaf (random_quantized_model: no bf16 copy, for "
                          "slices too large in bf16, e.g. --layers 28 on an H200), checked layer by layer against "
@@ -145,6 +146,8 @@ def run_mode(model: Model, kernels: str, smoke: bool, bw: float, peak: float, ti
                 r.update(ms=secs * 1e3, tokens_per_s=case.rows * case.size / secs, bytes=nbytes, flops=flops,
                          roofline_ms=floor * 1e3, roofline_bound="weights" if nbytes / bw >= flops / peak else "flops",
                          fraction_of_roofline=floor / secs)
+                if profile:  # which kernels hold a prefill's time (the whole prefill counted as one step)
+                    r["profile"] = device_trace.profile(lambda: jax.block_until_ready(fn()[0]), 1, cfg.num_layers)
             elif timed:
                 fn, _, _ = bench.decode(case.rows, case.size, case.new)
                 fn()
@@ -262,8 +265,8 @@ def write_markdown(res: dict, path: str) -> None:
     profiled = [(name, mode, r["profile"]) for mode, by_case in res["modes"].items()
                 for name, r in by_case.items() if r.get("profile")]
     if profiled:
-        lines += ["", "Decode steps traced (`--profile`, one run each): device busy and kernels per step, and the five "
-                  "heaviest kernels (us per step):", "", "| case | format | busy ms / step | kernels / step | heaviest |",
+        lines += ["", "Steps traced (`--profile`, one run each; a prefill is one step): device busy and kernels per "
+                  "step, and the five heaviest kernels (us per step):", "", "| case | format | busy ms / step | kernels / step | heaviest |",
                   "|---|---|---|---|---|"]
         for name, mode, prof in profiled:
             top = ", ".join(f"`{k[:48]}` {v}" for k, v in list(prof["top_kernels_us_per_step"].items())[:5])

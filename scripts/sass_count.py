@@ -99,8 +99,9 @@ def _variant(fn, args, weights_per_step: int, num_warps: int) -> dict:
     return got
 
 
-def tile_variants(rows: int, k: int = 4096, n: int = 2048, experts: int = 256) -> dict:
-    """The tile kernel's decodes for gate + up at Flash dims, `rows` rows in tiles of 16 (decode) or 64 (prefill)."""
+def tile_variants(rows: int, k: int = 4096, n: int = 2048, experts: int = 256,
+                  decodes: tuple[str, ...] = ("bits", "arith", "f16")) -> dict:
+    """The tile kernel's `decodes` for gate + up at Flash dims, `rows` rows in tiles of 16 (decode) or 64 (prefill)."""
     import pallas_kernels
     from pallas_kernels.grouped_matmul_fp4 import BlockSizes
 
@@ -110,7 +111,7 @@ def tile_variants(rows: int, k: int = 4096, n: int = 2048, experts: int = 256) -
     w = (S((experts, k // 2, n), jnp.uint8), S((experts, k // 32, n), jnp.uint8))
     args = (S((tiles * tile_m, k), jnp.bfloat16), (w, w), S((tiles,), jnp.int32))
     res = {}
-    for decode in ("bits", "arith"):
+    for decode in decodes:
         bs = dataclasses.replace(BlockSizes.get_default(jnp.bfloat16, tile_m), decode=decode)
         fn = functools.partial(pallas_kernels.grouped_matmul_fp4, block_sizes=bs)
         # a step: block_j packed rows x block_n columns, two nibbles each, gate and up

@@ -1,6 +1,6 @@
 """scripts/sass_count.py: the innermost-loop finder on a disassembly, and (with the pip triton wheel's NVIDIA
 backend, as the ROCm checks use) the GEMV's quarter decode issuing fewer loop instructions than its first, and the
-word-wise float16 decode fewer per weight than the quarter one."""
+word-wise float16 decode fewer per weight than the quarter one, in the GEMV and in the prefill tile kernel."""
 
 import os
 import sys
@@ -42,3 +42,13 @@ def test_gemv_quarter_decode_is_shorter_than_the_first():
     # and the word-wise float16 decode fewer per weight than either (two codes per mask and shift)
     per_weight = {name: r["instructions_per_weight_per_thread"] for name, r in got.items()}
     assert per_weight["gemv_f16_2_warps"] < per_weight["gemv_f16"] < per_weight["gemv_quarter"], per_weight
+
+
+def test_tile_f16_decode_is_shorter_than_bits_at_prefill_tiles():
+    from ds4jax.rocm_check.compile import triton_backends
+
+    if "nvidia" not in triton_backends():
+        pytest.skip("this triton wheel has no NVIDIA backend")
+    got = sass_count.tile_variants(512, decodes=("bits", "f16"))
+    per_weight = {name: r["instructions_per_weight_per_thread"] for name, r in got.items()}
+    assert per_weight["tile_f16"] < 0.8 * per_weight["tile_bits"], per_weight  # 8.73 against 12.88 (sm90)

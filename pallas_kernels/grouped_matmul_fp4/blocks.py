@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DOTS = ("tile", "group")
-DECODES = ("bits", "arith", "quarter", "fp8", "f16")  # the last three: the GEMV's only (`gemv.py`)
+DECODES = ("bits", "arith", "quarter", "fp8", "f16")  # "quarter" and "fp8": the GEMV's only (`gemv.py`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -14,7 +14,8 @@ class BlockSizes:
     of 16 so a step covers whole 32-input scale groups); k_splits: programs along the inputs (None = the
     grouped matmul's heuristic); num_warps, num_stages: Triton launch parameters; dots: "tile" (one block_j-deep
     dot per nibble and step, the scales loaded per packed row) or "group" (the first version: two 16-deep dots
-    per scale group); decode: "bits" (`fp4_times_scale`) or "arith" (`e2m1_to_float * scale`, the first version).
+    per scale group); decode: "bits" (`fp4_times_scale`), "arith" (`e2m1_to_float * scale`, the first version) or
+    "f16" (`decode_f16.py`: two codes per mask and shift on 32-bit words, through float16; block_n % 4 == 0).
 
     Shared memory per stage ("tile"): 2 * tile_m * block_j * itemsize (x, even and odd inputs) + 2 * len(ws) *
     block_j * block_n bytes (packed values, and the scale byte of each packed row): Triton 3.6 gives 40 KB for

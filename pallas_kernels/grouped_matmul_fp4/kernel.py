@@ -11,6 +11,13 @@ block_j-deep dot per nibble and step. The kernel is ALU-bound (decoding), not bo
 was made cheap. `BlockSizes(dots="group", decode="arith")` is the first version (two 16-deep dots per 32-input
 scale group, value-arithmetic decode with int -> float conversions), kept to time against. Empty tiles (group -1)
 read no weight; sorting, tiles and k splits are the bf16 grouped matmul's (`pallas_kernels.grouped_matmul`).
+
+`BlockSizes(decode="f16")` decodes as the GEMV's default does (`decode_f16.py`: the step's bytes joined into
+32-bit words in registers, two codes per mask and shift, through float16, x taking the factor 2^14): bitwise the
+"bits" decode's output. sm90 loop count (`scripts/sass_count.py`, gate + up at Flash dims): 8.73 instructions a
+weight per thread at 64-row tiles against 12.88, 8.38 at 16-row tiles against 12.82; shared memory 48 KB instead
+of 64 KB at 64 rows, 56 KB instead of 40 KB at 16 rows (within MI300's 64 KB on gfx942 / gfx950 / sm90). Not yet
+timed on a GPU, so not the default.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pallas_kernels import _backend
 from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale, unpack_fp4
 from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, WORD, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
 
@@ -43,6 +51,9 @@ def _scale_rows(s_ref, g, j0, block_j: int, n0, block_n: int):
 
 def _decode(packed, scale, dtype, decode: str):
     """Packed [j, n] uint8 and float32 scales (broadcast to it) -> the even and odd inputs' weights in `dtype`."""
+    if decode == "f16":  # values 2^-14 times the codes' (the caller scales x by 2^14)
+        lo, hi = fp4_as_f16(packed)
+        return (lo * scale).astype(dtype), (hi * scale).astype(dtype)
     even, odd = unpack_fp4(packed)
     if decode == "bits":
         return fp4_times_scale(even, scale).astype(dtype), fp4_times_scale(odd, scale).astype(dtype)
@@ -58,10 +69,15 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
     j_base = pl.program_id(2) * j_per_split
     dtype = xe_ref.dtype
     dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
+    # decode "f16" gives weights 2^-14 times their values; x takes 2^14 (a power of two: exact, so the products and
+    # sums are the other decodes' bit for bit unless |x| > 2^113 or a scaled weight falls below float32's normals)
+    x_factor = 1.0 / F16_PER_E2M1 if decode == "f16" else None
+    load_x = (lambda ref, j, n: ref[:, pl.ds(j, n)] * jnp.asarray(x_factor, ref.dtype)) if x_factor else \
+        (lambda ref, j, n: ref[:, pl.ds(j, n)])
 
     def body_tile(i, accs):  # the step's whole packed tile decoded at once: one block_j-deep dot per nibble
         j0 = pl.multiple_of(j_base + i * block_j, block_j)
-        xe, xo = xe_ref[:, pl.ds(j0, block_j)], xo_ref[:, pl.ds(j0, block_j)]
+        xe, xo = load_x(xe_ref, j0, block_j), load_x(xo_ref, j0, block_j)
         accs = list(accs)
         for w, (p_ref, s_ref) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
             scale = _scale_rows(s_ref, g, j0, block_j, n0, block_n)
@@ -74,8 +90,7 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
         accs = list(accs)
         for c in range(block_j // ROWS_PER_SCALE):
             j = j0 + c * ROWS_PER_SCALE
-            xe = xe_ref[:, pl.ds(j, ROWS_PER_SCALE)]
-            xo = xo_ref[:, pl.ds(j, ROWS_PER_SCALE)]
+            xe, xo = load_x(xe_ref, j, ROWS_PER_SCALE), load_x(xo_ref, j, ROWS_PER_SCALE)
             for w, (p_ref, s_ref) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
                 scale = e8m0_to_float(s_ref[g, pl.ds(j // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]
                 lo, hi = _decode(p_ref[g, pl.ds(j, ROWS_PER_SCALE), pl.ds(n0, block_n)], scale, dtype, decode)
@@ -100,8 +115,11 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     validate_grouped_matmul_fp4_static(x, ws, tile_group)
     bs = block_sizes or BlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0])
     bs.validate()
-    if bs.decode not in ("bits", "arith"):
+    if bs.decode not in ("bits", "arith", "f16"):
         raise ValueError(f"block_sizes.decode={bs.decode!r} is the GEMV's (grouped_gemv_fp4); the tile kernel "
-                         "decodes with 'bits' or 'arith'")
+                         "decodes with 'bits', 'arith' or 'f16'")
+    if bs.decode == "f16" and min(bs.block_n, ws[0][0].shape[-1]) % WORD:
+        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={bs.block_n} must be a multiple "
+                         f"of {WORD}")
     return launch(_kernel, x, ws, tile_group, bs, name="grouped_matmul_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode, precision=_backend.dot_precision(x.dtype))

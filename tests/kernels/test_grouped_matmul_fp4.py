@@ -35,7 +35,8 @@ CASES = [
 CASES += [dataclasses.replace(c, name=f"{c.name}_{dots}_{decode}",
                               block_sizes=dataclasses.replace(c.block_sizes or BlockSizes(), dots=dots, decode=decode))
           for c in (CASES[0], CASES[2], CASES[4]) for dots, decode in (("group", "bits"), ("group", "arith"),
-                                                                      ("tile", "arith"))]
+                                                                      ("tile", "arith"), ("tile", "f16"),
+                                                                      ("group", "f16"))]
 
 
 def make_inputs(case: Case):
@@ -82,9 +83,32 @@ class TestDevice(Base):
              live_rows=(1,) * 6, dtype="bfloat16"),
         Case("flash_prefill", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1),
              live_rows=(64, 9, 64, 3, 0), dtype="bfloat16"),
+        Case("flash_prefill_f16", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1),
+             live_rows=(64, 9, 64, 3, 0), dtype="bfloat16", block_sizes=BlockSizes(num_stages=2, decode="f16")),
+        Case("flash_decode_f16", groups=16, k=1024, n=512, tile_m=16, tile_group=(3, 9, 1, 15, 0, -1),
+             live_rows=(1,) * 6, dtype="bfloat16", block_sizes=BlockSizes(decode="f16")),
     ], ids=str)
     def test_matches_reference(self, case):
         self.check(case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dots", ["tile", "group"])
+def test_f16_decode_gives_the_bits_decodes_bits(dots, dtype):
+    """decode="f16" reads the weights at 2^-14 times their values and x at 2^14 times: every product, so every sum
+    in the same order, is bitwise the "bits" decode's (no scaled weight here falls below float32's normals)."""
+    case = dataclasses.replace(CASES[4], dtype=dtype)
+    x, ws, tg = make_inputs(case)
+    run = lambda decode: grouped_matmul_fp4(  # noqa: E731
+        x, ws, tg, block_sizes=dataclasses.replace(case.block_sizes, dots=dots, decode=decode), interpret=True)
+    for a, b in zip(run("f16"), run("bits")):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_f16_decode_needs_whole_words():
+    x, ws, tg = make_inputs(CASES[0])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        grouped_matmul_fp4(x, ws, tg, block_sizes=BlockSizes(block_n=6, block_j=16, decode="f16"), interpret=True)
 
 
 def test_reference_is_the_host_dequantization():

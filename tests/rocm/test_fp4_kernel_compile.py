@@ -32,11 +32,11 @@ CASES = {"decode_gate_up": _args(96, 6, 2, 4096, 2048), "prefill_down": _args(44
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("dots", ["tile", "group"])  # the default and the first kernel's per-group dots
-def test_fp4_kernel_compiles_within_limits(case, target, dots):
-    fn = grouped_matmul_fp4 if dots == "tile" else functools.partial(grouped_matmul_fp4,
-                                                                     block_sizes=BlockSizes(dots=dots, decode="arith"))
-    compile_alone(fn, CASES[case], target)
+@pytest.mark.parametrize("dots", ["tile", "group", "tile_f16"])  # the default, the first kernel's per-group dots,
+def test_fp4_kernel_compiles_within_limits(case, target, dots):  # and the word-wise float16 decode
+    blocks = {"tile": None, "group": BlockSizes(dots="group", decode="arith"),
+              "tile_f16": BlockSizes(num_stages=2 if case.startswith("prefill") else 3, decode="f16")}[dots]
+    compile_alone(functools.partial(grouped_matmul_fp4, block_sizes=blocks), CASES[case], target)
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
