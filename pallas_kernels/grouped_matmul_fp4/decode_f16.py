@@ -26,6 +26,13 @@ WORD = 4  # packed bytes (columns) per uint32 word
 F16_PER_E2M1 = 2.0**-14  # what an E2M1 code reads as once its bits sit in a float16 (`_f16_pair`)
 
 
+def check_block_n(block_n: int, n: int) -> None:
+    """A kernel decoding "f16" reads 4 columns a word: its column block must hold whole words."""
+    if min(block_n, n) % WORD:
+        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={block_n} must be a multiple of "
+                         f"{WORD}")
+
+
 def _shift(v, by: int):
     return v << by if by >= 0 else v >> -by
 

@@ -35,7 +35,7 @@ from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, E4M3_PER_E2M1, e8m0_to_float_
                                    unpack_fp4)
 from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
-from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, WORD, fp4_as_f16
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, check_block_n, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.kernel import _scale_rows
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4_static
@@ -171,9 +171,8 @@ def grouped_gemv_fp4(x, ws, group, *, block_sizes=None, interpret=False):
     bs.validate()
     if bs.decode in ("fp8", "quarter", "f16") and bs.dots != "group":
         raise ValueError(f"block_sizes.decode={bs.decode!r} needs dots='group' (one scale group a step)")
-    if bs.decode == "f16" and min(bs.block_n, ws[0][1].shape[-1]) % WORD:
-        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={bs.block_n} must be a multiple "
-                         f"of {WORD}")
+    if bs.decode == "f16":
+        check_block_n(bs.block_n, ws[0][1].shape[-1])
     return launch(_kernel, x, ws, group, bs, name="grouped_gemv_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode)
 

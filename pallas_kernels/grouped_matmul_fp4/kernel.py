@@ -33,7 +33,7 @@ from pallas_kernels import _backend
 from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale, unpack_fp4
 from pallas_kernels.grouped_matmul.tiles import write_tile
 from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
-from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, WORD, fp4_as_f16
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, check_block_n, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
 
@@ -118,8 +118,7 @@ def grouped_matmul_fp4(x, ws, tile_group, *, block_sizes=None, interpret=False):
     if bs.decode not in ("bits", "arith", "f16"):
         raise ValueError(f"block_sizes.decode={bs.decode!r} is the GEMV's (grouped_gemv_fp4); the tile kernel "
                          "decodes with 'bits', 'arith' or 'f16'")
-    if bs.decode == "f16" and min(bs.block_n, ws[0][0].shape[-1]) % WORD:
-        raise ValueError(f"block_sizes.decode='f16' reads 4 columns a word: block_n={bs.block_n} must be a multiple "
-                         f"of {WORD}")
+    if bs.decode == "f16":
+        check_block_n(bs.block_n, ws[0][1].shape[-1])
     return launch(_kernel, x, ws, tile_group, bs, name="grouped_matmul_fp4", interpret=interpret, dots=bs.dots,
                   decode=bs.decode, precision=_backend.dot_precision(x.dtype))
