@@ -41,6 +41,13 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, dtype=None, tile_m: int = 16, arch: str | None = None) -> "BlockSizes":
-        """One tile for every architecture (`arch` accepted for the dispatcher's interface)."""
+        """One tile for every architecture (`arch` accepted for the dispatcher's interface). 16-row tiles
+        (verification, short prefills) decode "f16"; prefill's 64-row tiles keep "bits" at 2 stages.
+
+        H200, device time, Flash dims, one run (docs/benchmarks/fp4_tile_h200/, round 3 session 24): at 8 tokens
+        (16-row tiles, 3 stages) "f16" took gate + up 416 us against 461 and down 169 against 221 (1.11x / 1.31x).
+        At 2048 tokens (64-row tiles) "f16" at the default's 2 stages lost on gate + up (4.47 ms against 3.94) and
+        won on down (1.73 against 2.10); at 3 stages it won both (3.91 / 1.57 ms) but gate + up then needs more than
+        MI300's 64 KB of LDS, so prefill keeps "bits" at 2 stages until a tile wins both within it."""
         del dtype, arch
-        return cls(num_stages=2) if tile_m > 16 else cls()
+        return cls(num_stages=2) if tile_m > 16 else cls(decode="f16")
