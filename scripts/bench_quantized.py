@@ -266,7 +266,8 @@ def write_markdown(res: dict, path: str) -> None:
                 for name, r in by_case.items() if r.get("profile")]
     if profiled:
         lines += ["", "Steps traced (`--profile`, one run each; a prefill is one step): device busy and kernels per "
-                  "step, and the five heaviest kernels (us per step):", "", "| case | format | busy ms / step | kernels / step | heaviest |",
+                  "step, and the five heaviest kernels (us per step):", "",
+                  "| case | format | busy ms / step | kernels / step | heaviest |",
                   "|---|---|---|---|---|"]
         for name, mode, prof in profiled:
             top = ", ".join(f"`{k[:48]}` {v}" for k, v in list(prof["top_kernels_us_per_step"].items())[:5])

@@ -1,4 +1,5 @@
-"""The FP4 GEMV's word-wise float16 decode (`decode="f16"`, the GEMV's default on every target).
+"""The FP4 kernels' word-wise float16 decode (`decode="f16"`: the GEMV's default on every target, the tile kernel's at
+16-row tiles).
 
 The byte-wise decodes (`gemv.py`: "quarter", "fp8") spend ~9.3 instructions per weight in the loop on sm90, most
 of them integer work on one code at a time (each byte in its own register, masked and shifted twice). Here a
@@ -9,12 +10,13 @@ works on two codes at once: the magnitude bits (e1 e0 m) of bytes b and b + 2 of
 times the code's E2M1 value (exponent field e; for e = 0 the float16 subnormal m/2 * 2^-14: no special case, unlike
 the float32 placement of "quarter"). The conversion float16 -> float32 is one instruction per value on every GPU
 (no FP8 or FP4 hardware needed: MI300 can use it too), the decoded values are joined back into column order, and
-the GEMV's inputs take the inverse factor 2^14 (a power of two: every product is bitwise the other decodes').
+the kernels' inputs take the inverse factor 2^14 (a power of two: every product is bitwise the other decodes').
 
-sm90 loop, gate + up at Flash dims (`scripts/sass_count.py`): ~6.2 instructions per weight per thread at 4 warps,
-~6.0 at 2, against 9.28 for "quarter" and 9.77 for "fp8". H100, device time (docs/benchmarks/fp4_words_h100/):
-1.34-1.42x faster than "fp8" at batch 1 and 8. Storing the codes as words in memory was measured too and was no
-faster (and XLA's view of a byte array as words is a copy, not a bitcast), so the weights stay bytes.
+GEMV loop on sm90, gate + up at Flash dims (`scripts/sass_count.py`): 5.52 instructions per weight per thread at 4
+warps, 5.35 at 2, against 9.28 for "quarter" and 9.77 for "fp8". Device time, batch 1 and 8: 1.34-1.42x faster
+than "fp8" on an H100 (docs/benchmarks/fp4_words_h100/), the same on an H200 (docs/benchmarks/fp4_tile_h200/).
+Storing the codes as words in memory was measured too and was no faster (and XLA's view of a byte array as words
+is a copy, not a bitcast), so the weights stay bytes.
 """
 
 from __future__ import annotations

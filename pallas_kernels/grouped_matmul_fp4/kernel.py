@@ -72,9 +72,9 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
     dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
     # decode "f16" gives weights 2^-14 times their values; x takes 2^14 (a power of two: exact, so the products and
     # sums are the other decodes' bit for bit unless |x| > 2^113 or a scaled weight falls below float32's normals)
-    x_factor = 1.0 / F16_PER_E2M1 if decode == "f16" else None
-    load_x = (lambda ref, j, n: ref[:, pl.ds(j, n)] * jnp.asarray(x_factor, ref.dtype)) if x_factor else \
-        (lambda ref, j, n: ref[:, pl.ds(j, n)])
+    def load_x(ref, j, n):
+        x = ref[:, pl.ds(j, n)]
+        return x * jnp.asarray(1.0 / F16_PER_E2M1, x.dtype) if decode == "f16" else x
 
     def body_tile(i, accs):  # the step's whole packed tile decoded at once: one block_j-deep dot per nibble
         j0 = pl.multiple_of(j_base + i * block_j, block_j)

@@ -20,7 +20,7 @@ def launch(kernel, x, ws, tile_group, bs, *, name: str, interpret: bool, **stati
     grid (tile, column block, k split); tiles of x.shape[0] // len(tile_group) rows. Returns [rows, n] f32 per
     weight."""
     rows = x.shape[0]
-    kk, n = ws[0][0].shape[1], ws[0][0].shape[2]
+    kk, n = ws[0][0].shape[1:]
     tiles = tile_group.shape[0]
     tile_m = rows // tiles
     block_n = min(bs.block_n, n)

@@ -105,6 +105,13 @@ def test_f16_decode_gives_the_bits_decodes_bits(dots, dtype):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
+def test_default_decode_per_tile_height():
+    """The kernel's default (what the model's dispatch gets: no block sizes passed) decodes "f16" at 16-row tiles
+    (faster on an H200 at 8 tokens) and "bits" at prefill's 64-row tiles (docs/benchmarks/fp4_tile_h200/)."""
+    assert BlockSizes.get_default(jnp.bfloat16, 16).decode == "f16"
+    assert BlockSizes.get_default(jnp.bfloat16, 64) == BlockSizes(num_stages=2, decode="bits")
+
+
 def test_f16_decode_needs_whole_words():
     x, ws, tg = make_inputs(CASES[0])
     with pytest.raises(ValueError, match="multiple of 4"):
