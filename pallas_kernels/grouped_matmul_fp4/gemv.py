@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, E4M3_PER_E2M1, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale,
+from pallas_kernels._mxfp4 import (E2M1_BIAS_BITS, e8m0_to_float_max, fp4_as_e4m3, fp4_times_scale,
                                    unpack_fp4)
 from pallas_kernels.grouped_matmul.tiles import write_tile
-from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
-from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, check_block_n, fp4_as_f16
+from pallas_kernels.grouped_matmul_fp4.blocks import DECODED_FRACTION, BlockSizes
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import check_block_n, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.kernel import _scale_rows
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_gemv_fp4_static
@@ -93,11 +93,6 @@ def _fp4_values(codes):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-# what the decoded weights read, as a fraction of their values (the inputs take the inverse, a power of two: exact,
-# so every product is bitwise x * value, unless an input exceeds 2^121 or is subnormal on a device that flushes)
-_DECODED_FRACTION = {"f16": F16_PER_E2M1, "fp8": E4M3_PER_E2M1, "quarter": 0.25, "bits": 1.0, "arith": 1.0}
-
-
 def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_split: int, dots: str, decode: str):
     w_refs, o_refs = refs[: 2 * n_w], refs[2 * n_w:]
     block_n = o_refs[0].shape[1]
@@ -109,8 +104,8 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
         j0 = pl.multiple_of(j_base + i * ROWS_PER_SCALE, ROWS_PER_SCALE)
         xe = xe_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
         xo = xo_ref[0, pl.ds(j0, ROWS_PER_SCALE)].astype(jnp.float32)[:, None]
-        if _DECODED_FRACTION[decode] != 1.0:
-            xe, xo = xe * (1.0 / _DECODED_FRACTION[decode]), xo * (1.0 / _DECODED_FRACTION[decode])
+        if DECODED_FRACTION[decode] != 1.0:
+            xe, xo = xe * (1.0 / DECODED_FRACTION[decode]), xo * (1.0 / DECODED_FRACTION[decode])
         out = []
         for acc, p_ref, s_ref in zip(accs, w_refs[0::2], w_refs[1::2]):
             scale = e8m0_to_float_max(s_ref[g, pl.ds(j0 // ROWS_PER_SCALE, 1), pl.ds(n0, block_n)])  # [1, n]

@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend
 from pallas_kernels._mxfp4 import e2m1_to_float, e8m0_to_float, e8m0_to_float_max, fp4_times_scale, unpack_fp4
 from pallas_kernels.grouped_matmul.tiles import write_tile
-from pallas_kernels.grouped_matmul_fp4.blocks import BlockSizes
-from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1, check_block_n, fp4_as_f16
+from pallas_kernels.grouped_matmul_fp4.blocks import DECODED_FRACTION, BlockSizes
+from pallas_kernels.grouped_matmul_fp4.decode_f16 import check_block_n, fp4_as_f16
 from pallas_kernels.grouped_matmul_fp4.launch import ROWS_PER_SCALE, launch
 from pallas_kernels.grouped_matmul_fp4.validate import validate_grouped_matmul_fp4_static
 
@@ -70,11 +70,9 @@ def _kernel(group_ref, xe_ref, xo_ref, *refs, n_w: int, block_j: int, j_per_spli
     j_base = pl.program_id(2) * j_per_split
     dtype = xe_ref.dtype
     dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
-    # decode "f16" gives weights 2^-14 times their values; x takes 2^14 (a power of two: exact, so the products and
-    # sums are the other decodes' bit for bit unless |x| > 2^113 or a scaled weight falls below float32's normals)
-    def load_x(ref, j, n):
+    def load_x(ref, j, n):  # times the inverse of what the decoded weights read (blocks.DECODED_FRACTION)
         x = ref[:, pl.ds(j, n)]
-        return x * jnp.asarray(1.0 / F16_PER_E2M1, x.dtype) if decode == "f16" else x
+        return x if DECODED_FRACTION[decode] == 1.0 else x * jnp.asarray(1.0 / DECODED_FRACTION[decode], x.dtype)
 
     def body_tile(i, accs):  # the step's whole packed tile decoded at once: one block_j-deep dot per nibble
         j0 = pl.multiple_of(j_base + i * block_j, block_j)
