@@ -20,8 +20,11 @@ import time
 
 _DIR = os.environ.get("DS4JAX_COMPILE_PROFILE", "/tmp/ds4jax-compile-profile")
 _current = ["<outside tests>"]
+_PER_PROGRAM = {"jaxpr_trace_duration": "traced", "jaxpr_to_mlir_module_duration": "lowered"}
 _tests: dict = collections.defaultdict(lambda: {"wall": 0.0, "cpu": 0.0, "events": collections.Counter(),
-                                                 "programs": collections.defaultdict(lambda: [0, 0.0])})
+                                                 "programs": collections.defaultdict(lambda: [0, 0.0]),
+                                                 "traced": collections.defaultdict(lambda: [0, 0.0]),
+                                                 "lowered": collections.defaultdict(lambda: [0, 0.0])})
 
 
 def _listener(event: str, duration: float, **kwargs) -> None:
@@ -30,6 +33,10 @@ def _listener(event: str, duration: float, **kwargs) -> None:
     record["events"][name] += duration
     if name == "backend_compile_duration":  # cache hits are not compiles: JAX records them as another event
         program = record["programs"][kwargs.get("fun_name", "?")]
+        program[0] += 1
+        program[1] += duration
+    elif name in _PER_PROGRAM:  # tracing and lowering, per program too: [times, seconds]
+        program = record[_PER_PROGRAM[name]][kwargs.get("fun_name", "?")]
         program[0] += 1
         program[1] += duration
 
@@ -66,6 +73,7 @@ def summary(directory: str, top: int = 25) -> str:
     # time of its own, and a test's record must not replace the worker's that ran it
     tests = collections.defaultdict(lambda: {"wall": 0.0, "cpu": 0.0, "events": collections.Counter()})
     programs = collections.defaultdict(lambda: [0, 0.0])
+    stages = {kind: collections.defaultdict(lambda: [0, 0.0]) for kind in _PER_PROGRAM.values()}
     for path in glob.glob(os.path.join(directory, "*.json")):
         with open(path) as f:
             for test, record in json.load(f).items():
@@ -76,6 +84,10 @@ def summary(directory: str, top: int = 25) -> str:
                 for name, (n, seconds) in record["programs"].items():
                     programs[name][0] += n
                     programs[name][1] += seconds
+                for kind, per_program in stages.items():
+                    for name, (n, seconds) in record.get(kind, {}).items():
+                        per_program[name][0] += n
+                        per_program[name][1] += seconds
     lines = ["wall s | cpu s | XLA s | trace s | lower s | test"]
     for test, r in sorted(tests.items(), key=lambda kv: -kv[1]["wall"])[:top]:
         e = r["events"]
@@ -85,6 +97,10 @@ def summary(directory: str, top: int = 25) -> str:
     lines += ["", "XLA s | compiles | program"]
     for name, (n, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"{seconds:5.1f} | {n:8d} | {name}")
+    for kind, per_program in stages.items():
+        lines += ["", f"{kind} s | times | program"]
+        for name, (n, seconds) in sorted(per_program.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"{seconds:8.1f} | {n:5d} | {name}")
     return "\n".join(lines)
 
 
