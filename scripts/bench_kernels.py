@@ -452,8 +452,13 @@ def run_config(op, batch, ctx, dims, a, bandwidth, block_sizes=None, with_ref=Tr
         elif op in GROUPED_OPS:
             sets, n_bytes, shape = grouped_inputs(key, dims, op, batch, n_sets)
             fp4 = op.startswith("fp4")
-            if "gemv" in op and block_sizes is None:  # "default": what the model's dispatch hands it on this device
-                block_sizes = gemv_block_sizes(None if a.interpret else device_target().arch)
+            if block_sizes is None:  # "default": what the model's dispatch hands it on this device
+                arch = None if a.interpret else device_target().arch
+                if "gemv" in op:
+                    block_sizes = gemv_block_sizes(arch)
+                else:
+                    tiles = GroupedMatmulFp4BlockSizes if fp4 else GroupedMatmulBlockSizes
+                    block_sizes = tiles.get_default(jnp.dtype(dims.dtype), shape["tile_m"], arch=arch)
             kern = functools.partial(grouped_gemv_fp4 if "gemv" in op else grouped_matmul_fp4 if fp4 else
                                      grouped_matmul, block_sizes=block_sizes, interpret=a.interpret)
             ref = _tilewise(grouped_matmul_fp4_reference if fp4 else grouped_matmul_reference)

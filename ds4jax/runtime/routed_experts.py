@@ -66,8 +66,10 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, ar
     formats, which no checkpoint has, would be dequantized whole first)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
     if _all_fp4(ws):
+        tiles = pallas_kernels.GroupedMatmulFp4BlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0],
+                                                                      arch=arch)
         return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
-                                                 interpret=interpret)
+                                                 block_sizes=tiles, interpret=interpret)
     if all(is_quantized(w) and w.format is Format.FP8 and w.block == ws[0].block for w in ws):
         return pallas_kernels.grouped_matmul_fp8(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  block=ws[0].block, interpret=interpret)

@@ -48,13 +48,19 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, dtype=None, tile_m: int = 16, arch: str | None = None) -> "BlockSizes":
-        """One tile for every architecture (`arch` accepted for the dispatcher's interface). 16-row tiles
-        (verification, short prefills) decode "f16"; prefill's 64-row tiles keep "bits" at 2 stages.
+        """16-row tiles (verification, short prefills) decode "f16" at 3 stages on every architecture; prefill's
+        64-row tiles decode "f16" at 3 stages on NVIDIA (`arch` "sm*") and keep "bits" at 2 stages elsewhere (AMD,
+        and None: interpreted or unknown).
 
         H200, device time, Flash dims, one run (docs/benchmarks/fp4_tile_h200/, round 3 session 24): at 8 tokens
         (16-row tiles, 3 stages) "f16" took gate + up 416 us against 461 and down 169 against 221 (1.11x / 1.31x).
-        At 2048 tokens (64-row tiles) "f16" at the default's 2 stages lost on gate + up (4.47 ms against 3.94) and
-        won on down (1.73 against 2.10); at 3 stages it won both (3.91 / 1.57 ms) but gate + up then needs more than
-        MI300's 64 KB of LDS, so prefill keeps "bits" at 2 stages until a tile wins both within it."""
-        del dtype, arch
-        return cls(num_stages=2) if tile_m > 16 else cls(decode="f16")
+        At 2048 tokens (64-row tiles) "f16" at 3 stages took 3.91 / 1.57 ms for gate + up / down against 3.94 / 2.10
+        for "bits" at 2 (at 2 stages "f16" lost gate + up, 4.47 ms). It needs 80 KB of shared memory for gate + up
+        on sm90 (fine below Hopper's 227 KB, and below the ~100 KB of sm89 / sm120). On gfx942 the same tile
+        compiles to 40 KB of LDS (Triton's AMD pipeliner buffers less than its sm90 smem figure suggests; compiled
+        on a CPU host in session 25), but to one wave per SIMD for down where "bits" at 2 stages has two (LDS-bound)
+        and to 380 VGPRs + 124 AGPRs for gate + up; with no AMD GPU to time it, AMD keeps the tile it had."""
+        del dtype
+        if tile_m <= 16:
+            return cls(decode="f16")
+        return cls(decode="f16") if arch is not None and arch.startswith("sm") else cls(num_stages=2)

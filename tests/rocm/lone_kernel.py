@@ -13,10 +13,10 @@ from ds4jax.rocm_check.report import violations
 from ds4jax.rocm_check.targets import TARGETS
 
 
-def compile_alone(fn, args, target: str):
+def compile_alone(fn, args, target: str, portable: bool = True):
     """`fn(*args)` (one kernel) compiled for `target` (a `TARGETS` name): asserts it stays within the target's
-    limits, spills no register and fits MI300's 64 KB of LDS on every target; returns the compile's resources.
-    Skips when the installed triton has no backend for the target."""
+    limits, spills no register and (`portable`: a tile every target takes) fits MI300's 64 KB of LDS on every
+    target; returns the compile's resources. Skips when the installed triton has no backend for the target."""
     gpu = TARGETS[target]
     try:
         backends = triton_compile.triton_backends()
@@ -28,5 +28,5 @@ def compile_alone(fn, args, target: str):
     (kernel,) = triton_kernels(lowered)
     res = triton_compile.compile_kernel(kernel, gpu)
     assert violations(kernel, res, gpu) == []
-    assert res.spills == 0 and res.lds <= 64 * 1024, res  # MI300's 64 KB on every target
+    assert res.spills == 0 and (res.lds <= 64 * 1024 or not portable), res  # MI300's 64 KB on every target
     return res
