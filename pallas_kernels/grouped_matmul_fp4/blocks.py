@@ -10,8 +10,8 @@ from pallas_kernels.grouped_matmul_fp4.decode_f16 import F16_PER_E2M1
 DOTS = ("tile", "group")
 DECODES = ("bits", "arith", "quarter", "fp8", "f16")  # "quarter" and "fp8": the GEMV's only (`gemv.py`)
 # What each decode's weights read as, a fraction of their values; both kernels multiply their inputs by the inverse
-# (a power of two: exact, so every product is bitwise x * value, unless an input exceeds 2^113 or a scaled weight
-# falls below float32's normals on a device that flushes them)
+# (a power of two: exact, so every product is bitwise x * value, unless x times it leaves float32's range, e.g.
+# |x| > 2^113 for "f16", or a scaled weight falls below float32's normals on a device that flushes them)
 DECODED_FRACTION = {"bits": 1.0, "arith": 1.0, "quarter": 0.25, "fp8": E4M3_PER_E2M1, "f16": F16_PER_E2M1}
 
 
