@@ -85,6 +85,8 @@ class TestDevice(Base):
              live_rows=(64, 9, 64, 3, 0), dtype="bfloat16"),
         Case("flash_prefill_f16", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1),
              live_rows=(64, 9, 64, 3, 0), dtype="bfloat16", block_sizes=BlockSizes(num_stages=2, decode="f16")),
+        Case("flash_prefill_nvidia_default", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1),
+             live_rows=(64, 9, 64, 3, 0), dtype="bfloat16", block_sizes=BlockSizes.get_default("bfloat16", 64, "sm90")),
         Case("flash_decode_f16", groups=16, k=1024, n=512, tile_m=16, tile_group=(3, 9, 1, 15, 0, -1),
              live_rows=(1,) * 6, dtype="bfloat16", block_sizes=BlockSizes(decode="f16")),
     ], ids=str)
