@@ -42,7 +42,8 @@ def served():
 # ---- strategies ------------------------------------------------------------------------------------------------
 
 odd_int = st.one_of(st.integers(-3, VOCAB + 3), st.sampled_from([2**31, 2**32 + 1, 2**63, 2**64, -(2**63) - 1, 10**30]),
-                    st.builds(np.int64, st.integers(-2, 300)), st.builds(np.uint64, st.sampled_from([0, 2**63, 2**64 - 1])),
+                    st.builds(np.int64, st.integers(-2, 300)),
+                    st.builds(np.uint64, st.sampled_from([0, 2**63, 2**64 - 1])),
                     st.builds(np.int32, st.integers(0, 10)))
 odd_float = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                       st.sampled_from([0.0, -0.0, 5e-324, 1e-45, 1e-300, 1e-38, 3.4e38, 1e39, 1.0, 1.5]),
@@ -179,3 +180,14 @@ def test_sampling_shift_is_exactly_greedy_at_tiny_temperatures():
     for t in (1e-38, 1e-30, 1e-6):
         drawn = sample(logits, keys, jnp.full(2, t, jnp.float32), jnp.ones(2), jnp.zeros(2, jnp.int32))
         assert drawn.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("max_new", [np.uint64(2**64 - 1), np.uint64(2**63), 2**64 - 1], ids=str)
+def test_huge_max_new_tokens_is_too_long_not_a_crash(served, max_new):
+    """An unsigned numpy max_new_tokens near 2^64 passes the field check (an integer >= 1), and numpy's arithmetic
+    once wrapped it around in the context check, so it was admitted and crashed the call (found by a longer run of
+    the fuzz above). It is PROMPT_TOO_LONG, and the batch's good requests are untouched."""
+    engine, alone = served
+    results = engine.generate([Request(prompt=[1, 2], max_new_tokens=max_new), *GOOD])
+    assert results[0].error is ErrorCode.PROMPT_TOO_LONG, results[0]
+    assert [r.tokens for r in results[1:]] == alone

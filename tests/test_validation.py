@@ -5,7 +5,6 @@ reached the device would fail on them."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -52,6 +51,17 @@ def test_sampling_params_reject(field, value, says):
 def test_sampling_params_accept_edges():
     SamplingParams(temperature=0, top_p=1, max_new_tokens=1, seed=-(2**63), stop_ids=(0, np.int64(3)))
     SamplingParams(top_p=1e-9, temperature=1e-9)
+
+
+def test_sampling_params_hold_python_numbers():
+    """numpy fields become Python numbers: numpy's fixed-width arithmetic wrapped np.uint64(2**64 - 1) new tokens
+    around to a small count where the prompt's room was checked."""
+    p = SamplingParams(max_new_tokens=np.uint64(2**64 - 1), seed=np.int64(3), top_k=np.int32(2),
+                       temperature=np.float32(0.5), top_p=np.float64(0.9), stop_ids=[np.int32(4)])
+    assert [type(v) for v in (p.max_new_tokens, p.seed, p.top_k, p.temperature, p.top_p)] == [int] * 3 + [float] * 2
+    assert p.stop_ids == (4,) and type(p.stop_ids[0]) is int
+    with pytest.raises(ArgumentError, match="exceed max_position_embeddings"):
+        generate(HOLLOW, [1, 2], p)
 
 
 # ---- generate / forward_logits -------------------------------------------------------------------------------------

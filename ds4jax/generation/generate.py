@@ -43,6 +43,12 @@ class SamplingParams:
     def __post_init__(self):
         check_sampling(self)
         check_int(self.top_k, "SamplingParams.top_k", low=0)
+        # held as Python numbers: numpy's fixed-width arithmetic on a numpy field (np.uint64(2**64 - 1) passes the
+        # checks) would wrap around where the context is checked
+        for name, kind in (("max_new_tokens", int), ("seed", int), ("top_k", int), ("temperature", float),
+                           ("top_p", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
 
 
 def check_sampling(p, where: str = "SamplingParams") -> None:
@@ -85,7 +91,7 @@ def check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
         if not isinstance(p, (list, tuple)) or any(not is_int(t) for t in p):
             raise ArgumentError("must be a sequence of integer token ids", name=name, value=p)
         check_token_ids(np.asarray(p, np.int64), cfg.vocab_size, name)
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+        if len(p) + int(max_new_tokens) > cfg.max_position_embeddings:
             raise ArgumentError(f"{len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                                 f"max_position_embeddings ({cfg.max_position_embeddings})", name=name, value=len(p))
     return [[int(t) for t in p] for p in prompts]

@@ -154,7 +154,9 @@ def check_for_engine(req, limits: Limits, *, tokenizer, parked=frozenset()) -> C
         raise Rejected(ErrorCode.MODEL_PARKED, "the draft (MTP) model is parked; unpark('draft') or send "
                                                "speculative=0")
     window = limits.max_k + 1 if limits.max_k else 0
-    need = len(ids) + req.max_new_tokens + window
+    # int(): a numpy unsigned max_new_tokens (np.uint64(2**64 - 1) passes the field check) would wrap around in
+    # numpy's arithmetic and look small enough to fit
+    need = len(ids) + int(req.max_new_tokens) + window
     if need > limits.max_context:
         raise Rejected(ErrorCode.PROMPT_TOO_LONG, f"{len(ids)} prompt tokens + {req.max_new_tokens} new tokens"
                        + (f" + {window} speculative positions" if window else "")
