@@ -54,6 +54,8 @@ def _parse(lineno: int, raw: str, defaults: dict, seen: set):
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         return f"line:{lineno}", None, f"line {lineno}: invalid JSON ({e.msg})"
+    except RecursionError:  # nested deeper than Python's parser recurses: this line's problem, not the run's
+        return f"line:{lineno}", None, f"line {lineno}: invalid JSON (arrays or objects nested too deeply)"
     if not isinstance(obj, dict) or "id" not in obj:
         return f"line:{lineno}", None, f"line {lineno}: expected an object with 'id' and 'prompt'"
     rid = obj["id"]

@@ -173,3 +173,17 @@ def test_which_rows_a_rerun_retries(error, by_default):
     line = batch_files.Row(2, "line:2", "invalid_request", "d1")  # a line that could not be parsed
     assert [batch._retry(line, retry_failed=False, digests=d) for d in ({"line:2": "d1"}, {"line:2": "d2"}, {})] == [
         False, True, True]
+
+
+@pytest.mark.parametrize("raw, says", [
+    ("{not json", "invalid JSON"),
+    ('{"id": 1, "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),  # past Python's recursion
+    ("[1, 2]", "expected an object"),
+    ('{"id": 1, "prompt": 5}', "'prompt' must be"),
+])
+def test_a_bad_line_is_that_line_s_error(raw, says):
+    """A line the reader cannot use becomes that line's error row (the run goes on), never an exception: a line
+    nested deeper than Python's JSON parser recurses once raised RecursionError and ended the whole batch."""
+    key, _, problem = batch._parse(7, raw, {}, set())
+    assert isinstance(problem, str) and problem.startswith("line 7:") and says in problem, problem
+    assert key.startswith(("line:7", "id:"))

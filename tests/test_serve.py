@@ -191,6 +191,10 @@ def test_http_errors(served):
         assert r.json()["error"]["param"] == param
     r = httpx.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # nested deeper than Python's parser recurses (200 KB, under the body limit): malformed input, not a 500
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(base + "/v1/completions", content=nested, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     r = httpx.post(base + "/v1/completions", content=b"x" * (2 << 20))
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     r = httpx.get(base + "/v1/completions")

@@ -128,6 +128,8 @@ class Server:
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(ServerCode.INVALID_JSON, f"the body is not valid JSON ({e})") from None
+        except RecursionError:  # arrays / objects nested deeper than Python's parser recurses: the client's input
+            raise APIError(ServerCode.INVALID_JSON, "the body nests arrays or objects too deeply") from None
 
     # ---- routes ------------------------------------------------------------------------------------------------
     async def health(self, request: HTTPRequest):
