@@ -46,6 +46,7 @@ from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.decode_calls import EngineDecode
 from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
+from ds4jax.generation.engine_args import check_engine_args
 from ds4jax.generation.fused_programs import FusedPrograms
 from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.loops import Rows
@@ -100,6 +101,9 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
                  tokenizer=None, max_queue: int | None = None, snapshot_bytes: int = 256 << 20,
                  check_finite: bool = True, adaptive: bool | Adaptive = False, logprobs: int = 0,
                  kv_dtype: str = "auto", draft_lengths: Sequence[int] | None = None, lookup: int | None = None):
+        # every argument but these (each checked where it is used) by type and range; a new one needs its check
+        check_engine_args(**{k: v for k, v in locals().items() if k not in ("self", "model", "draft", "tokenizer",
+                                                                             "adaptive", "kv_dtype")})
         ensure_compilation_cache()  # compiled programs persist across processes (ds4jax.compilation_cache)
         cfg = model.config
         k = int(speculative) or (2 if draft else 0)
