@@ -85,10 +85,14 @@ def test_an_engine_without_logprobs_refuses_them(model):
 
 @pytest.mark.parametrize("n", [-1, "vocab+1"])
 def test_engine_logprobs_out_of_range_is_refused(model, n):
+    """Negative: no engine takes it (the arguments' check, `ArgumentError`); beyond the vocabulary: this model's
+    limit (`PoolError`)."""
+    from ds4jax.errors import ArgumentError
     from ds4jax.runtime.pools import PoolError
 
     n = model.config.vocab_size + 1 if n == "vocab+1" else n
-    with pytest.raises(PoolError, match="logprobs must be in"):
+    with pytest.raises(ArgumentError if n == -1 else PoolError, match="Engine.logprobs" if n == -1 else
+                       "logprobs must be in"):
         Engine(model, max_slots=1, max_context=16, logprobs=n)
 
 
