@@ -41,6 +41,6 @@ def test_bad_argument_is_named(model, name, value):
 @pytest.mark.parametrize("kwargs", [dict(max_queue=0), dict(max_queue=None), dict(snapshot_bytes=0),
                                     dict(kernels="reference"), dict(row_buckets=[1, 2]),
                                     dict(memory_budget_bytes=None, page_size=None, lookup=None),
-                                    dict(kv_dtype=jnp.float8_e4m3fn)])
+                                    dict(kv_dtype=jnp.float8_e4m3fn), dict(check_finite=np.bool_(False))])
 def test_good_arguments_pass(model, kwargs):
     ds4jax.Engine(model, **dict(SIZES, **kwargs))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ds4jax.errors import ArgumentError
 from ds4jax.model.inputs import check_int
 from ds4jax.runtime.kernels import Impl
@@ -40,7 +42,7 @@ def check_engine_args(**args: Any) -> None:
             for i, v in enumerate(value):
                 check_int(v, f"{where}[{i}]", low=1)
         elif name == "check_finite":
-            if not isinstance(value, bool):
+            if not isinstance(value, (bool, np.bool_)):
                 raise ArgumentError("must be True or False", name=where, value=value)
         elif name == "kernels":
             choices = [i.value for i in Impl]
