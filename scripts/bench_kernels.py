@@ -85,7 +85,7 @@ SWEEP = {  # tile candidates per op (ptxas sm_90, Triton 3.6: no register spills
         IndexerTopkBlockSizes(num_warps=16, num_stages=1, prefetch=1),  # register prefetch
         IndexerTopkBlockSizes(max_split=8192, num_warps=16, num_stages=1, prefetch=1),
     ],
-    "fp4": [  # the default: dots="tile", one block_j-deep dot per nibble; decode "f16" at 16-row tiles, "bits" at 64
+    "fp4": [  # the default: dots="tile", one block_j-deep dot per nibble; decode "f16" (64-row tiles: "bits" on AMD)
         GroupedMatmulFp4BlockSizes(dots="group", decode="arith"),  # the first version (16-deep dots, arithmetic)
         GroupedMatmulFp4BlockSizes(dots="group"),
         GroupedMatmulFp4BlockSizes(decode="arith"),

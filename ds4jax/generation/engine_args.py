@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 
 from ds4jax.errors import ArgumentError
-from ds4jax.model.inputs import check_int
+from ds4jax.model.inputs import INT32_MAX, check_int
 from ds4jax.runtime.kernels import Impl
 
-INT32_MAX = 2**31 - 1  # slots and positions are int32 on the device
 # argument -> (smallest value, None allowed)
 _INTS = {"max_slots": (1, False), "max_context": (1, False), "speculative": (0, False),
          "memory_budget_bytes": (1, True), "page_size": (1, True), "prefill_chunk": (1, False),
@@ -33,6 +32,7 @@ def check_engine_args(**args: Any) -> None:
         if name in _INTS:
             low, optional = _INTS[name]
             if not (optional and value is None):
+                # slots and positions are int32 on the device
                 check_int(value, where, low=low, high=INT32_MAX if name in ("max_slots", "max_context") else None)
         elif name in _SIZES:
             if value is None:

@@ -16,6 +16,7 @@ import numpy as np
 from ds4jax.errors import ArgumentError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 def is_int(value: Any) -> bool:

@@ -65,15 +65,15 @@ def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, ar
     FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
     formats, which no checkpoint has, would be dequantized whole first)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
+    tile_m = x.shape[0] // tile_group.shape[0]
     if _all_fp4(ws):
-        tiles = pallas_kernels.GroupedMatmulFp4BlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0],
-                                                                      arch=arch)
+        tiles = pallas_kernels.GroupedMatmulFp4BlockSizes.get_default(x.dtype, tile_m, arch=arch)
         return pallas_kernels.grouped_matmul_fp4(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  block_sizes=tiles, interpret=interpret)
     if all(is_quantized(w) and w.format is Format.FP8 and w.block == ws[0].block for w in ws):
         return pallas_kernels.grouped_matmul_fp8(x, tuple((w.values, w.scales) for w in ws), tile_group,
                                                  block=ws[0].block, interpret=interpret)
-    tiles = pallas_kernels.GroupedMatmulBlockSizes.get_default(x.dtype, x.shape[0] // tile_group.shape[0], arch=arch)
+    tiles = pallas_kernels.GroupedMatmulBlockSizes.get_default(x.dtype, tile_m, arch=arch)
     return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, block_sizes=tiles,
                                          interpret=interpret)
 

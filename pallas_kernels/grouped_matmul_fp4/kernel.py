@@ -17,8 +17,8 @@ read no weight; sorting, tiles and k splits are the bf16 grouped matmul's (`pall
 "bits" decode's output. sm90 loop count (`scripts/sass_count.py`, gate + up at Flash dims): 8.73 instructions a
 weight per thread at 64-row tiles against 12.88, 8.38 at 16-row tiles against 12.82; shared memory 48 KB instead
 of 64 KB at 64 rows, 56 KB instead of 40 KB at 16 rows (within MI300's 64 KB on gfx942 / gfx950 / sm90). The
-default at 16-row tiles (1.11x / 1.31x faster for gate + up / down on an H200); prefill's 64-row tiles keep "bits"
-(`BlockSizes.get_default` says why).
+default at 16-row tiles (1.11x / 1.31x faster for gate + up / down on an H200), and at prefill's 64-row tiles on
+NVIDIA (3 stages); AMD's 64-row tiles keep "bits" (`BlockSizes.get_default` says why).
 """
 
 from __future__ import annotations
