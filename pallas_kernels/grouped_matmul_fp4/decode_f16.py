@@ -1,5 +1,5 @@
 """The FP4 kernels' word-wise float16 decode (`decode="f16"`: the GEMV's default on every target, the tile kernel's at
-16-row tiles).
+16-row tiles, and at 64-row tiles on NVIDIA).
 
 The byte-wise decodes (`gemv.py`: "quarter", "fp8") spend ~9.3 instructions per weight in the loop on sm90, most
 of them integer work on one code at a time (each byte in its own register, masked and shifted twice). Here a
