@@ -232,3 +232,71 @@ def test_loading_lifts_no_array_through_a_program(official, weights):
     compiled = compiles.program_compiles() - before
     assert set(compiled) <= {"jit(stack)"}, compiled
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(model.params))  # on the device
+
+
+# ---- values that cannot load: every load path refuses them, naming the tensor -------------------------------------
+
+def _poisoned(directory: str, tmp_path, *, dtype: str, name_part: str, byte_at: int, byte: int) -> str:
+    """A copy of the checkpoint in `directory` with one byte of the first `dtype` tensor whose name contains
+    `name_part` set to `byte` (`byte_at` bytes into its data)."""
+    import shutil
+    import struct
+
+    out = tmp_path / "poisoned"
+    shutil.copytree(directory, out)
+    for path in sorted(glob.glob(os.path.join(out, "*.safetensors"))):
+        raw = open(path, "rb").read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        names = [k for k, v in header.items() if k != "__metadata__" and v["dtype"] == dtype and name_part in k]
+        if names:
+            body = bytearray(raw[8 + n :])
+            body[header[names[0]]["data_offsets"][0] + byte_at] = byte
+            open(path, "wb").write(raw[: 8 + n] + bytes(body))
+            return str(out)
+    raise AssertionError(f"no {dtype} tensor named *{name_part}*")
+
+
+LOAD_PATHS = {  # each way `ds4jax.load` reads quantized tensors
+    "dequantized": dict(weights="bf16"),
+    "kept quantized": dict(weights="checkpoint"),
+    "sharded": dict(mesh="tensor=2"),
+}
+
+
+def _load(directory, dtype=jnp.float32, mesh=None, **kwargs):
+    if mesh is not None:
+        kwargs["mesh"] = ds4jax.make_mesh(**{k: int(v) for k, v in [mesh.split("=")]})
+    return ds4jax.load(directory, dtype, **kwargs)
+
+
+@pytest.mark.parametrize("path", LOAD_PATHS)
+@pytest.mark.parametrize("byte, says", [(0xFF, r"non-finite scale nan"),
+                                         (0xFE, r"scale 1\.701e\+38 at index \[0, 0\] overflows float32")])
+def test_a_scale_that_cannot_dequantize_is_refused_on_every_path(official, tmp_path, path, byte, says):
+    """E8M0 byte 255 is NaN; 254 is 2^127, finite, but 448 x 2^127 is no float32: either loaded as a block of NaN
+    or Inf weights (the sharded loader took both, the others the second) before the scales were checked on
+    every path."""
+    poisoned = _poisoned(official[1], tmp_path, dtype="F8_E8M0", name_part=".attn.wq_b.scale", byte_at=0, byte=byte)
+    with pytest.raises(ds4jax.errors.CheckpointError, match=rf"layers\.0\.attn\.wq_b\.scale: {says}"):
+        _load(poisoned, **LOAD_PATHS[path])
+
+
+def test_an_fp4_scale_too_large_for_float16_is_refused(official, tmp_path):
+    """The limit is the dtype the values load into: 6 x 2^14 fits float32 and not float16 (max 65504)."""
+    poisoned = _poisoned(official[1], tmp_path, dtype="F8_E8M0", name_part="ffn.experts.", byte_at=0,
+                         byte=127 + 14)
+    _load(poisoned, weights="bf16")  # float32: fits
+    with pytest.raises(ds4jax.errors.CheckpointError, match=r"scale 1\.638e\+04 at index \[0, 0\] overflows float16: its block's I8 values reach 6 x"):
+        _load(poisoned, jnp.float16, weights="bf16")
+
+
+@pytest.mark.parametrize("mesh", [None, "tensor=2"])
+def test_check_finite_checks_values_as_they_load(official, tmp_path, mesh):
+    """A bfloat16 of ~1.7e38 is finite, and Inf as float16: `check_finite` now checks what is loaded (it checked
+    the file's values, and the sharded loader checked nothing)."""
+    poisoned = _poisoned(official[1], tmp_path, dtype="BF16", name_part="embed", byte_at=1, byte=0x7F)  # 0x7F00..
+    model = _load(poisoned, jnp.float16, mesh=mesh)  # without the check: loaded as it is, Inf included
+    assert not np.isfinite(np.asarray(model.params["embed"], np.float32)).all()
+    with pytest.raises(ds4jax.errors.CheckpointError, match=r"embed\.weight: non-finite float16 value inf"):
+        _load(poisoned, jnp.float16, mesh=mesh, check_finite=True)

@@ -40,7 +40,7 @@ from ds4jax.errors import ArgumentError, CheckpointError  # CheckpointError: imp
 from ds4jax.io import official_format, orbax_checkpoint, packed_params, quantized_load, sharded_load
 from ds4jax.io.quant_formats import dequant_fp4, dequant_fp8, e8m0_to_float  # noqa: F401  (re-exported)
 from ds4jax.io.safetensors_layout import (CONFIG_FILE, EXPERTS, FP8_WEIGHT, INDEX_FILE, T, WO_A, Leaf, Loc,
-                                          check_finite_values, check_tid2eid, open_shards, path_of, plan, read_config,
+                                          as_loaded, check_tid2eid, open_shards, path_of, plan, read_config,
                                           read_scale, read_tensor, resolve, validate)
 from ds4jax.model.config import Config, Numerics
 from ds4jax.model import footprint, layer_stack
@@ -53,17 +53,16 @@ from ds4jax.runtime.target import device_target
 
 # ---- reading ------------------------------------------------------------------------------------------------------
 
-def _read_source(loc: Loc, block: tuple[int, int], check_finite: bool = False) -> np.ndarray:
-    """A source in checkpoint orientation: native dtype if unquantized, float32 if dequantized."""
+def _read_source(loc: Loc, block: tuple[int, int], target: np.dtype, check_finite: bool = False) -> np.ndarray:
+    """A source in checkpoint orientation, dequantized if stored quantized (with scales whose values fit
+    `target`), in `target` if floating point (checked there with `check_finite`)."""
     dtype, _ = loc.shard.info(loc.key)
     w = read_tensor(loc.shard, loc.key, loc.expert)
     if loc.scale is not None:
-        s = read_scale(*loc.scale, loc.expert)
+        s = read_scale(*loc.scale, loc.expert, dtype, target)
         w = dequant_fp8(w, s, block) if dtype == FP8_WEIGHT else dequant_fp4(w, s)
     w = w if loc.rows is None else w[loc.rows]
-    if check_finite and not np.issubdtype(w.dtype, np.integer):
-        check_finite_values(w, loc.shard, loc.key)
-    return w
+    return as_loaded(w, target, loc.shard, loc.key, check_finite)
 
 
 def _to_layout(a: np.ndarray, layout: str, target: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -87,10 +86,10 @@ def _load_leaf(leaf: Leaf, locs: dict[str, Loc], cfg: Config, block: tuple[int, 
     if leaf.layout == EXPERTS:
         out = np.empty(leaf.target.shape, np_dtype)  # filled expert by expert: one expert's raw data at a time
         for x, name in enumerate(leaf.sources):
-            out[x] = _read_source(locs[name], block, check_finite).T.astype(np_dtype)
+            out[x] = _read_source(locs[name], block, np_dtype, check_finite).T.astype(np_dtype)
     else:
         loc = locs[leaf.sources[0]]
-        a = _read_source(loc, block, check_finite)
+        a = _read_source(loc, block, np_dtype, check_finite)
         if leaf.integer:
             check_tid2eid(a, loc, cfg)
         out = np.ascontiguousarray(_to_layout(a, leaf.layout, leaf.target).astype(np_dtype))
@@ -175,7 +174,7 @@ def _load(path, dtype, *, check_finite: bool, mesh, rules, weights) -> Model:
                                           name=jax.tree_util.keystr(key_path))
         return model
     if mesh is not None:
-        return sharded_load.load_sharded(ckpt_dir, dtype, mesh)
+        return sharded_load.load_sharded(ckpt_dir, dtype, mesh, check_finite=check_finite)
     cfg, block = read_config(ckpt_dir)
     if not keep:  # dequantized weights: their size from the config, before any tensor is read
         memory.check_fits(*footprint.weights(cfg, dtype))

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.errors import CheckpointError
-from ds4jax.io.quant_formats import e8m0_to_float, ocp_to_fnuz
-from ds4jax.io.safetensors_layout import (EXPERTS, FP4_WEIGHT, FP8_WEIGHT, T, Leaf, Loc, check_finite_values,
+from ds4jax.io.quant_formats import ocp_to_fnuz
+from ds4jax.io.safetensors_layout import (EXPERTS, FP4_WEIGHT, FP8_WEIGHT, T, Leaf, Loc, checked_scales,
                                           read_scale, read_tensor)
 from ds4jax.model.quantized import FP4_BLOCK, Format, QuantizedWeight
 
@@ -46,31 +46,32 @@ def quantized_format(leaf: Leaf, locs: dict[str, Loc]) -> Format | None:
     return formats.pop() if len(formats) == 1 else None
 
 
-def _fp8_source(loc: Loc, fp8_dtype, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:
+def _fp8_source(loc: Loc, fp8_dtype, dtype, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:
     raw = read_tensor(loc.shard, loc.key, loc.expert).view(np.uint8)  # [out, in]
     if check_finite:
         bad = (raw & 0x7F) == 0x7F  # E4M3 NaN
         if bad.any():
             index = [int(i) for i in np.argwhere(bad)[0]]
             raise CheckpointError(f"non-finite value nan at index {index}", source=loc.shard.path, name=loc.key)
-    scale = read_scale(*loc.scale, loc.expert)  # float32 [ceil(out/bo), ceil(in/bi)], finite
+    scale = read_scale(*loc.scale, loc.expert, FP8_WEIGHT, dtype)  # float32 [ceil(out/bo), ceil(in/bi)]
     if np.dtype(fp8_dtype) == np.dtype(jnp.float8_e4m3fnuz):
         raw, scale = ocp_to_fnuz(raw, scale)
     return raw.T, scale.T
 
 
-def _fp4_source(loc: Loc) -> tuple[np.ndarray, np.ndarray]:
+def _fp4_source(loc: Loc, dtype) -> tuple[np.ndarray, np.ndarray]:
     packed = read_tensor(loc.shard, loc.key, loc.expert).view(np.uint8)  # [out, in/2]
     scale_shard, scale_key = loc.scale
-    scale = read_tensor(scale_shard, scale_key, loc.expert).view(np.uint8)  # E8M0 [out, in/32]
-    check_finite_values(e8m0_to_float(scale), scale_shard, scale_key, "scale")  # byte 255 is NaN
+    scale = read_tensor(scale_shard, scale_key, loc.expert).view(np.uint8)  # E8M0 [out, in/32], kept as bytes
+    checked_scales(scale, scale_shard, scale_key, loc.shard.info(loc.key)[0], dtype)
     return packed.T, scale.T
 
 
 def load_quantized(leaf: Leaf, locs: dict[str, Loc], fmt: Format, block: tuple[int, int], fp8_dtype,
                    check_finite: bool = False) -> QuantizedWeight:
     """The leaf as a `QuantizedWeight` (device arrays); `block` is the checkpoint's FP8 block over [out, in]."""
-    parts = [_fp8_source(locs[n], fp8_dtype, check_finite) if fmt is Format.FP8 else _fp4_source(locs[n])
+    dtype = leaf.target.dtype  # the compute dtype the kernels dequantize into
+    parts = [_fp8_source(locs[n], fp8_dtype, dtype, check_finite) if fmt is Format.FP8 else _fp4_source(locs[n], dtype)
              for n in leaf.sources]
     if leaf.layout == EXPERTS:
         values, scales = np.stack([v for v, _ in parts]), np.stack([s for _, s in parts])

@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from ds4jax.bounded_read import regular_file
 from ds4jax.errors import CheckpointError
-from ds4jax.io.quant_formats import FP4_BLOCK, e8m0_to_float
+from ds4jax.io.quant_formats import FP4_BLOCK, FP4_MAX, FP8_MAX, e8m0_to_float
 from ds4jax.model.config import Config, ConfigError, load_config, read_json
 from ds4jax.model.params import abstract
 
@@ -479,6 +479,20 @@ def read_tensor(shard: Shard, key: str, expert: int | None) -> np.ndarray:
                               name=key) from None
 
 
+def as_loaded(w: np.ndarray, target: Any, shard: Shard, key: str, check_finite: bool) -> np.ndarray:
+    """Source values (tensor `key`, whole or a block) as the dtype they load into, and with `check_finite`
+    checked there: a finite bfloat16 of 1e38 is an Inf in float16. Integer sources (tid2eid) stay as read, for
+    their own range check."""
+    if np.issubdtype(w.dtype, np.integer):
+        return w
+    if jnp.issubdtype(target, jnp.floating):
+        with np.errstate(over="ignore"):  # an overflow is reported below, with check_finite
+            w = w.astype(target, copy=False)
+    if check_finite:
+        check_finite_values(w, shard, key, f"{np.dtype(w.dtype).name} value")
+    return w
+
+
 def check_finite_values(a: np.ndarray, shard: Shard, key: str, what: str = "value") -> None:
     finite = np.isfinite(a)
     if not finite.all():
@@ -486,9 +500,29 @@ def check_finite_values(a: np.ndarray, shard: Shard, key: str, what: str = "valu
         raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}", source=shard.path, name=key)
 
 
-def read_scale(shard: Shard, key: str, expert: int | None) -> np.ndarray:
-    dtype, _ = shard.info(key)
-    s = read_tensor(shard, key, expert)
-    s = e8m0_to_float(s) if dtype in ("F8_E8M0", "U8") else s.astype(np.float32)
-    check_finite_values(s, shard, key, "scale")  # E8M0 255 is NaN: it would poison the whole block
+# the largest magnitude of a stored code before its scale: E4M3 448, E2M1 6
+LARGEST_CODE = {FP8_WEIGHT: FP8_MAX, **{d: FP4_MAX for d in FP4_WEIGHT}}
+
+
+def checked_scales(raw: np.ndarray, shard: Shard, key: str, weight_dtype: str, dtype: Any) -> np.ndarray:
+    """Scale tensor `key` (its stored values `raw`, whole or a block of them) in float32, checked on every load
+    path: finite (E8M0 byte 255 is NaN: it would poison its whole block) and small enough that the block's values
+    fit `dtype`, the dtype they are dequantized into or computed in: a value reaches the format's largest code
+    (448 for E4M3, 6 for E2M1) times its scale, so a finite scale of 2^127 loaded a block of infinities."""
+    scale_dtype, _ = shard.info(key)
+    s = e8m0_to_float(raw) if scale_dtype in ("F8_E8M0", "U8") else np.asarray(raw).astype(np.float32)
+    check_finite_values(s, shard, key, "scale")
+    largest = LARGEST_CODE[weight_dtype]
+    top = min(float(np.finfo(np.float32).max), float(jnp.finfo(dtype).max))  # dequantized in float32 first
+    over = np.abs(s) > top / largest
+    if over.any():
+        index = tuple(int(i) for i in np.argwhere(over)[0])
+        raise CheckpointError(f"scale {s[index]:.4g} at index {list(index)} overflows {jnp.dtype(dtype).name}: its "
+                              f"block's {weight_dtype} values reach {largest:g} x the scale, over {top:.4g}",
+                              source=shard.path, name=key)
     return s
+
+
+def read_scale(shard: Shard, key: str, expert: int | None, weight_dtype: str, dtype: Any) -> np.ndarray:
+    """The scales of a weight stored as `weight_dtype`, for values in `dtype`: float32, checked (`checked_scales`)."""
+    return checked_scales(read_tensor(shard, key, expert), shard, key, weight_dtype, dtype)

@@ -49,8 +49,16 @@ def _read(shard, key: str, index: tuple, counter: ReadCounter | None) -> np.ndar
     return a
 
 
-def _region(loc, rows: tuple[int, int], cols: tuple[int, int] | None, block, counter) -> np.ndarray:
-    """Rows x cols of a source in checkpoint orientation, dequantized if needed (float32 then)."""
+def _region(loc, rows: tuple[int, int], cols: tuple[int, int] | None, block, counter, target,
+            check_finite: bool = False) -> np.ndarray:
+    """Rows x cols of a source in checkpoint orientation, checked as the single-device loader checks a whole one:
+    dequantized if stored quantized (scales finite, their values fitting `target`), in `target` if floating point,
+    with `check_finite` every value finite there."""
+    region = _raw_region(loc, rows, cols, block, counter, target)
+    return sl.as_loaded(region, target, loc.shard, loc.key, check_finite)
+
+
+def _raw_region(loc, rows: tuple[int, int], cols: tuple[int, int] | None, block, counter, target) -> np.ndarray:
     lead = () if loc.expert is None else (loc.expert,)
     offset = 0 if loc.rows is None else loc.rows.start
     r0, r1 = rows[0] + offset, rows[1] + offset
@@ -61,8 +69,7 @@ def _region(loc, rows: tuple[int, int], cols: tuple[int, int] | None, block, cou
     if loc.scale is None:
         return _read(loc.shard, loc.key, lead + (slice(r0, r1), slice(c0, c1)), counter)
     scale_shard, scale_key = loc.scale
-    s_dtype, _ = scale_shard.info(scale_key)
-    to_float = qf.e8m0_to_float if s_dtype in ("F8_E8M0", "U8") else (lambda s: s.astype(np.float32))
+    to_float = lambda raw: sl.checked_scales(raw, scale_shard, scale_key, dtype, target)  # noqa: E731
     if dtype == sl.FP8_WEIGHT:
         br, bc = block
         R0, C0 = r0 // br * br, c0 // bc * bc
@@ -88,28 +95,31 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
-def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None = None) -> np.ndarray:
-    """The block `index` (slices in the params layout) of one params leaf, read from the files."""
+def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None = None,
+               check_finite: bool = False) -> np.ndarray:
+    """The block `index` (slices in the params layout) of one params leaf, read from the files (every value
+    finite with `check_finite`)."""
     shape = leaf.target.shape
     b = _bounds(index, shape)
     np_dtype = np.dtype(leaf.target.dtype)
+    read = lambda *args: _region(*args, counter, np_dtype, check_finite)  # noqa: E731  (loc, rows, cols, block)
     if leaf.layout == sl.EXPERTS:  # ours [x, in, out] <- per expert [out, in]
         (x0, x1), (i0, i1), (o0, o1) = b
-        parts = [_region(locs[leaf.sources[x]], (o0, o1), (i0, i1), block, counter).T for x in range(x0, x1)]
+        parts = [read(locs[leaf.sources[x]], (o0, o1), (i0, i1), block).T for x in range(x0, x1)]
         return np.stack(parts).astype(np_dtype)
     loc = locs[leaf.sources[0]]
     if leaf.layout == sl.T:
         (i0, i1), (o0, o1) = b
-        a = _region(loc, (o0, o1), (i0, i1), block, counter).T
+        a = read(loc, (o0, o1), (i0, i1), block).T
     elif leaf.layout == sl.WO_A:  # ours [g, h*d/g, o] <- [g*o, h*d/g] with rows group-major
         (g0, g1), (h0, h1), (o0, o1) = b
         o = shape[2]
-        a = _region(loc, (g0 * o, g1 * o), (h0, h1), block, counter)
+        a = read(loc, (g0 * o, g1 * o), (h0, h1), block)
         a = a.reshape(g1 - g0, o, h1 - h0).transpose(0, 2, 1)[:, :, o0:o1]
     elif len(shape) == 1:
-        a = _region(loc, b[0], None, block, counter)
+        a = read(loc, b[0], None, block)
     elif len(shape) == 2:
-        a = _region(loc, b[0], b[1], block, counter)
+        a = read(loc, b[0], b[1], block)
     else:
         raise sl.CheckpointError(f"{leaf.path}: no sliced reader for a {len(shape)}-d {leaf.layout} leaf")
     if leaf.integer:
@@ -124,8 +134,9 @@ def _at(tree, path):
 
 
 def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool = True,
-                 counter: ReadCounter | None = None) -> Model:
-    """`ds4jax.load(path, dtype, mesh=layout)`: every device's block read straight from the files."""
+                 counter: ReadCounter | None = None, check_finite: bool = False) -> Model:
+    """`ds4jax.load(path, dtype, mesh=layout, check_finite=...)`: every device's block read straight from the
+    files (and with `check_finite` checked for NaN / Inf as it is read)."""
     ckpt_dir = os.fspath(path)
     cfg, block = sl.read_config(ckpt_dir)
     layout.stage_ranges(cfg.num_layers)  # a bad layer split fails before anything is read
@@ -144,7 +155,7 @@ def load_sharded(path: str | os.PathLike, dtype: Any, layout, *, progress: bool 
             def cb(index, leaf=leaf, cache=cache):
                 key = tuple(_bounds(index, leaf.target.shape))
                 if key not in cache:
-                    cache[key] = read_block(leaf, locs, cfg, block, index, counter)
+                    cache[key] = read_block(leaf, locs, cfg, block, index, counter, check_finite)
                 return cache[key]
 
             arrays[leaf.path] = jax.make_array_from_callback(leaf.target.shape, _at(shardings, leaf.path), cb)
