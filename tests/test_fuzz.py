@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+import ds4jax
 from bad_inputs import small_config, write_checkpoint
 from ds4jax.errors import Ds4jaxError
 from ds4jax.io import checkpoint, safetensors_layout
@@ -186,8 +187,9 @@ NAMES = sorted(  # the tensor names of the fixture checkpoint (independent of th
 
 
 @settings(CI, max_examples=60)
-@given(safetensors_mutation(NAMES))
-def test_fuzz_safetensors(good, tmp_path_factory, mutation):
+@given(safetensors_mutation(NAMES), st.booleans())
+def test_fuzz_safetensors(good, tmp_path_factory, mutation, sharded):
+    """Through the single-device loader and the sharded one (`mesh=`: each device's block read on its own)."""
     d = tmp_path_factory.mktemp("st")
     shutil.copytree(good, d, dirs_exist_ok=True)
     path = os.path.join(d, "model.safetensors")
@@ -196,7 +198,8 @@ def test_fuzz_safetensors(good, tmp_path_factory, mutation):
         return
     with open(path, "wb") as f:
         f.write(_mutate(raw, n, header, mutation))
-    _check_loaded(works_or_ours(checkpoint.load, d, np.float32, check_finite=True))
+    mesh = ds4jax.make_mesh(expert=2, tensor=2) if sharded else None
+    _check_loaded(works_or_ours(checkpoint.load, d, np.float32, check_finite=True, mesh=mesh))
 
 
 @settings(CI, max_examples=30)
