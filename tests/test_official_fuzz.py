@@ -24,7 +24,7 @@ import ds4jax
 from ds4jax.errors import Ds4jaxError
 from ds4jax.io.official_random import write_official_random
 
-CI = settings(derandomize=True, database=None, deadline=None, print_blob=False, max_examples=40,
+CI = settings(derandomize=True, database=None, deadline=None, print_blob=False, max_examples=25,
               suppress_health_check=list(HealthCheck))
 PATHS = {
     "float32": dict(dtype=jnp.float32),
