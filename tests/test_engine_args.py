@@ -44,3 +44,23 @@ def test_bad_argument_is_named(model, name, value):
                                     dict(kv_dtype=jnp.float8_e4m3fn), dict(check_finite=np.bool_(False))])
 def test_good_arguments_pass(model, kwargs):
     ds4jax.Engine(model, **dict(SIZES, **kwargs))
+
+
+@pytest.mark.parametrize("method, value", [
+    ("park", "both"), ("park", None), ("park", 1), ("unpark", np.array(["draft"])), ("unpark", ["target", 0]),
+    ("snapshot", "0"), ("snapshot", 0.0), ("snapshot", True), ("snapshot", np.array([0])),
+])
+def test_bad_park_and_snapshot_arguments_are_named(model, method, value):
+    """`park` / `unpark` took a bad name as a bare ValueError (numpy's own, for an array); `snapshot` compared any
+    value with the slot numbers (an array raised numpy's ambiguous-truth ValueError)."""
+    engine = ds4jax.Engine(model, **SIZES)
+    with pytest.raises(ArgumentError, match=rf"Engine\.{method}"):
+        getattr(engine, method)(value)
+
+
+def test_snapshot_at_must_be_an_integer(model):
+    engine = ds4jax.Engine(model, **SIZES)
+    with pytest.raises(ArgumentError, match=r"Engine\.snapshot\(at\)"):
+        engine.snapshot(0, at="5")
+    with pytest.raises(ds4jax.errors.PoolError, match="no running request"):  # good arguments, nothing running
+        engine.snapshot(0, at=5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from ds4jax.errors import ArgumentError
 from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
 
@@ -20,14 +21,15 @@ def roles(which, verb: str) -> tuple[Role, ...]:
     items = which if isinstance(which, (list, tuple, set, frozenset)) else (which,)
     out = set()
     for item in items:
-        if item in ("", "all"):
-            out.update(BOTH)
-        elif isinstance(item, Role):
+        if isinstance(item, Role):
             out.add(item)
-        elif item in ("target", "draft"):
+        elif isinstance(item, str) and item in ("", "all"):
+            out.update(BOTH)
+        elif isinstance(item, str) and item in ("target", "draft"):
             out.add(Role(item))
-        else:
-            raise ValueError(f"{verb}({which!r}): expected '' or 'all' (both), 'target' or 'draft' (or a Role)")
+        else:  # (a numpy array compared with the names raised numpy's own ValueError)
+            raise ArgumentError("expected '' or 'all' (both), 'target' or 'draft' (or a Role, or several)",
+                                name=f"Engine.{verb}", value=which)
     return tuple(r for r in BOTH if r in out)
 
 

@@ -12,9 +12,10 @@ import time
 
 import numpy as np
 
+from ds4jax.errors import ArgumentError
 from ds4jax.generation import logprob_rows, snapshots
 from ds4jax.generation.delivery import Live
-from ds4jax.generation.requests import ErrorCode, FinishReason, TokenEvent
+from ds4jax.generation.requests import ErrorCode, FinishReason, Request, TokenEvent
 from ds4jax.generation.snapshots import Snapshot
 from ds4jax.runtime.distributed import fetch  # device_get across processes
 from ds4jax.runtime.pool_spec import PoolSpec
@@ -77,7 +78,11 @@ class EngineSnapshots:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
         its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
         `Request(snapshot=True)` snapshots the whole prompt without a callback."""
-        live = [lv for lv in self._slots.values() if lv.slot == which or lv.request is which]
+        if not isinstance(which, Request) and (isinstance(which, bool) or not isinstance(which, (int, np.integer))):
+            raise ArgumentError("a running request's slot number or its Request", name="Engine.snapshot", value=which)
+        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, np.integer))):
+            raise ArgumentError("a prompt length (an integer) or None", name="Engine.snapshot(at)", value=at)
+        live = [lv for lv in self._slots.values() if lv.request is which or lv.slot == which]
         if not live:
             raise PoolError(f"snapshot({which!r}): no running request there")
         lv = live[0]
