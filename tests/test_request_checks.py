@@ -73,3 +73,16 @@ def test_fuzz_request_fields(changes):
         r = request(**changes)
         assert isinstance(r.max_new_tokens, (int, np.integer)) and r.max_new_tokens >= 1
         assert 0 <= r.temperature < math.inf and 0 < r.top_p <= 1
+
+
+def test_a_text_prompt_no_tokenizer_can_encode_is_that_request_s_error():
+    """A lone surrogate (a JSON "\\ud800" escape, e.g. in a `ds4jax batch` line) made the byte-level tokenizer
+    raise UnicodeEncodeError inside the engine; now the request is rejected as invalid, naming the character."""
+    from ds4jax.generation.request_checks import Rejected, tokenize
+    from ds4jax.generation.requests import ErrorCode
+    from ds4jax.io.tokenizer import ByteTokenizer
+
+    assert tokenize("ok", ByteTokenizer())[-2:] == [ord("o") + 3, ord("k") + 3]  # after BOS
+    with pytest.raises(Rejected, match="prompt: not valid Unicode \\(a lone surrogate at character 2\\)") as e:
+        tokenize("ok\ud800", ByteTokenizer())
+    assert e.value.code is ErrorCode.INVALID_REQUEST

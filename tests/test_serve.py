@@ -189,6 +189,10 @@ def test_http_errors(served):
         r = httpx.post(base + "/v1/completions", json=body)
         assert r.status_code == status and r.json()["error"]["code"] == code, (body, r.text)
         assert r.json()["error"]["param"] == param
+    # valid JSON whose "\ud800" escapes a lone surrogate, which no tokenizer can encode: was a 500
+    r = httpx.post(base + "/v1/completions", content=b'{"prompt": "x\\ud800"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "Unicode" in r.text, r.text
     r = httpx.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     # nested deeper than Python's parser recurses (200 KB, under the body limit): malformed input, not a 500

@@ -26,12 +26,12 @@ LIMITS = params.Limits(model="m", max_context=64, spec_positions=4, max_tokens_c
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
                  st.sampled_from([0, 1, -1, 2, 3, 16, 17, 63, 64, 2**31, 2**63 - 1, 2**63, 2**64]),
                  st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.5, 1.0, 2.0, 2.5, -0.0]),
-                 st.text(max_size=6), st.sampled_from(["m", "", "x" * 80, "\x00", "</think>"]))
+                 st.text(max_size=6), st.sampled_from(["m", "", "x" * 80, "\x00", "</think>", "a\ud800", "\udfff"]))
 value = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=6), c,
                                                                                        max_size=3)), max_leaves=8)
 message = st.fixed_dictionaries({"role": st.sampled_from(["user"] * 4 + ["system", "assistant", "tool", "", 3]),
                                  "content": st.one_of(st.text(min_size=1, max_size=20), value)})
-prompt = st.one_of(st.text(min_size=1, max_size=70), st.lists(st.integers(0, 258), min_size=1, max_size=70),
+prompt = st.one_of(st.text(min_size=1, max_size=70), st.sampled_from(["\ud800", "ab\udc00", ["x", "\ud83d"]]), st.lists(st.integers(0, 258), min_size=1, max_size=70),
                    st.lists(st.integers(-2, 300), max_size=70),
                    st.lists(st.lists(st.integers(-2, 300), max_size=8), max_size=3), st.lists(st.text(max_size=8),
                                                                                               max_size=3), value)

@@ -18,6 +18,7 @@ import numpy as np
 from ds4jax.errors import ArgumentError
 from ds4jax.generation.loops import MAX_FORCED, MAX_STOP_IDS
 from ds4jax.generation.requests import ErrorCode, Request
+from ds4jax.io.tokenizer import unencodable_at
 from ds4jax.model.inputs import INT64_MIN, check_int, check_real
 from ds4jax.runtime.roles import Role
 
@@ -117,6 +118,9 @@ def tokenize(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise Rejected(ErrorCode.INVALID_REQUEST, "a text prompt needs an engine built with a tokenizer")
+        at = unencodable_at(prompt)
+        if at is not None:
+            raise Rejected(ErrorCode.INVALID_REQUEST, f"prompt: not valid Unicode (a lone surrogate at character {at})")
         return tokenizer.encode(prompt, add_bos=getattr(tokenizer, "bos_id", None) is not None)
     return [int(t) for t in np.asarray(prompt).reshape(-1).tolist()] if len(prompt) else []
 

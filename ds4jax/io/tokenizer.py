@@ -14,6 +14,17 @@ from ds4jax.bounded_read import TOKENIZER_CAP, regular_file
 from ds4jax.errors import TokenizerError  # noqa: F401 (re-exported: importable from here too)
 
 
+def unencodable_at(text: str) -> int | None:
+    """Where `text` stops being encodable as UTF-8 (a lone surrogate: what a JSON ``"\\ud800"`` escape decodes to,
+    or an argv byte that was not UTF-8), or None. No tokenizer can take such a text: the byte-level one raised
+    UnicodeEncodeError, and a server answered it with a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int | None

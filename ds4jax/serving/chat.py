@@ -10,6 +10,7 @@ the tokenizer's id, not text, so a byte-level tokenizer and the real one both ge
 
 from __future__ import annotations
 
+from ds4jax.io.tokenizer import unencodable_at
 from ds4jax.serving.errors import invalid
 
 USER, ASSISTANT, END = "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
@@ -21,12 +22,15 @@ def _content(message: dict, i: int) -> str:
     c = message.get("content")
     if c is None and message.get("role") == "assistant":
         return ""
-    if isinstance(c, str):
-        return c
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                    for p in c):
-        return "".join(p["text"] for p in c)
-    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+        c = "".join(p["text"] for p in c)
+    if not isinstance(c, str):
+        raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+    at = unencodable_at(c)
+    if at is not None:
+        raise invalid(f"messages[{i}].content", f"is not valid Unicode (a lone surrogate at character {at})")
+    return c
 
 
 def render(messages, *, thinking: bool) -> str:

@@ -16,6 +16,7 @@ import math
 import os
 
 from ds4jax.generation.requests import row_seed
+from ds4jax.io.tokenizer import unencodable_at
 from ds4jax.serving import chat
 from ds4jax.serving.errors import APIError, ServerCode, invalid
 
@@ -146,6 +147,9 @@ def _prompts(body: dict, tokenizer, vocab: int) -> list[list[int]]:
         raise invalid("prompt", "must be a string, a list of strings, token ids or a list of token id lists")
     if any(not t for t in texts):
         raise invalid("prompt", "must not be empty")
+    for t in texts:
+        if unencodable_at(t) is not None:
+            raise invalid("prompt", f"is not valid Unicode (a lone surrogate at character {unencodable_at(t)})")
     return [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
 
 
