@@ -298,5 +298,5 @@ def test_check_finite_checks_values_as_they_load(official, tmp_path, mesh):
     poisoned = _poisoned(official[1], tmp_path, dtype="BF16", name_part="embed", byte_at=1, byte=0x7F)  # 0x7F00..
     model = _load(poisoned, jnp.float16, mesh=mesh)  # without the check: loaded as it is, Inf included
     assert not np.isfinite(np.asarray(model.params["embed"], np.float32)).all()
-    with pytest.raises(ds4jax.errors.CheckpointError, match=r"embed\.weight: non-finite float16 value inf"):
+    with pytest.raises(ds4jax.errors.CheckpointError, match=r"embed\.weight: non-finite value inf at index \[0, 0\] \(as float16\)"):
         _load(poisoned, jnp.float16, mesh=mesh, check_finite=True)

@@ -489,15 +489,16 @@ def as_loaded(w: np.ndarray, target: Any, shard: Shard, key: str, check_finite: 
         with np.errstate(over="ignore"):  # an overflow is reported below, with check_finite
             w = w.astype(target, copy=False)
     if check_finite:
-        check_finite_values(w, shard, key, f"{np.dtype(w.dtype).name} value")
+        check_finite_values(w, shard, key, note=f" (as {np.dtype(w.dtype).name})")
     return w
 
 
-def check_finite_values(a: np.ndarray, shard: Shard, key: str, what: str = "value") -> None:
+def check_finite_values(a: np.ndarray, shard: Shard, key: str, what: str = "value", note: str = "") -> None:
     finite = np.isfinite(a)
     if not finite.all():
         index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}", source=shard.path, name=key)
+        raise CheckpointError(f"non-finite {what} {a[index]} at index {list(index)}{note}", source=shard.path,
+                              name=key)
 
 
 # the largest magnitude of a stored code before its scale: E4M3 448, E2M1 6
