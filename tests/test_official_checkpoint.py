@@ -300,3 +300,24 @@ def test_check_finite_checks_values_as_they_load(official, tmp_path, mesh):
     assert not np.isfinite(np.asarray(model.params["embed"], np.float32)).all()
     with pytest.raises(ds4jax.errors.CheckpointError, match=r"embed\.weight: non-finite value inf at index \[0, 0\] \(as float16\)"):
         _load(poisoned, jnp.float16, mesh=mesh, check_finite=True)
+
+
+def test_weights_kept_quantized_are_sized_before_they_load(official, monkeypatch):
+    """`weights="checkpoint"` checks the device's free memory against the weights as they will be kept (each
+    leaf's format from the files) before reading a tensor, as the dequantizing load checks its own size: a
+    checkpoint too large failed partway through, in an allocation. The estimate is what loads, to the byte."""
+    from ds4jax.runtime import memory
+
+    _, directory = official
+    seen = []
+    real = memory.check_fits
+    monkeypatch.setattr(memory, "check_fits", lambda nbytes, what, device=None: seen.append((nbytes, what)))
+    model = ds4jax.load(directory, jnp.float32, weights="checkpoint")
+    (nbytes, what), = seen
+    assert nbytes == sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)), (nbytes, what)
+    assert "tensors kept FP8 / FP4" in what
+    monkeypatch.setattr(memory, "check_fits", real)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: nbytes - 1)
+    with pytest.raises(ds4jax.errors.DeviceMemoryError, match="out of memory before allocating the weights in the "
+                                                              "checkpoint's formats"):
+        ds4jax.load(directory, jnp.float32, weights="checkpoint")

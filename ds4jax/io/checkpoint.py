@@ -184,6 +184,8 @@ def _load(path, dtype, *, check_finite: bool, mesh, rules, weights) -> Model:
         for raw in raws:
             validate(raw, block)
         fp8_dtype = device_target().fp8_dtype if keep else None
+        if keep:  # their size as kept (each leaf's format known now), before any tensor is read
+            memory.check_fits(*quantized_load.kept_bytes(leaves, locs))
         arrays = {leaf.path: _load_leaf(leaf, locs, cfg, block, check_finite, fp8_dtype) for leaf in leaves}
     tree = abstract(cfg, dtype)
     if not any(p[0] == "mtp" for p in arrays):

@@ -14,11 +14,14 @@ bytes); FP4 scales stay E8M0 bytes, which the kernels decode.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.errors import CheckpointError
+from ds4jax.io import stored_footprint
 from ds4jax.io.quant_formats import ocp_to_fnuz
 from ds4jax.io.safetensors_layout import (EXPERTS, FP4_WEIGHT, FP8_WEIGHT, T, Leaf, Loc, checked_scales,
                                           read_scale, read_tensor)
@@ -44,6 +47,23 @@ def quantized_format(leaf: Leaf, locs: dict[str, Loc]) -> Format | None:
         else:
             return None
     return formats.pop() if len(formats) == 1 else None
+
+
+def kept_bytes(leaves: list[Leaf], locs: dict[str, Loc]) -> tuple[int, str]:
+    """(bytes, what) of the weights loaded in the checkpoint's formats, for `memory.check_fits` before a load: FP8
+    and FP4 leaves as `QuantizedWeight`s (values + scales, `stored_footprint`), the rest in its declared dtype.
+    Without it a checkpoint too large for the device failed partway through the load, in an allocation."""
+    total, quantized = 0, 0
+    for leaf in leaves:
+        shape = tuple(leaf.target.shape)
+        fmt = quantized_format(leaf, locs)
+        if fmt is None:
+            total += math.prod(shape) * np.dtype(leaf.target.dtype).itemsize
+        else:
+            quantized += 1
+            total += stored_footprint.quantized_bytes(shape, "fp8" if fmt is Format.FP8 else "fp4")
+    return total, (f"the weights in the checkpoint's formats ({quantized} of {len(leaves)} tensors kept FP8 / FP4; "
+                   "weights='bf16' dequantizes them, larger)")
 
 
 def _fp8_source(loc: Loc, fp8_dtype, dtype, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:

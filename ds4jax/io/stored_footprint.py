@@ -24,7 +24,8 @@ FP8_BLOCK = (128, 128)  # the published block of the dense FP8 weights (params l
 FP4_GROUP = 32  # inputs per E8M0 scale
 
 
-def _quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
+def quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
+    """Device bytes of a `QuantizedWeight` of `shape` ([..., in, out]) in `fmt` ("fp8", "fp4")."""
     *lead, rows, cols = shape
     n = math.prod(lead)
     if fmt == "fp4":
@@ -51,7 +52,7 @@ def leaf_bytes(cfg, dtype: Any, quantized: str | None) -> list[int]:
     out = []
     for leaf, fmt in leaf_formats(cfg, dtype, quantized):
         shape, itemsize = tuple(leaf.target.shape), np.dtype(leaf.target.dtype).itemsize
-        out.append(math.prod(shape) * itemsize if fmt is None else _quantized_bytes(shape, fmt))
+        out.append(math.prod(shape) * itemsize if fmt is None else quantized_bytes(shape, fmt))
     return out
 
 
