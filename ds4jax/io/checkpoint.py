@@ -86,13 +86,13 @@ def _load_leaf(leaf: Leaf, locs: dict[str, Loc], cfg: Config, block: tuple[int, 
     if leaf.layout == EXPERTS:
         out = np.empty(leaf.target.shape, np_dtype)  # filled expert by expert: one expert's raw data at a time
         for x, name in enumerate(leaf.sources):
-            out[x] = _read_source(locs[name], block, np_dtype, check_finite).T.astype(np_dtype)
+            out[x] = _read_source(locs[name], block, np_dtype, check_finite).T  # in np_dtype already
     else:
         loc = locs[leaf.sources[0]]
         a = _read_source(loc, block, np_dtype, check_finite)
         if leaf.integer:
             check_tid2eid(a, loc, cfg)
-        out = np.ascontiguousarray(_to_layout(a, leaf.layout, leaf.target).astype(np_dtype))
+        out = np.ascontiguousarray(_to_layout(a, leaf.layout, leaf.target).astype(np_dtype, copy=False))
     # a transfer, not `jnp.asarray`: in jax 0.10+ that lifts a numpy array through an identity program compiled
     # once per shape (a checkpoint's leaves have dozens of shapes: as many compiles before the first token)
     return jax.device_put(out)

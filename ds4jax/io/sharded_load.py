@@ -106,7 +106,7 @@ def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None
     if leaf.layout == sl.EXPERTS:  # ours [x, in, out] <- per expert [out, in]
         (x0, x1), (i0, i1), (o0, o1) = b
         parts = [read(locs[leaf.sources[x]], (o0, o1), (i0, i1), block).T for x in range(x0, x1)]
-        return np.stack(parts).astype(np_dtype)
+        return np.stack(parts).astype(np_dtype, copy=False)
     loc = locs[leaf.sources[0]]
     if leaf.layout == sl.T:
         (i0, i1), (o0, o1) = b
@@ -124,7 +124,7 @@ def read_block(leaf, locs, cfg, block, index: tuple, counter: ReadCounter | None
         raise sl.CheckpointError(f"{leaf.path}: no sliced reader for a {len(shape)}-d {leaf.layout} leaf")
     if leaf.integer:
         sl.check_tid2eid(a, loc, cfg)
-    return np.ascontiguousarray(np.asarray(a).astype(np_dtype))
+    return np.ascontiguousarray(np.asarray(a).astype(np_dtype, copy=False))
 
 
 def _at(tree, path):
