@@ -321,3 +321,21 @@ def test_weights_kept_quantized_are_sized_before_they_load(official, monkeypatch
     with pytest.raises(ds4jax.errors.DeviceMemoryError, match="out of memory before allocating the weights in the "
                                                               "checkpoint's formats"):
         ds4jax.load(directory, jnp.float32, weights="checkpoint")
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp4"])
+def test_a_non_finite_weight_is_not_quantized_and_nothing_is_left_half_written(official, tmp_path, quantize):
+    """An Inf made its block's E8M0 scale 2^127, the value NaN and the rest of the block 0, and was written as is.
+    Now `save(..., quantize=)` names the tensor, and the shards already written are removed with the directory
+    it created (a failure mid-save, e.g. a full disk, left them behind)."""
+    import dataclasses
+
+    source, _ = official
+    params = jax.tree.map(np.array, source.unrolled().params)  # writable host copies
+    params["layers"][1]["ffn"]["experts"]["w2"][3, 5, 7] = np.inf  # late in the file order: shards come first
+    bad = dataclasses.replace(source.unrolled(), params=params)
+    out = tmp_path / "quantized"
+    with pytest.raises(ds4jax.errors.ArgumentError, match=rf"layers\.1\.ffn\.experts\.3\.w2\.weight: holds inf at "
+                                                          rf"index \[7, 5\]: {quantize.upper()} cannot encode"):
+        ds4jax.save(bad, out, quantize=quantize, max_shard_bytes=4096)
+    assert not out.exists()

@@ -265,12 +265,28 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
     if isinstance(model, Model) and has_quantized(model.params):  # written as their values (re-encoded with
         model = dataclasses.replace(model, params=dequantize_tree(model.params, model.params["embed"].dtype))  # quantize)
     _check_savable(model)  # before anything is created or deleted
+    created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     stale = glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(os.path.join(out_dir, INDEX_FILE))
     if stale and not overwrite:
         raise CheckpointError(f"{out_dir} already holds a checkpoint ({os.path.basename(stale[0])}); pass overwrite")
     for f in stale:
         os.remove(f)
+    written: list[str] = []
+    try:
+        _write(model, out_dir, max_shard_bytes, quantize, block, written)
+    except BaseException:  # a tensor that cannot be encoded, a full disk: no half-written checkpoint stays behind
+        for f in written:
+            if os.path.exists(f):
+                os.remove(f)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+
+
+def _write(model: Model, out_dir: str, max_shard_bytes: int, quantize: str | None, block: tuple[int, int],
+           written: list[str]) -> None:
+    """`save`'s files, each path appended to `written` before it is opened."""
     shards: list[list[tuple[str, Any, str, int | None]]] = [[]]
     size = 0
     for entry in _export(model.config, layer_stack.unstacked_host(model.params)):
@@ -287,12 +303,15 @@ def save(model: Model, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024*
         tensors = {}
         for name, a, layout, x in entries:
             tensors.update(official_format.encode(name, _checkpoint_array(a, layout, x), quantize, block))
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        written.append(os.path.join(out_dir, fname))
+        save_file(tensors, written[-1], metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update({name: fname for name in tensors})
         del tensors
     if len(shards) > 1:
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        written.append(os.path.join(out_dir, INDEX_FILE))
+        with open(written[-1], "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    written.append(os.path.join(out_dir, CONFIG_FILE))
+    with open(written[-1], "w") as f:
         json.dump(official_format.official_config(model.config, quantize, block), f, indent=2)

@@ -49,6 +49,11 @@ def encode(name: str, a: np.ndarray, quantize: str | None, block: tuple[int, int
         return {name: np.ascontiguousarray(a.astype(np.float32 if keep else ml_dtypes.bfloat16))}
     base = name[: -len(".weight")]
     a = np.asarray(a, np.float32)
+    bad = ~np.isfinite(a)
+    if bad.any():  # its block's scale would be 2^127 (E8M0's largest), the value NaN and the rest of the block 0
+        index = [int(i) for i in np.argwhere(bad)[0]]
+        raise ArgumentError(f"holds {a[tuple(index)]} at index {index}: {fmt.upper()} cannot encode a non-finite "
+                            "value", name=name)
     if fmt == "fp8":
         q, s = quantize_fp8(a, block)
         q = q.view(ml_dtypes.float8_e4m3fn)
