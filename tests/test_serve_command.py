@@ -3,6 +3,8 @@ key may come from the environment; ``serve --help`` needs no JAX."""
 
 from __future__ import annotations
 
+import pytest
+
 from ds4jax import cli
 from ds4jax.commands import serve
 from ds4jax.io.tokenizer import ByteTokenizer
@@ -34,3 +36,17 @@ def test_help_does_not_import_jax():
     from test_cli_imports import run_probe
 
     assert "EXIT 0 HEAVY []" in run_probe("serve", "--help")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--port", "99999", "must be a TCP port (0 to 65535)"), ("--port", "-1", "must be >= 0"),
+    ("--port", "http", "must be an integer"), ("--host", "", "must be a host name or address"),
+    ("--host", "local host", "must be a host name or address"), ("--shutdown-grace", "nan", "must be finite"),
+    ("--shutdown-grace", "-5", "must be >= 0"),
+])
+def test_bad_server_flags_exit_2_before_anything_loads(capsys, monkeypatch, flag, value, says):
+    """These passed the parser and met their end only at bind time (a port outside 0-65535, an empty host) or at
+    SIGTERM (a NaN grace period), after the model's load and warm-up."""
+    monkeypatch.setattr(serve, "build", lambda *a, **k: pytest.fail("the server was built"))
+    assert cli.main(["serve", flag, value]) == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err

@@ -27,6 +27,22 @@ positive_int = _int_at_least(1, "positive_int")
 non_negative_int = _int_at_least(0, "non_negative_int")
 
 
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535; a port outside failed only at bind time, after the model's load and
+    warm-up."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535), got {value}")
+    return value
+
+
+def host_name(text: str) -> str:
+    """An address to bind: not empty, no whitespace."""
+    if not text or text != text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"must be a host name or address, got {text!r}")
+    return text
+
+
 def integer(text: str) -> int:
     try:
         value = int(text)

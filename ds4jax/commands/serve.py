@@ -8,7 +8,7 @@ import argparse
 import os
 
 from ds4jax.commands.engine_options import add_engine_options, add_logprobs_option
-from ds4jax.commands.options import HelpFormatter, positive_int
+from ds4jax.commands.options import HelpFormatter, host_name, non_negative_float, port_number, positive_int
 
 NAME = "serve"
 
@@ -23,8 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=HelpFormatter)
     add_engine_options(p)
     add_logprobs_option(p, 20)
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (0.0.0.0 exposes it to the network)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--host", type=host_name, default=DEFAULT_HOST,
+                   help="address to bind (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no auth)")
     p.add_argument("--model-name", default=None, metavar="NAME",
@@ -38,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="generations waiting for a slot before new requests get 429")
     p.add_argument("--max-body-bytes", type=positive_int, default=d.max_body_bytes, metavar="B",
                    help="largest request body")
-    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="S",
+    p.add_argument("--shutdown-grace", type=non_negative_float, default=d.shutdown_grace_s, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="take requests at once (the first ones compile)")
