@@ -140,29 +140,20 @@ def run_compare(checkpoint_dir: str | os.PathLike, seq_len: int = 64, batch: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: exit status 0 when within tolerance, 1 otherwise, 2 when the checkpoint is bad or the reference
-    cannot run."""
+    """``python -m ds4jax.compare DIR [flags]``: ``ds4jax compare --checkpoint DIR [flags]``, with its checks of
+    every flag (this entry took ``--tol nan`` or ``--seq-len -5`` as they came) and its exit statuses: 0 within
+    tolerance, 1 above it, 2 for a bad checkpoint or a missing reference."""
+    from ds4jax import cli
+
     parser = argparse.ArgumentParser(prog="python -m ds4jax.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--tol", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.checkpoint_dir, "config.json")):
-        print(f"error: {args.checkpoint_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
-        return 2
-    from ds4jax.errors import Ds4jaxError
-
-    try:
-        report = run_compare(args.checkpoint_dir, args.seq_len, args.batch, args.tol, args.seed)
-    except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Ds4jaxError as e:  # a bad checkpoint is not a failed comparison
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_status
-    return 0 if report.ok else 1
+    flags = ("--seq-len", "--batch", "--tol", "--seed")
+    for flag in flags:  # as text: `ds4jax compare` checks each
+        parser.add_argument(flag)
+    args = vars(parser.parse_args(argv))
+    forwarded = [f"{flag}={args[flag[2:].replace('-', '_')]}" for flag in flags
+                 if args[flag[2:].replace("-", "_")] is not None]
+    return cli.main(["compare", "--checkpoint", args["checkpoint_dir"], *forwarded])
 
 
 if __name__ == "__main__":

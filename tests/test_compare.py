@@ -72,3 +72,16 @@ def test_missing_reference_says_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ImportError, match=r"pip install ds4jax\[test\]"):
         run_compare(tmp_path)
     assert compare.main([str(tmp_path)]) == 2
+
+
+def test_the_module_entry_checks_its_flags_as_the_command_does(capsys):
+    """`python -m ds4jax.compare DIR --tol nan` ran a comparison that no tolerance could pass (argparse's plain
+    float); it is `ds4jax compare` now, with its checks and exit statuses."""
+    from ds4jax import compare
+
+    assert compare.main(["/no/such/dir", "--tol", "nan"]) == 2
+    assert "argument --tol: must be finite, got nan" in capsys.readouterr().err
+    assert compare.main(["/no/such/dir", "--seq-len", "-5"]) == 2
+    assert "argument --seq-len: must be >= 1" in capsys.readouterr().err
+    assert compare.main(["/no/such/dir"]) == 2
+    assert "--checkpoint='/no/such/dir': does not exist" in capsys.readouterr().err
