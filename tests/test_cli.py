@@ -181,6 +181,9 @@ def test_info_default_preset(capsys):
     (["generate", "--prompt", "x", "--dtype", "float16"], "invalid choice"),
     (["compare", "--checkpoint", "x", "--tol", "0"], "must be > 0"),
     (["info"], "one of the arguments"),
+    # 1e308 GiB overflowed its conversion to bytes: an internal error (exit 3)
+    (["info", "--preset", "flash", "--mesh", "expert=8", "--devices", "8", "--device-memory", "1e308"],
+     "must be at most 1048576 GiB"),
     (["generate"], "--prompt"),
     ([], "COMMAND"),
 ])

@@ -8,7 +8,7 @@ import math
 import os
 
 from ds4jax.commands.mesh_options import add_mesh_option
-from ds4jax.commands.options import positive_float, positive_int
+from ds4jax.commands.options import gibibytes, positive_int
 
 NAME = "info"
 
@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--max-slots", type=positive_int, default=8, metavar="B", help="requests decoded together")
     plan.add_argument("--max-context", type=positive_int, default=4096, metavar="T",
                       help="prompt + new tokens per request")
-    plan.add_argument("--device-memory", type=positive_float, default=None, metavar="GIB",
+    plan.add_argument("--device-memory", type=gibibytes, default=None, metavar="GIB",
                       help="memory per device in GiB (default: what the device reports; CPU devices report none)")
     plan.add_argument("--devices", type=positive_int, default=None, metavar="N",
                       help="plan for N stand-in devices (forced host CPU devices) instead of the ones present")

@@ -84,6 +84,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_GIB = 2**20  # a PiB: more than any device has, and its bytes stay an exact integer
+
+
+def gibibytes(text: str) -> float:
+    """A memory size in GiB: > 0, at most a PiB (1e308 GiB overflowed its conversion to bytes)."""
+    value = positive_float(text)
+    if value > MAX_GIB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_GIB} GiB, got {text}")
+    return value
+
+
 class Progress:
     """Short ``ds4jax: ...`` lines on stderr (silenced by --quiet), each with the time since the command began."""
 
