@@ -287,7 +287,8 @@ def test_an_fp4_scale_too_large_for_float16_is_refused(official, tmp_path):
     poisoned = _poisoned(official[1], tmp_path, dtype="F8_E8M0", name_part="ffn.experts.", byte_at=0,
                          byte=127 + 14)
     _load(poisoned, weights="bf16")  # float32: fits
-    with pytest.raises(ds4jax.errors.CheckpointError, match=r"scale 1\.638e\+04 at index \[0, 0\] overflows float16: its block's I8 values reach 6 x"):
+    says = r"scale 1\.638e\+04 at index \[0, 0\] overflows float16: its block's I8 values reach 6 x"
+    with pytest.raises(ds4jax.errors.CheckpointError, match=says):
         _load(poisoned, jnp.float16, weights="bf16")
 
 
@@ -298,7 +299,8 @@ def test_check_finite_checks_values_as_they_load(official, tmp_path, mesh):
     poisoned = _poisoned(official[1], tmp_path, dtype="BF16", name_part="embed", byte_at=1, byte=0x7F)  # 0x7F00..
     model = _load(poisoned, jnp.float16, mesh=mesh)  # without the check: loaded as it is, Inf included
     assert not np.isfinite(np.asarray(model.params["embed"], np.float32)).all()
-    with pytest.raises(ds4jax.errors.CheckpointError, match=r"embed\.weight: non-finite value inf at index \[0, 0\] \(as float16\)"):
+    says = r"embed\.weight: non-finite value inf at index \[0, 0\] \(as float16\)"
+    with pytest.raises(ds4jax.errors.CheckpointError, match=says):
         _load(poisoned, jnp.float16, mesh=mesh, check_finite=True)
 
 

@@ -31,7 +31,8 @@ value = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=4), st.dicti
                                                                                        max_size=3)), max_leaves=8)
 message = st.fixed_dictionaries({"role": st.sampled_from(["user"] * 4 + ["system", "assistant", "tool", "", 3]),
                                  "content": st.one_of(st.text(min_size=1, max_size=20), value)})
-prompt = st.one_of(st.text(min_size=1, max_size=70), st.sampled_from(["\ud800", "ab\udc00", ["x", "\ud83d"]]), st.lists(st.integers(0, 258), min_size=1, max_size=70),
+prompt = st.one_of(st.text(min_size=1, max_size=70), st.sampled_from(["\ud800", "ab\udc00", ["x", "\ud83d"]]),
+                   st.lists(st.integers(0, 258), min_size=1, max_size=70),
                    st.lists(st.integers(-2, 300), max_size=70),
                    st.lists(st.lists(st.integers(-2, 300), max_size=8), max_size=3), st.lists(st.text(max_size=8),
                                                                                               max_size=3), value)
