@@ -64,3 +64,21 @@ def test_snapshot_at_must_be_an_integer(model):
         engine.snapshot(0, at="5")
     with pytest.raises(ds4jax.errors.PoolError, match="no running request"):  # good arguments, nothing running
         engine.snapshot(0, at=5)
+
+
+@pytest.mark.parametrize("method, args, kwargs, says", [
+    ("generate", (None,), {}, r"Engine\.generate\(requests\)='NoneType': must be a list"),
+    ("generate", (ds4jax.Request(prompt=[5, 6], max_new_tokens=2),), {}, r"got one Request \(wrap it: \[request\]\)"),
+    ("generate", ([],), {"on_result": 5}, r"Engine\.generate\(on_result\)=5: must be callable or None"),
+    ("stream", ([],), {"feed": []}, r"Engine\.stream\(feed\)=\[\]: must be callable or None"),
+    ("iterations", ("abc",), {}, r"Engine\.iterations\(requests\)='str'"),
+    ("iterations", ([],), {"waiting": True}, r"Engine\.iterations\(waiting\)=True"),
+])
+def test_bad_call_arguments_are_named(model, method, args, kwargs, says):
+    """A lone Request, `feed=[]` or `requests=None` raised a bare TypeError from inside; a non-callable `on_result`
+    ended every request of the call as CANCELLED."""
+    engine = ds4jax.Engine(model, **SIZES)
+    with pytest.raises(ArgumentError, match=says):
+        out = getattr(engine, method)(*args, **kwargs)
+        if method != "generate":
+            list(out)  # (stream and iterations are generators: they start at the first next())

@@ -46,7 +46,7 @@ from ds4jax.generation.compiles import compile_count
 from ds4jax.generation.decode_calls import EngineDecode
 from ds4jax.generation.draft_policy import Adaptive
 from ds4jax.generation.delivery import Delivery, EngineStats, Live  # noqa: F401 (EngineStats: re-exported)
-from ds4jax.generation.engine_args import check_engine_args
+from ds4jax.generation.engine_args import call_requests, check_engine_args
 from ds4jax.generation.fused_programs import FusedPrograms
 from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.loops import Rows
@@ -218,7 +218,7 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         on_result(index, result) is called as each request finishes (batch jobs write results as they come).
         Thread-safe: calls from several threads run one after another, each with its own results and callbacks."""
         with self._exclusive("generate()"):
-            gen = self._run(list(requests), on_result, streaming=False)
+            gen = self._run(call_requests("generate", requests, on_result=on_result), on_result, streaming=False)
             while True:
                 try:
                     next(gen)
@@ -238,7 +238,8 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         runs on. Without waiting(), any feed may bring a request at any time, so every finished row ends its call.
         The stream holds the engine from its first event until it ends or is closed: other threads' calls wait."""
         with self._exclusive("stream()"):
-            gen = self._run(list(requests), on_result, feed, feed_waits=waiting)
+            gen = self._run(call_requests("stream", requests, on_result=on_result, feed=feed, waiting=waiting),
+                            on_result, feed, feed_waits=waiting)
             try:
                 while True:
                     try:
@@ -256,7 +257,9 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
         beyond the callbacks (a server's driver thread flushes what its callbacks buffered at each yield).
         feed, waiting, on_result, closing early and `last_results`: as in `stream`."""
         with self._exclusive("iterations()"):
-            gen = self._run(list(requests), on_result, feed, streaming=False, feed_waits=waiting, ticks=True)
+            gen = self._run(call_requests("iterations", requests, on_result=on_result, feed=feed,
+                                          waiting=waiting), on_result, feed, streaming=False,
+                            feed_waits=waiting, ticks=True)
             try:
                 while True:
                     try:

@@ -50,3 +50,21 @@ def check_engine_args(**args: Any) -> None:
                 raise ArgumentError(f"must be None, an Impl or one of {choices}", name=where, value=value)
         else:
             raise TypeError(f"check_engine_args: no check for {name!r}")
+
+
+def call_requests(method: str, requests: Any, **callbacks: Any) -> list:
+    """The requests of an `Engine.generate` / `stream` / `iterations` call as a list, its callbacks checked: a bare
+    TypeError came from inside for a lone `Request` (not wrapped in a list) or `feed=[]`, and a non-callable
+    `on_result` ended every request of the call as CANCELLED."""
+    from ds4jax.generation.requests import Request
+
+    if isinstance(requests, Request):
+        raise ArgumentError("takes a list of Requests, got one Request (wrap it: [request])",
+                            name=f"Engine.{method}(requests)")
+    if isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
+        raise ArgumentError("must be a list (or another iterable) of Requests", name=f"Engine.{method}(requests)",
+                            value=type(requests).__name__)
+    for name, f in callbacks.items():
+        if f is not None and not callable(f):
+            raise ArgumentError("must be callable or None", name=f"Engine.{method}({name})", value=f)
+    return list(requests)
