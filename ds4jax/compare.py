@@ -147,13 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ds4jax.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir")
-    flags = ("--seq-len", "--batch", "--tol", "--seed")
-    for flag in flags:  # as text: `ds4jax compare` checks each
-        parser.add_argument(flag)
+    for flag in ("--seq-len", "--batch", "--tol", "--seed"):  # as text: `ds4jax compare` checks each
+        parser.add_argument(flag, dest=flag)
     args = vars(parser.parse_args(argv))
-    forwarded = [f"{flag}={args[flag[2:].replace('-', '_')]}" for flag in flags
-                 if args[flag[2:].replace("-", "_")] is not None]
-    return cli.main(["compare", "--checkpoint", args["checkpoint_dir"], *forwarded])
+    checkpoint = args.pop("checkpoint_dir")
+    forwarded = [f"{flag}={value}" for flag, value in args.items() if value is not None]
+    return cli.main(["compare", "--checkpoint", checkpoint, *forwarded])
 
 
 if __name__ == "__main__":

@@ -62,10 +62,11 @@ def read_prompt(args) -> str:
     from ds4jax.errors import UsageError
 
     if args.prompt is not None:
-        try:
-            args.prompt.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates
-        except UnicodeEncodeError as e:
-            raise UsageError(f"is not valid UTF-8 (character {e.start})", name="--prompt") from None
+        from ds4jax.io.tokenizer import unencodable_at
+
+        at = unencodable_at(args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
+        if at is not None:
+            raise UsageError(f"is not valid UTF-8 (character {at})", name="--prompt")
         return args.prompt
     path = args.prompt_file
     try:

@@ -17,6 +17,7 @@ from ds4jax.generation import logprob_rows, snapshots
 from ds4jax.generation.delivery import Live
 from ds4jax.generation.requests import ErrorCode, FinishReason, Request, TokenEvent
 from ds4jax.generation.snapshots import Snapshot
+from ds4jax.model.inputs import is_int
 from ds4jax.runtime.distributed import fetch  # device_get across processes
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolError
@@ -78,9 +79,9 @@ class EngineSnapshots:
         """Snapshot a running request (its slot, or its `Request`) right after its prefill, e.g. from on_token of
         its first token. Positions inside the prompt (`at`) are taken during prefill: `Request(snapshot_at=...)`;
         `Request(snapshot=True)` snapshots the whole prompt without a callback."""
-        if not isinstance(which, Request) and (isinstance(which, bool) or not isinstance(which, (int, np.integer))):
+        if not isinstance(which, Request) and not is_int(which):
             raise ArgumentError("a running request's slot number or its Request", name="Engine.snapshot", value=which)
-        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, np.integer))):
+        if at is not None and not is_int(at):
             raise ArgumentError("a prompt length (an integer) or None", name="Engine.snapshot(at)", value=at)
         live = [lv for lv in self._slots.values() if lv.request is which or lv.slot == which]
         if not live:

@@ -147,9 +147,9 @@ def _prompts(body: dict, tokenizer, vocab: int) -> list[list[int]]:
         raise invalid("prompt", "must be a string, a list of strings, token ids or a list of token id lists")
     if any(not t for t in texts):
         raise invalid("prompt", "must not be empty")
-    for t in texts:
-        if unencodable_at(t) is not None:
-            raise invalid("prompt", f"is not valid Unicode (a lone surrogate at character {unencodable_at(t)})")
+    for at in map(unencodable_at, texts):
+        if at is not None:
+            raise invalid("prompt", f"is not valid Unicode (a lone surrogate at character {at})")
     return [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
 
 
