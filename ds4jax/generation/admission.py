@@ -54,8 +54,11 @@ class EngineAdmission:
                 self.dpool = self.dbook.sync(self.dpool)
         restored = []
         if len(self.snapshots):
+            # a snapshot saved while the draft was parked has no draft state: with the draft running it is a miss
+            # (the request prefills), never an error
+            usable = None if self._live_dspec is None else (lambda snap: snap.has_draft)
             for lv in admitted:
-                snap = self.snapshots.longest_prefix(lv.ids)
+                snap = self.snapshots.longest_prefix(lv.ids, usable)
                 if snap is not None:
                     self._guarded([lv], lambda: self._inject(lv, snap))
                     if not lv.done:

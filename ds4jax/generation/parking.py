@@ -96,6 +96,11 @@ class EngineParking:
             self._park(parts)
 
     def _park(self, parts: tuple[Role, ...]) -> None:
+        # the snapshots' fingerprint covers every weight: take it while they are all here, or one taken later
+        # (at the first snapshot) would describe the model without its parked part, and the snapshots saved from
+        # then on would be refused by every engine that never parked (`INVALID_SNAPSHOT`, "model differ")
+        if not self._parking.parked:  # (a later park finds it taken by the first)
+            self.fingerprint()
         self.programs.drop_draft_params()  # a layer split's embedding copy for the draft goes with either part
         for role in parts:
             if role in self._parking or (role is Role.DRAFT and not self.k):

@@ -57,12 +57,11 @@ class SlotSnapshots:
         return tpool, dpool, slot_state
 
 
-def mismatch(mine: dict[str, str], snap: Snapshot, has_draft: bool) -> list[str]:
-    """What differs between this engine and the one that made `snap` (fingerprint fields, or 'draft')."""
-    bad = [k for k in sorted(set(mine) | set(snap.fingerprint)) if mine.get(k) != snap.fingerprint.get(k)]
-    if not bad and has_draft != any(k.startswith("draft/") for k in snap.arrays):
-        bad = ["draft"]
-    return bad
+def mismatch(mine: dict[str, str], snap: Snapshot) -> list[str]:
+    """The fingerprint fields that differ between this engine and the one that made `snap`. (Whether the snapshot
+    holds the draft's state is not one: the pool specs in the fingerprint say whether that engine had a draft, and
+    one saved while the draft was parked holds none; `admit` skips it while the draft runs.)"""
+    return [k for k in sorted(set(mine) | set(snap.fingerprint)) if mine.get(k) != snap.fingerprint.get(k)]
 
 
 class EngineSnapshots:
@@ -108,7 +107,7 @@ class EngineSnapshots:
             self.tpool, self.dpool, self.slot_state, slot, arrays, pages, length, draft=self._live_dspec is not None)
 
     def _inject(self, lv: Live, snap: Snapshot) -> None:
-        bad = mismatch(self.fingerprint(), snap, self.dspec is not None)
+        bad = mismatch(self.fingerprint(), snap)
         if bad:
             self._out.finish(lv, FinishReason.ERROR, ErrorCode.INVALID_SNAPSHOT,
                              f"request {lv.index}: the prefix snapshot of {snap.length} tokens was made by another "

@@ -16,8 +16,8 @@ token is sampled from the saved logits with the request's own seed: results equa
 
 `SnapshotStore` is an LRU store in host memory bounded by a byte budget, keyed by (sha256 of the ids, length)
 and checked against the exact ids, so a hash collision can never restore the wrong state. Each snapshot carries
-the fingerprints of the engine that made it (model weights, every element; config, dtype, pool specs); restoring it elsewhere
-gives `ErrorCode.INVALID_SNAPSHOT`. `save` / `load` use safetensors (ids and fingerprints in the metadata).
+the fingerprints of the engine that made it (model weights, every element; config, dtype, pool specs); restoring it
+elsewhere gives `ErrorCode.INVALID_SNAPSHOT`. `save` / `load` use safetensors (ids and fingerprints in the metadata).
 On a layer split every stage's pool is extracted and injected on its own (`stage_programs.StagePrograms`), the
 arrays held with their layer axes concatenated: the one-device layout.
 """
@@ -73,6 +73,11 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    @property
+    def has_draft(self) -> bool:
+        """Whether it holds the draft's state (not when it was saved while the draft was parked)."""
+        return any(k.startswith("draft/") for k in self.arrays)
+
 
 class SnapshotStore:
     """LRU snapshots under a byte budget; `evictions` counts snapshots dropped to make room."""
@@ -105,14 +110,16 @@ class SnapshotStore:
             self.evictions += 1
         return True
 
-    def longest_prefix(self, ids: Sequence[int]) -> Snapshot | None:
-        """The stored snapshot of the longest prefix of `ids` (exact ids compared), marked recently used."""
+    def longest_prefix(self, ids: Sequence[int], usable=None) -> Snapshot | None:
+        """The stored snapshot of the longest prefix of `ids` (exact ids compared) that `usable(snapshot)` accepts
+        (None: any), marked recently used."""
         for length in sorted({k[1] for k in self._items}, reverse=True):
             if length > len(ids):
                 continue
             key = ids_key(ids[:length])
             snap = self._items.get(key)
-            if snap is not None and snap.ids == tuple(int(t) for t in ids[:length]):
+            if snap is not None and snap.ids == tuple(int(t) for t in ids[:length]) and (usable is None
+                                                                                         or usable(snap)):
                 self._items.move_to_end(key)
                 return snap
         return None
