@@ -77,7 +77,9 @@ class Request:
     """One generation request. `prompt` is token ids, or text when the engine has a tokenizer.
 
     Sampling: ``temperature == 0`` is greedy; otherwise temperature, `top_k` (0 = off) and `top_p` filter the
-    distribution and `seed` alone decides the draws (the same request gives the same tokens in any batch).
+    distribution and `seed` alone decides the draws (the same request gives the same tokens in any batch; with an
+    adaptive engine a speculative one's also depend on the draft lengths its calls chose: each a sample of the same
+    distribution).
     `speculative`: None uses the engine's k, 0 decodes this request plainly, 1..k caps its accepted drafts.
     `logprobs`: None records none; 0..N (an engine built with ``logprobs=N``) records each token's log-probability
     and that many alternatives (`TokenLogprob`, on the events and in `GenerateResult.logprobs`).
