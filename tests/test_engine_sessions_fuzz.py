@@ -250,3 +250,24 @@ def test_a_snapshot_saved_while_the_draft_is_parked(engines):
     missed = engine.generate([Request(prompt=prompt, max_new_tokens=6)])[0]
     assert missed.ok and (missed.tokens, missed.prefill_tokens) == (want[None], len(prompt)), missed
     engine.snapshots.clear()
+
+
+def test_plain_requests_with_the_draft_parked_on_a_data_parallel_mesh(engines):
+    """Found by the machine on a data-parallel mesh: with the draft parked, every plain request failed INTERNAL (the
+    per-shard step's specs still named the MTP block, now None). Tokens equal one device's."""
+    import jax
+
+    from ds4jax.runtime.mesh import make_mesh, place_model
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    _, reference = engines
+    engine = Engine(place_model(one_layer_model(), make_mesh(data=2, devices=jax.devices()[:2])), snapshot_bytes=0,
+                    **SIZES)
+    prompt = BASE[:9]
+    engine.park("draft")
+    got = engine.generate([Request(prompt=prompt, max_new_tokens=5, speculative=0),
+                           Request(prompt=prompt, max_new_tokens=5)])
+    assert got[0].ok and got[0].tokens == reference.generate([Request(prompt=prompt, max_new_tokens=5,
+                                                                       speculative=0)])[0].tokens, got[0]
+    assert got[1].error is ErrorCode.MODEL_PARKED

@@ -82,7 +82,8 @@ def rows_over_data(tree):
 
 
 def _param_specs(params: dict, cfg: Config, rules) -> dict:
-    """shard_map specs naming only ``data`` for the params present (a layer-split stage passes a subset)."""
+    """shard_map specs naming only ``data`` for the params present (a layer-split stage passes a subset; a parked
+    part is None)."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     decl = params_lib.declare(cfg)
     missing = sorted(set(params) - set(decl))
@@ -93,7 +94,9 @@ def _param_specs(params: dict, cfg: Config, rules) -> dict:
         spec = mesh_spec(info.shape, info.axes, sizes, rules)
         return P(*[(DATA if DATA in spec_axes(e) else None) for e in spec])
 
-    specs = {k: jax.tree.map(one, decl[k], is_leaf=lambda v: isinstance(v, params_lib.ParamInfo)) for k in params}
+    # a parked part (`Engine.park`: its entry is None) has no arrays, so no specs either
+    specs = {k: None if params[k] is None else
+             jax.tree.map(one, decl[k], is_leaf=lambda v: isinstance(v, params_lib.ParamInfo)) for k in params}
     if layer_stack.is_stacked(params):  # a stacked leaf: the per-layer spec behind its (unsharded) layer axis
         specs["layers"] = layer_stack.stack_like(params["layers"], specs["layers"],
                                                  combine=lambda first, *_: P(None, *first))
