@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 
 import hypothesis.strategies as st
@@ -94,6 +95,13 @@ class EngineSessions(RuleBasedStateMachine):
         self.parked: set[str] = set()
         self.dir = tempfile.mkdtemp(prefix="sessions_fuzz_")
 
+    def teardown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _needs_parked(self, spec: Spec) -> bool:
+        """Whether `spec` needs a model that is parked now (the engine answers MODEL_PARKED)."""
+        return "target" in self.parked or (spec.speculative != 0 and "draft" in self.parked)
+
     def _reference(self, spec: Spec) -> list[int]:
         if spec not in REFERENCE:
             r = self.reference.generate([spec.request()])[0]
@@ -116,8 +124,7 @@ class EngineSessions(RuleBasedStateMachine):
             requests.append(spec.request(**extra))
         results = self.engine.generate(requests)
         for (spec, _, _, cancel_after), r in zip(batch, results):
-            needs_draft = spec.speculative != 0
-            if "target" in self.parked or (needs_draft and "draft" in self.parked):
+            if self._needs_parked(spec):
                 assert (r.error, r.tokens) == (ErrorCode.MODEL_PARKED, []), (spec, r)
                 continue
             want = self._reference(spec)
@@ -150,7 +157,7 @@ class EngineSessions(RuleBasedStateMachine):
     def snapshot_from_on_token(self, spec):
         """`Engine.snapshot(request)` from the first token's callback stores the whole prompt: the same prompt
         then prefills nothing and gives the same tokens."""
-        if "target" in self.parked or (spec.speculative != 0 and "draft" in self.parked):
+        if self._needs_parked(spec):
             return
         taken, mine = [], []
 
@@ -194,8 +201,6 @@ class EngineSessions(RuleBasedStateMachine):
     @invariant()
     def nothing_held(self):
         e = self.engine
-        if not hasattr(e, "tbook"):
-            return
         assert not e._slots, e._slots
         assert not e.tbook.active.any() and len(e.tbook.free_pages) == e.tspec.num_pages
         if e.dbook is not None:
