@@ -18,8 +18,9 @@ counts; tests/test_snapshots.py with snapshots and after unpark). Decode never p
 are separate programs.
 
 The calls go through one `programs.Programs`: the fused programs of `fused_programs` on one device and on
-one-stage meshes, `stage_programs.StagePrograms` stage by stage on a layer split. Admission (`admission`), parking
-(`parking`) and snapshot bookkeeping (`slot_snapshots`) live in their own modules, row planning in `row_plan`.
+one-stage meshes, `stage_programs.StagePrograms` stage by stage on a layer split. Admission (`admission`), the
+prefill and decode calls (`prefill_calls`, `decode_calls`), parking (`parking`) and snapshot bookkeeping
+(`slot_snapshots`) live in their own modules, row planning in `row_plan`.
 
 Host work per call is kept off the per-token path: a call's outputs come back in one fetch, a request's fixed
 row fields are written once at admission (`row_plan.SlotTable`), a row's tokens go out together unless a
@@ -39,7 +40,7 @@ import numpy as np
 
 from ds4jax.compilation_cache import ensure_compilation_cache
 from ds4jax.errors import EngineBusy
-from ds4jax.generation import draft_policy, engine_pools, logprob_rows, lookup as lookup_mod, row_plan, run_ahead
+from ds4jax.generation import draft_policy, engine_pools, lookup as lookup_mod, row_plan, run_ahead
 from ds4jax.generation.admission import EngineAdmission
 from ds4jax.generation.buckets import _positive, bucket, engine_buckets  # noqa: F401 (bucket: re-exported)
 from ds4jax.generation.compiles import compile_count
@@ -51,6 +52,7 @@ from ds4jax.generation.fused_programs import FusedPrograms
 from ds4jax.generation.engine_pools import default_page_size, pool_dtype  # noqa: F401 (re-exported)
 from ds4jax.generation.loops import Rows
 from ds4jax.generation.parking import EngineParking, Parking
+from ds4jax.generation.prefill_calls import EnginePrefill
 from ds4jax.generation.programs import EngineWarmup, Programs, programs_for
 from ds4jax.generation.request_checks import Limits
 from ds4jax.generation.requests import ErrorCode, FinishReason, GenerateResult, Request, TokenEvent
@@ -58,14 +60,13 @@ from ds4jax.generation.slot_snapshots import EngineSnapshots, SlotSnapshots
 from ds4jax.generation.snapshots import SnapshotStore
 from ds4jax.model.handle import Model
 from ds4jax.runtime import kv_quant
-from ds4jax.runtime.distributed import fetch  # device_get across processes (data-parallel rows)
 from ds4jax.runtime.kernels import Impl, resolve
 from ds4jax.runtime.pool_spec import PoolSpec
 from ds4jax.runtime.pools import PoolError
 from ds4jax.runtime.roles import Role
 
 
-class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, EngineWarmup):
+class Engine(EngineAdmission, EnginePrefill, EngineDecode, EngineParking, EngineSnapshots, EngineWarmup):
     """Serve `Request`s on one model. See the module docstring; `generate`, `stream`, `warmup`, `stats`.
 
     model: a `Model` (with its MTP block when `speculative` > 0). speculative=k (or draft=True for k=2): draft k
@@ -425,42 +426,3 @@ class Engine(EngineAdmission, EngineDecode, EngineParking, EngineSnapshots, Engi
             self.model.params, self.dpool, self.slot_state, rows, sampled, next_ids, dspec=self._live_dspec,
             kernels=self.kernels)
         return first, lp
-
-    # ---- prefill, decode, restore ----------------------------------------------------------------------------
-    def _first_token(self, lv: Live, token: int, logprobs, now: float, events: list[TokenEvent] | None) -> None:
-        """A request's first token, sampled by its prefill's last chunk or from a restored snapshot's logits
-        (logprobs: its `TokenLogprob` as a one-item list, or None)."""
-        lv.first_token = now
-        lv.result.timings.prefill_s = now - lv.admitted
-        if token < 0:  # the logits were not finite
-            lv.result.nonfinite_at, token = 0, 0
-            if self.check_finite:
-                self._out.fail_nonfinite(lv)
-                return
-        self._out.deliver(lv, [token], events, logprobs)
-        if not lv.done:
-            self._out.check_finished(lv)
-
-    def _prefill_once(self, live: list[Live], events: list[TokenEvent] | None) -> None:
-        plan = self._row_plan(live, self.prefill_row_buckets)
-        row_of = {lv.slot: r for r, lv in enumerate(plan) if lv is not None}
-        rows = self._padding_rows(plan)
-        width = self.buckets.width(len(plan))  # the token budget's share per row of this row bucket
-        n, tok, nxt, n_tokens, finishing = row_plan.prefill_inputs(live, row_of, len(plan), width)
-        self.tbook.check_extend(rows.slots, tok, n_tokens)  # padding rows (n_tokens 0) are not looked at
-        first, lp = self._prefill_call(rows, tok, n_tokens, nxt, finishing)
-        self.stats.prefill_steps += 1
-        self.stats.prompt_tokens += int(n_tokens.sum())
-        self.tbook.commit(rows.slots, n_tokens)
-        if self.dbook is not None:
-            self.dbook.commit(rows.slots, n_tokens)
-        if finishing.any():
-            first, lp = fetch((first, logprob_rows.wanted(lp, live)))
-        now = time.perf_counter()
-        for lv, c in zip(live, n):
-            lv.pos += c
-            if lv.pos in lv.snap_points:
-                self._save_snapshot(lv)
-            r = row_of[lv.slot]
-            if finishing[r]:
-                self._first_token(lv, int(first[r]), logprob_rows.first(lp, r, lv.request.logprobs), now, events)
