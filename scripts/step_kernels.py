@@ -14,12 +14,23 @@ too).
 
 Writes <program>_r<rows>.{hlo.txt,json,md}. Counting rules: see `launches`; the figure is static (a conditional's
 branches are all listed; command buffers, if XLA forms them, replay these same kernels).
+
+Without a GPU: `--deviceless sm90` compiles for an H100 on a CPU host through the CUDA plugin's compile-only
+topology (a CPU host with jax >= 0.11 and `jax-cuda13-plugin` / `jax-cuda13-pjrt` of the same version installed;
+no driver, no device, no CUDA toolkit). The same tree's decode step at 1 and 8 rows and its verify step gave the
+same counts as on an H100 (195 / 216 / 221 at `853ac23`, `docs/benchmarks/step_kernels_h100_853ac23/`), in ~15 s a
+program on the 2-core CPU machine: a kernel-count change can be checked here, its speed only on the device.
+
+    python3.12 -m venv /tmp/cv && /tmp/cv/bin/pip install "jax==0.11.2" "jax-cuda13-plugin==0.11.2" \
+        "jax-cuda13-pjrt==0.11.2" flax orbax-checkpoint chex safetensors tokenizers tqdm
+    JAX_PLATFORMS=cpu PYTHONPATH=. /tmp/cv/bin/python scripts/step_kernels.py --deviceless sm90 --rows 1
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -172,6 +183,44 @@ def launches(text: str, depth: int = 2) -> dict:
             "by_layer": dict(sorted(by_layer.items())), "computations": per_comp}
 
 
+# XLA's description of an H100 SXM (xla/tools/hlo_opt/gpu_specs), the target of a deviceless compile: the fusion
+# and GEMM decisions read the compute capability, SM count and shared memory (an H200 is the same sm90 chip)
+H100_TARGET_CONFIG = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 13 minor: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+@contextlib.contextmanager
+def deviceless(target: str):
+    """(the sharding every input takes) for a compile on an sm90 target without its device: the CUDA plugin's
+    compile-only topology, ds4jax's dispatcher answering as on the target (`rocm_check.lowering.as_if_on`), and
+    Pallas' Triton lowering told the GPU it would ask the (absent) device about."""
+    from unittest import mock
+
+    import jax
+    from jax._src.pallas.triton import gpu_info
+    from jax.experimental import topologies
+
+    from ds4jax.rocm_check.lowering import as_if_on
+    from ds4jax.rocm_check.targets import TARGETS
+
+    if target != "sm90":
+        raise SystemExit(f"--deviceless {target}: only sm90 (an H100 / H200) is described here")
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    with as_if_on(TARGETS[target].target), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        yield jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def compile_step(args) -> str:
     import jax
 
@@ -179,13 +228,16 @@ def compile_step(args) -> str:
     from ds4jax.runtime import steps
     from ds4jax.runtime.kernels import resolve
 
-    impl = resolve(args.kernels)
-    cfg = bench_compile.make_config(args.config, args.layers)
-    args.chunk, args.stages, args.stage = args.tokens, 1, -1
-    inputs, static = bench_compile.abstract_inputs(cfg, "scanned", args.program, args)
-    fn = jax.jit(lambda params, pool, batch, x: steps.step(params, pool, batch, x, kernels=impl, **static),
-                 donate_argnums=1)
-    return fn.trace(*inputs).lower().compile().as_text()
+    with deviceless(args.deviceless) if args.deviceless else contextlib.nullcontext() as placed:
+        impl = resolve("pallas" if args.deviceless else args.kernels)
+        cfg = bench_compile.make_config(args.config, args.layers)
+        args.chunk, args.stages, args.stage = args.tokens, 1, -1
+        inputs, static = bench_compile.abstract_inputs(cfg, "scanned", args.program, args)
+        if placed is not None:
+            inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed), inputs)
+        fn = jax.jit(lambda params, pool, batch, x: steps.step(params, pool, batch, x, kernels=impl, **static),
+                     donate_argnums=1)
+        return fn.trace(*inputs).lower().compile().as_text()
 
 
 def render(res: dict, title: str) -> str:
@@ -221,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=None, help="reference | pallas (default: the backend's)")
     ap.add_argument("--depth", type=int, default=2, help="scope parts kept from the layer scope on")
     ap.add_argument("--hlo", default=None, help="read this optimized HLO text instead of compiling")
+    ap.add_argument("--deviceless", default=None, choices=("sm90",),
+                    help="compile for this GPU on a host without one (the CUDA plugin's compile-only topology)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.program}_r{args.rows}")
@@ -233,8 +287,8 @@ def main(argv=None) -> int:
         text = compile_step(args)
         with open(stem + ".hlo.txt", "w") as f:
             f.write(text)
-        title = (f"{args.config}({args.layers}) {args.program}, {args.rows} row(s), {jax.devices()[0].device_kind}, "
-                 f"jax {jax.__version__}")
+        device = f"deviceless {args.deviceless}" if args.deviceless else jax.devices()[0].device_kind
+        title = f"{args.config}({args.layers}) {args.program}, {args.rows} row(s), {device}, jax {jax.__version__}"
     res = launches(text, args.depth)
     res["title"] = title
     with open(stem + ".json", "w") as f:

@@ -256,15 +256,22 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
         if overlap:
             with jax.named_scope("indexer"):
                 ip = p["indexer"]
+                # the indexer's projections of x (its compressor's two, the head weights) behind an optimization
+                # barrier (no kernel): XLA:GPU's dot merger joined them with the attention's four into one GEMM of
+                # seven weights, too many pieces for the GEMM fusion's operand, so every step first copied the
+                # seven into one [4096, 4160] weight (68 MB of traffic a CSA layer at Flash sizes). As two groups
+                # (four and three weights) each concatenation stays inside its GEMM's operand
+                # (`scripts/step_kernels.py --deviceless sm90`)
+                x_index = jax.lax.optimization_barrier(x)
                 ients, iids, iok, istate = compress_chunk(
-                    x, ip["compressor"], CompressorState(pools.index_state_kv, pools.index_state_gate), g,
+                    x_index, ip["compressor"], CompressorState(pools.index_state_kv, pools.index_state_gate), g,
                     ratio=ratio, overlap=True, width=cfg.index_head_dim, inv_freq=inv_freq, eps=cfg.rms_norm_eps,
                     rounding=index_rounding(cfg))
                 ipaged, ipaged_scale = store_entries(pools.index_entries, pools.index_entries_scale, ients, iids,
                                                      iok, g, ratio, page_size)
                 new = new._replace(index_entries=ipaged, index_entries_scale=ipaged_scale, index_state_kv=istate.kv,
                                    index_state_gate=istate.gate)
-                iq, iw = indexer.queries(q_latent, x, g.positions, ip, cfg, inv_freq)
+                iq, iw = indexer.queries(q_latent, x_index, g.positions, ip, cfg, inv_freq)
                 key_rows = jnp.broadcast_to(ipaged.flat_rows(rows_of)[:, None, :], (b, chunk, capacity))
                 selection = kernels.indexer_topk(
                     iq.reshape(b * chunk, *iq.shape[2:]), iw.reshape(b * chunk, -1), ipaged.flat(),

@@ -114,6 +114,21 @@ def _slot_rows(arr: jax.Array, i, rows: jax.Array) -> jax.Array:
     return jnp.where(inside.reshape(inside.shape + (1,) * (got.ndim - 1)), got, jnp.zeros((), got.dtype))
 
 
+def _set_slot_rows(arr: jax.Array, i, rows: jax.Array, value: jax.Array) -> jax.Array:
+    """arr[i, rows] = value with the null slot (rows == max_slots: a padding row) dropped. One row (decode and
+    verify at batch 1) is a dynamic_update_slice that writes the slot's old value back for the null slot: XLA:GPU
+    turned the one-index scatter with mode="drop" into that update plus an in-bounds reduction over the index, a
+    kernel of its own per array and layer (11 of a `flash_slice(4)` decode step's launches). Several rows stay a
+    scatter: padding rows all name the null slot, and a write back of their old values could collide with a real
+    row's write."""
+    if rows.shape[0] != 1:
+        return arr.at[i, rows].set(value, mode="drop")
+    inside = rows[0] < arr.shape[1]
+    start = (i, jnp.where(inside, rows[0], 0)) + (0,) * (arr.ndim - 2)
+    old = jax.lax.dynamic_slice(arr, start, (1, 1) + arr.shape[2:])
+    return jax.lax.dynamic_update_slice(arr, jnp.where(inside, value.reshape(old.shape), old), start)
+
+
 def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) -> KVPool:
     """Write a layer's updated rings back to their slots in place (padding rows' null slot is dropped); paged
     pools were already updated in place."""
@@ -124,7 +139,7 @@ def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) ->
             continue
         if a.per_slot:
             arr, i = getattr(pool, a.name), at.rank(a.layers)
-            changes[a.name] = arr.at[i, rows].set(value.astype(arr.dtype), mode="drop")
+            changes[a.name] = _set_slot_rows(arr, i, rows, value.astype(arr.dtype))
         else:
             changes[a.name] = value.pool
     return pool.replace(**changes)
