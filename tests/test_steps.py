@@ -429,3 +429,21 @@ def test_target_step_rejects_draft_pool_spec(model):
     with pytest.raises(PoolError, match="this step runs the target; got role=Role.DRAFT"):
         jax.eval_shape(functools.partial(steps.prefill, cfg=CFG, spec=DRAFT_SPEC, role=Role.DRAFT), model.params,
                        pools.abstract(DRAFT_SPEC), _abstract_batch(3))
+
+
+@pytest.mark.parametrize("rows", [[1], [3], [2, 3, 0]])
+def test_slot_row_writes_drop_the_null_slot(rows):
+    """`steps._set_slot_rows`: a row naming the null slot (max_slots, a padding row) writes nothing, at one row (a
+    dynamic_update_slice writing the old value back) as at several (a scatter dropping it); the other slots keep
+    their NaN poison."""
+    from ds4jax.runtime.steps import _set_slot_rows
+
+    arr = jnp.full((2, 3, 4, 5), jnp.nan, jnp.float32)  # [layers, max_slots = 3, ...]
+    rows = jnp.asarray(rows, jnp.int32)
+    value = jnp.arange(len(rows) * 20, dtype=jnp.float32).reshape(len(rows), 4, 5)
+    got = np.asarray(jax.jit(_set_slot_rows, static_argnums=1)(arr, 1, rows, value))
+    want = np.full(arr.shape, np.nan, np.float32)
+    for r, slot in enumerate(np.asarray(rows)):
+        if slot < 3:
+            want[1, slot] = np.asarray(value[r])
+    np.testing.assert_array_equal(got, want)
