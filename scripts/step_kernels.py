@@ -45,8 +45,10 @@ FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([\w\-]+)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# a list continues only with %-named computations: `condition=%c, body=%b` is two attributes, not the list "c, body"
+# (which dropped every while loop's body from the count when its condition came first, as XLA prints it)
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations|true_computation|false_computation)=\{?"
-                    r"%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+                    r"%?([\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 

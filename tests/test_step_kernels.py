@@ -31,7 +31,7 @@ StackFrames
   ROOT %m = f32[4]{0} multiply(%p0, %p0)
 }
 
-%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+%loop_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
   %t = (s32[], f32[4]{0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
   %x = f32[4]{0} get-tuple-element(%t), index=1
@@ -40,7 +40,7 @@ StackFrames
   ROOT %r = (s32[], f32[4]{0}) tuple(%i, %f2)
 }
 
-%cond (t: (s32[], f32[4])) -> pred[] {
+%loop_cond (t: (s32[], f32[4])) -> pred[] {
   %t = (s32[], f32[4]{0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
   %c = s32[] constant(3)
@@ -52,7 +52,7 @@ ENTRY %main (a: f32[4], /*index=1*/b: s32[]) -> f32[4] {
   %b = s32[] parameter(1)
   %e = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/target/embed/mul"}
   %tup = (s32[], f32[4]{0}) tuple(%b, %e)
-  %w = (s32[], f32[4]{0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %w = (s32[], f32[4]{0}) while(%tup), condition=%loop_cond, body=%loop_body, backend_config={"known_trip_count":{"n":"3"}}
   %k = f32[4]{0} custom-call(%e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/target/layer0_sliding/sinkhorn"}
   ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
 }
@@ -63,8 +63,8 @@ def test_launches_count_loop_bodies_by_trip_count_and_skip_free_ops():
     res = step_kernels.launches(HLO)
     # entry: a fusion and a custom call; the loop's body (2) and condition (its compare) each of 3 trips
     assert res["per_step"] == 2 + 2 * 3 + 1 * 3 and res["in_loops_of_unknown_trip"] == 0
-    assert res["computations"]["body"]["trip"] == 3 and res["computations"]["main"]["launches"] == 2
-    assert "fused_computation" not in res["computations"] and res["computations"]["cond"]["launches"] == 1
+    assert res["computations"]["loop_body"]["trip"] == 3 and res["computations"]["main"]["launches"] == 2
+    assert "fused_computation" not in res["computations"] and res["computations"]["loop_cond"]["launches"] == 1
     assert res["by_kind"]["custom-call:__gpu$xla.gpu.triton"] == 1 and res["by_kind"]["fusion:kLoop"] == 4
 
 
