@@ -231,7 +231,7 @@ def compile_step(args) -> str:
     from ds4jax.runtime.kernels import resolve
 
     with deviceless(args.deviceless) if args.deviceless else contextlib.nullcontext() as placed:
-        impl = resolve("pallas" if args.deviceless else args.kernels)
+        impl = resolve(args.kernels)  # deviceless: the target's default (as_if_on answers "gpu"), as on the card
         cfg = bench_compile.make_config(args.config, args.layers)
         args.chunk, args.stages, args.stage = args.tokens, 1, -1
         inputs, static = bench_compile.abstract_inputs(cfg, "scanned", args.program, args)
