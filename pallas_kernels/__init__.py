@@ -26,6 +26,7 @@ from pallas_kernels.indexer_topk import (
     validate_indexer_topk_dynamic,
     validate_indexer_topk_static,
 )
+from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_reference
 from pallas_kernels.mhc_pre import BlockSizes as MhcPreBlockSizes
 from pallas_kernels.mhc_pre import mhc_pre, mhc_pre_reference, validate_mhc_pre_static
 from pallas_kernels.sinkhorn import BlockSizes as SinkhornBlockSizes
@@ -57,6 +58,8 @@ __all__ = [
     "grouped_matmul_fp8",
     "grouped_matmul_fp8_reference",
     "IndexerTopkBlockSizes",
+    "layer_matmul",
+    "layer_matmul_reference",
     "MhcPreBlockSizes",
     "SinkhornBlockSizes",
     "SparseAttentionBlockSizes",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.model import params as params_lib
+from ds4jax.model import layer_of, params as params_lib
 from ds4jax.model.config import AttentionType as A, MlpType as M, tiny
 from ds4jax.model.handle import Model
 from ds4jax.model.quantize import quantize_model
@@ -113,3 +113,24 @@ def test_fp8_linears_take_the_stacks(models):
     assert ranks == [2, 3], [k.operands for k in matmuls]
     stacked = [k for k in matmuls if len(k.operands[1].split("x")) == 4]
     assert all(int(k.operands[1].split("x")[0]) == REPEATS and len(k.operands) == 4 for k in stacked)
+
+
+def test_dense_linears_take_the_stacks(models):
+    """The same lowering with bf16-style weights: every dense linear of a scanned layer (attention's, wo_a's groups,
+    the compressors', the indexer's, the router and the shared expert) reads its weight in the stack through the
+    layer matmul ([REPEATS, in, out], or [REPEATS, groups, in, out] for wo_a, beside the layer index); in the
+    published format (FP8 dense) what stays unquantized (wo_a, the router, ...). Before, XLA copied each slice
+    out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/)."""
+    for weights in ("arrays", "fp4"):
+        matmuls = [k for k in _lowered_decode_kernels(models[weights][0]) if k.name == "layer_matmul"]
+        stacks = [k.operands[2].split("x") for k in matmuls]  # operands: layer, x, stack
+        assert {len(s) - 1 for s in stacks} == {3, 4}, [k.operands for k in matmuls]
+        assert all(int(s[0]) == REPEATS for s in stacks), stacks
+    # every dense linear's stack of the scanned unit has a kernel (the lowering lists each distinct kernel once)
+    seg = next(i for i, g in enumerate(models["arrays"][0].params["layers"].segments) if g.repeats == REPEATS)
+    leaves = jax.tree_util.tree_leaves_with_path(models["arrays"][0].params["layers"].groups[seg])
+    want = {"x".join(map(str, w.shape)) for path, w in leaves
+            if path[-1].key in layer_of.DENSE_LINEARS and "experts" not in str(path)}
+    got = {k.operands[2].rsplit("x", 1)[0] for k in _lowered_decode_kernels(models["arrays"][0])
+           if k.name == "layer_matmul"}
+    assert got == want, (got, want)

@@ -15,6 +15,13 @@ place, 5.69 ms with these too, docs/benchmarks/scan_in_place/). They arrive as `
 to every consumer (its shape, dequantization and indexing are the layer's), whose `values` and `scales` are the
 stacks with the layer beside them; the FP8 matmul kernel reads the layer in place (`runtime/kernels.fp8_linear`),
 and a dequantization slices first, which XLA fuses into the dot's operand as it did before.
+
+The unquantized (bf16 / f32) dense linears had it too, on the GPU: XLA's Triton GEMM fusion takes no dynamic slice
+as an operand, so each scanned layer's dense weights were copied out of their stacks before every GEMM
+(`flash_slice(12)` decode: 40 copy fusions, 579 MB per loop iteration of two layers; in the published format
+still `wo_a`, 64 MB a Flash layer). When the step installs a kernel for them (`linear.layer_matmul`: the Pallas
+dispatcher does), they arrive as `DenseLayerOf`s and the layer matmul kernel reads the stack in place for the
+decode-sized row counts it serves; bigger products, and every other consumer, take the slice (`get()`).
 """
 
 from __future__ import annotations
@@ -53,6 +60,29 @@ class LayerOf:
         experts = jax.tree.leaves(self.stacked)[0].shape[1]
         merge = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
         return jax.tree.map(merge, self.stacked), self.index * experts
+
+
+class DenseLayerOf(LayerOf):
+    """Layer `index` of a stacked bf16 / f32 dense weight ([layers, in, out], or [layers, groups, in, out] for
+    attention's grouped wo_a): what a scanned body's linears get when a layer matmul is installed."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stacked.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return self.stacked.ndim - 1
+
+    @property
+    def dtype(self) -> Any:
+        return self.stacked.dtype
+
+
+# The unquantized dense linears (`linear.linear` / `linear_f32` / `grouped_f32` consume them; layers/params.py
+# names them) that a scanned body reads in place when the step installs a layer matmul: attention's projections,
+# the compressors' and the indexer's, the router and the shared expert.
+DENSE_LINEARS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj", "gate", "w1", "w2", "w3"})
 
 
 def resolve(tree: Any) -> Any:
@@ -100,15 +130,28 @@ def _under_experts(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[:len(STACKED_SUBTREE)]) == STACKED_SUBTREE
 
 
-def reads_in_place(path, w: Any) -> bool:
+def _dense_linear(path, w: Any) -> bool:
+    name = getattr(path[-1], "key", None) if path else None
+    return (name in DENSE_LINEARS and not is_quantized(w) and jnp.issubdtype(w.dtype, jnp.floating)
+            and w.ndim >= 3)
+
+
+def reads_in_place(path, w: Any, *, dense: bool = False) -> bool:
     """Whether a scanned body reads the stacked leaf `w` (at `path` in a layer's params) in its stack: the routed
-    experts (under `STACKED_SUBTREE`), and the FP8 dense weights (2-D a layer, so [layers, in, out] stacked), whose
-    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization)."""
-    return _under_experts(path) or (is_quantized(w) and w.format is Format.FP8 and len(w.values.shape) == 3)
+    experts (under `STACKED_SUBTREE`), the FP8 dense weights (2-D a layer, so [layers, in, out] stacked), whose
+    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization), and with `dense` (a layer
+    matmul is installed) the unquantized dense linears."""
+    if _under_experts(path):
+        return True
+    if is_quantized(w):
+        return w.format is Format.FP8 and len(w.values.shape) == 3
+    return dense and _dense_linear(path, w)
 
 
 def in_place(path, w: Any, layer: jax.Array) -> LayerOf | QuantizedLayerOf:
     """Layer `layer` of the stacked leaf `w` (one `reads_in_place` keeps) as the scanned body gets it."""
     if _under_experts(path):
         return LayerOf(w, layer)
-    return QuantizedLayerOf(w.values, w.scales, w.format, w.block, layer)
+    if is_quantized(w):
+        return QuantizedLayerOf(w.values, w.scales, w.format, w.block, layer)
+    return DenseLayerOf(w, layer)

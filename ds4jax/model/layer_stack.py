@@ -24,7 +24,8 @@ finds its rows through `LayerAt.rank`, which is affine in the scan index (stage-
 
 A scanned body gets its routed experts and its FP8 dense weights whole, as `LayerOf`s / `QuantizedLayerOf`s (the
 stack and its layer index: `layer_of.py`), not as slices: a Pallas kernel receives a slice as a copy, which was a
-layer's whole expert set every step.
+layer's whole expert set every step. Under the Pallas kernels its unquantized dense linears too (`DenseLayerOf`:
+XLA's GPU GEMMs copied their slices).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.model.layer_of import in_place, reads_in_place
+from ds4jax.model.layers import linear
 from ds4jax.model.quantized import is_quantized
 
 LayerKind = tuple[AttentionType, MlpType]
@@ -331,7 +333,8 @@ def _is_slot(x: Any) -> bool:
 
 def _split_in_place(p: Any) -> tuple[Any, Any]:
     """(the member's leaves read in place, None elsewhere; the rest, None where those are): one tree shape."""
-    kept = lambda path, w: w is not None and reads_in_place(path, w)  # noqa: E731
+    dense = linear.layer_matmul_installed()
+    kept = lambda path, w: w is not None and reads_in_place(path, w, dense=dense)  # noqa: E731
     return (jax.tree_util.tree_map_with_path(lambda path, w: w if kept(path, w) else None, p, is_leaf=_is_slot),
             jax.tree_util.tree_map_with_path(lambda path, w: None if kept(path, w) else w, p, is_leaf=_is_slot))
 

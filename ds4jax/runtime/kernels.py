@@ -26,7 +26,7 @@ import os
 import jax
 
 from ds4jax.model import sharding
-from ds4jax.model.layer_of import QuantizedLayerOf
+from ds4jax.model.layer_of import DenseLayerOf, QuantizedLayerOf
 from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
@@ -156,14 +156,30 @@ def fp8_linear(x, w, *, impl: Impl):
         block_sizes=pallas_kernels.Fp8MatmulBlockSizes.get_default(x.dtype, x.shape[0], arch=kernel_arch(impl)))
 
 
+def layer_linear(x, w: DenseLayerOf, *, impl: Impl):
+    """x [m, in] (or [g, m, in]) @ layer `w.index` of a scanned layer's stacked bf16 / f32 weight -> f32: the layer
+    matmul kernel reading the stack in place, or (partitioned over an automatic mesh axis, as in `fp8_linear`)
+    the reference on the layer's slice."""
+    import pallas_kernels
+    act = sharding.active()
+    if act is not None and any(act.sizes[a] > 1 for a in act.auto):
+        return pallas_kernels.layer_matmul_reference(x, w.stacked, w.index)
+    return pallas_kernels.layer_matmul(
+        x, w.stacked, w.index, interpret=impl is Impl.PALLAS_INTERPRET,
+        block_sizes=pallas_kernels.Fp8MatmulBlockSizes.get_default(x.dtype, x.shape[-2], arch=kernel_arch(impl)))
+
+
 @contextlib.contextmanager
 def dense_linears(impl: Impl):
-    """Trace a step's FP8 dense linears with `impl` (`linear.fp8_matmul`): the Pallas kernel under PALLAS /
-    PALLAS_INTERPRET; under REFERENCE nothing is installed (dequantize next to the dot, as always)."""
+    """Trace a step's dense linears with `impl`: under PALLAS / PALLAS_INTERPRET the FP8 ones through the FP8
+    matmul kernel (`linear.fp8_matmul`) and a scanned layer's bf16 / f32 ones read in their stacks by the layer
+    matmul kernel (`linear.layer_matmul`); under REFERENCE nothing is installed (dequantize next to the dot, and
+    slice a scanned layer's weights out of their stacks, as always)."""
     if impl is Impl.REFERENCE:
         yield
         return
-    with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)):
+    with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)), \
+            linear.layer_matmul(functools.partial(layer_linear, impl=impl)):
         yield
 
 

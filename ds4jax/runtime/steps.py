@@ -192,8 +192,10 @@ def step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spe
 
 def _step(params, pool: KVPool, batch: StepBatch, streams_in, *, cfg: Config, spec: PoolSpec, role: Role,
           logits: Logits, kernels: Impl = Impl.REFERENCE):
-    # the FP8 dense linears by `kernels` too (a trace-time choice); the scope names the whole step in profiles
-    # (its geometry and head as well as its layers: scripts/spec_anatomy.py groups kernels by it)
+    # the dense linears by `kernels` too (a trace-time choice); the scope names the whole step in profiles
+    # (its geometry and head as well as its layers: scripts/spec_anatomy.py groups kernels by it). None = this
+    # backend's default (it installed the GPU kernels on the CPU when passed on unresolved)
+    kernels = resolve(kernels)
     with dense_linears(kernels), jax.named_scope(f"{role.value}_step"):
         return _layers_and_logits(params, pool, batch, streams_in, cfg=cfg, spec=spec, role=role, logits=logits,
                                   kernels=kernels)

@@ -69,7 +69,7 @@ def output_projection(o: jax.Array, positions: jax.Array, p: dict, cfg: Config, 
     b, t = o.shape[:2]
     # heads of group k are contiguous; group-major layout ("gni,gio") is a batched matmul every backend supports
     grouped = o.reshape(b * t, cfg.o_groups, -1).transpose(1, 0, 2)
-    z = grouped_f32(grouped, p["wo_a"].astype(o.dtype))
+    z = grouped_f32(grouped, p["wo_a"])
     return linear(numerics.round_act(z.astype(o.dtype).transpose(1, 0, 2).reshape(b, t, -1), cfg), p["wo_b"])
 
 

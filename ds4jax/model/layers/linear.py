@@ -4,7 +4,12 @@ cast to the activation dtype.
 An FP8 weight is dequantized next to the dot (XLA fuses the convert and the block-scale multiply into the dot's
 operand), unless the step being traced installed a matmul for FP8 weights (`fp8_matmul`: the kernel dispatcher
 does for the Pallas kernels, `ds4jax.runtime.kernels.dense_linears`), which then reads the FP8 bytes itself.
-The choice is made while tracing: each compiles its own program."""
+The choice is made while tracing: each compiles its own program.
+
+A scanned layer's unquantized dense weights arrive as `DenseLayerOf`s (the stack and the layer: layer_of.py) when
+the step installed a layer matmul (`layer_matmul`, the Pallas dispatcher does): up to `IN_PLACE_ROWS` rows it reads
+the layer in its stack; bigger products take the layer's slice (XLA's copy of it costs little beside their FLOPs).
+"""
 
 import contextlib
 import contextvars
@@ -13,10 +18,16 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ds4jax.model.layer_of import DenseLayerOf
 from ds4jax.model.quantized import Format, dense, is_quantized
 
 # fn(x [m, in], w: FP8 QuantizedWeight [in, out]) -> [m, out] f32, or None: dequantize next to the dot
 _FP8_MATMUL = contextvars.ContextVar("ds4jax_fp8_matmul", default=None)
+# fn(x [m, in] or [g, m, in], w: DenseLayerOf) -> [m, out] / [g, m, out] f32, or None: slice the layer out
+_LAYER_MATMUL = contextvars.ContextVar("ds4jax_layer_matmul", default=None)
+# Rows up to which a `DenseLayerOf` is read in place: decode and verify steps (8 rows x 4 tokens at k = 3 is 32);
+# a prefill chunk's GEMM is compute-bound, and XLA's own GEMM on the sliced copy serves it.
+IN_PLACE_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -29,7 +40,33 @@ def fp8_matmul(fn):
         _FP8_MATMUL.reset(token)
 
 
+@contextlib.contextmanager
+def layer_matmul(fn):
+    """While tracing inside this context, scanned layers keep their dense weights in their stacks (`DenseLayerOf`)
+    and linears of up to `IN_PLACE_ROWS` rows call `fn(x, w)` on them."""
+    token = _LAYER_MATMUL.set(fn)
+    try:
+        yield
+    finally:
+        _LAYER_MATMUL.reset(token)
+
+
+def layer_matmul_installed() -> bool:
+    return _LAYER_MATMUL.get() is not None
+
+
+def _in_place(x: jax.Array, w: DenseLayerOf, rows: int):
+    """fn(x, w) when installed and `rows` is small enough, else None (the caller slices the layer out)."""
+    fn = _LAYER_MATMUL.get()
+    return fn(x, w) if fn is not None and rows <= IN_PLACE_ROWS else None
+
+
 def _project(x: jax.Array, w, precision=None) -> jax.Array:
+    if isinstance(w, DenseLayerOf):
+        y = _in_place(x.reshape(-1, x.shape[-1]), w, math.prod(x.shape[:-1]))
+        if y is not None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        w = w.get()
     fn = _FP8_MATMUL.get()
     if fn is not None and is_quantized(w) and w.format is Format.FP8 and w.ndim == 2:
         y = fn(x.reshape(-1, x.shape[-1]), w)
@@ -60,11 +97,18 @@ def _one_row(x: jax.Array, w, precision=None) -> jax.Array:
     return y[:1].reshape(*x.shape[:-1], y.shape[-1])
 
 
-def grouped_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [g, n, i] @ w [g, i, o] -> [g, n, o] float32 (a batched matmul every backend supports); one row (n = 1)
-    goes through two, as in `_one_row` (attention's wo_a at decode batch 1 was a multiply + reduce kernel reading
-    its 67 MB at ~30 % of the bandwidth, every layer)."""
+def grouped_f32(x: jax.Array, w) -> jax.Array:
+    """x [g, n, i] @ w [g, i, o] (cast to x's dtype) -> [g, n, o] float32 (a batched matmul every backend
+    supports); one row (n = 1) goes through two, as in `_one_row` (attention's wo_a at decode batch 1 was a
+    multiply + reduce kernel reading its 67 MB at ~30 % of the bandwidth, every layer). A `DenseLayerOf` w: the
+    layer matmul reads it in its stack (see `layer_matmul`), or its layer is sliced out."""
     rows = x.shape[1]
+    if isinstance(w, DenseLayerOf):
+        y = _in_place(x, w, rows)
+        if y is not None:
+            return y
+        w = w.get()
+    w = w.astype(x.dtype)
     x = jnp.pad(x, ((0, 0), (0, 1), (0, 0))) if rows == 1 else x
     return jnp.einsum("gni,gio->gno", x, w, preferred_element_type=jnp.float32)[:, :rows]
 
