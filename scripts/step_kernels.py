@@ -50,6 +50,27 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations|true_computation|false_computation)=\{?"
                     r"%?([\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_DYNAMIC_SLICE = re.compile(r"calls=%?[\w.\-]*dynamic[_\-]slice")
+
+
+def _bytes(dtype: str, dims: str) -> int:
+    width = 1 if dtype == "pred" or dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 8) // 8
+    count = 1
+    for d in filter(None, dims.split(",")):
+        count *= int(d)
+    return count * width
+
+
+def sliced_bytes(opcode: str, type_text: str, line: str) -> int:
+    """Bytes a dynamic-slice fusion writes (its result: a slice copied into a buffer of its own, e.g. a scanned
+    layer's weight cut out of its stack), else 0. An async `fusion-start`'s type is ((operands), result, context)."""
+    if opcode not in ("fusion", "fusion-start") or not _DYNAMIC_SLICE.search(line):
+        return 0
+    arrays = _ARRAY.findall(type_text)
+    if opcode == "fusion-start":
+        arrays = arrays[-2:-1]
+    return sum(_bytes(*a) for a in arrays)
 
 
 def parse(text: str) -> dict:
@@ -154,12 +175,14 @@ def launches(text: str, depth: int = 2) -> dict:
     chain = frames(text)
     per_comp, by_scope, by_kind, by_source = {}, collections.Counter(), collections.Counter(), collections.Counter()
     by_layer = collections.Counter()
-    total = unknown = 0
+    total = unknown = sliced = 0
     for name, mult in runs.items():
         items = []
         for iname, opcode, line in comps[name]["instrs"]:
             if opcode in FREE_OPCODES:
                 continue
+            typed = _INSTR.match(line)
+            sliced += sliced_bytes(opcode, typed.group(3) if typed else "", line) * (mult or 1)
             m = _OP_NAME.search(line)
             where = scope(m.group(1), depth) if m else "(no metadata)"
             kind = opcode if opcode != "fusion" else "fusion:" + (re.search(r"kind=(\w+)", line) or ["", "?"])[1]
@@ -180,7 +203,8 @@ def launches(text: str, depth: int = 2) -> dict:
             unknown += len(items)
         else:
             total += len(items) * mult
-    return {"per_step": total, "in_loops_of_unknown_trip": unknown, "by_scope": dict(by_scope.most_common()),
+    return {"per_step": total, "in_loops_of_unknown_trip": unknown, "dynamic_slice_bytes_per_step": sliced,
+            "by_scope": dict(by_scope.most_common()),
             "by_kind": dict(by_kind.most_common()), "by_source": dict(by_source.most_common()),
             "by_layer": dict(sorted(by_layer.items())), "computations": per_comp}
 
@@ -247,6 +271,8 @@ def render(res: dict, title: str) -> str:
     lines = [f"# Kernel launches per step: {title}", "",
              f"**{res['per_step']}** launches per step (static count from the optimized HLO: loop bodies times their "
              f"trip count{f'; {unknown} in loops of unknown trip count' if unknown else ''}).",
+             "", f"Dynamic-slice fusions write {res.get('dynamic_slice_bytes_per_step', 0) / 1e6:,.1f} MB a step "
+             f"(slices copied into buffers of their own, e.g. a scanned layer's weights cut out of their stacks).",
              "", "| layer (scope; a scanned body counts once per layer it runs) | launches per step |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in res["by_layer"].items()]
     lines += ["", "| scope | launches per step |", "|---|---|"]
@@ -275,6 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=None, help="reference | pallas (default: the backend's)")
     ap.add_argument("--depth", type=int, default=2, help="scope parts kept from the layer scope on")
     ap.add_argument("--hlo", default=None, help="read this optimized HLO text instead of compiling")
+    ap.add_argument("--title", default=None, help="with --hlo: the title to write (default: the file's name)")
     ap.add_argument("--deviceless", default=None, choices=("sm90",),
                     help="compile for this GPU on a host without one (the CUDA plugin's compile-only topology)")
     args = ap.parse_args(argv)
@@ -282,7 +309,7 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, f"{args.program}_r{args.rows}")
     if args.hlo:
         text = open(args.hlo).read()
-        title = os.path.basename(args.hlo)
+        title = args.title or os.path.basename(args.hlo)
     else:
         import jax
 
@@ -297,7 +324,8 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(render(res, title))
-    print(f"{title}: {res['per_step']} launches per step -> {stem}.md")
+    print(f"{title}: {res['per_step']} launches per step, {res['dynamic_slice_bytes_per_step'] / 1e6:,.1f} MB "
+          f"written by dynamic-slice fusions -> {stem}.md")
     for k, v in list(res["by_source"].items())[:40]:
         print(f"  {v:5d}  {k}")
     return 0

@@ -76,3 +76,18 @@ def test_each_launch_is_named_by_layer_scope_and_innermost_ds4jax_frame():
     # frame 2 is jax's einsum called from linear._one_row: the ds4jax frame names the launch
     assert res["by_source"]["ds4jax/model/layers/linear.py:_one_row:53"] == 3
     assert res["by_source"]["(no stack frame)"] == 2 + 3 + 3  # the entry's two, f2 and the loop's compare 3 times
+
+
+def test_dynamic_slice_copies_are_weighed_by_their_results_and_trips():
+    """A scanned layer's weight cut out of its stack (an async dynamic-slice fusion in the loop body) writes its
+    result each trip: [2, 8] bf16 = 32 bytes x 3 trips; the operand stack and the async context are not counted,
+    nor are other fusions."""
+    start = ('  %ds = ((bf16[5,2,8]{2,1,0}, s32[]), bf16[2,8]{1,0}, u32[]) fusion-start(%x, %i), kind=kLoop, '
+             'calls=%fused_dynamic_slice.3.clone\n  %dd = bf16[2,8]{1,0} fusion-done(%ds)\n')
+    root = "  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %f2)"
+    body = HLO.replace(root, start + root)
+    assert step_kernels.launches(HLO)["dynamic_slice_bytes_per_step"] == 0
+    assert step_kernels.launches(body)["dynamic_slice_bytes_per_step"] == 2 * 8 * 2 * 3
+    sync = HLO.replace("calls=%fused_computation, metadata={op_name=\"jit(step)/target/embed",
+                       "calls=%fused_dynamic_slice, metadata={op_name=\"jit(step)/target/embed")
+    assert step_kernels.launches(sync)["dynamic_slice_bytes_per_step"] == 4 * 4  # f32[4] once, in the entry
