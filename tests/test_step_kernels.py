@@ -88,6 +88,8 @@ def test_dynamic_slice_copies_are_weighed_by_their_results_and_trips():
     body = HLO.replace(root, start + root)
     assert step_kernels.launches(HLO)["dynamic_slice_bytes_per_step"] == 0
     assert step_kernels.launches(body)["dynamic_slice_bytes_per_step"] == 2 * 8 * 2 * 3
+    # the async pair launches one kernel (its start) each trip
+    assert step_kernels.launches(body)["per_step"] == step_kernels.launches(HLO)["per_step"] + 3
     sync = HLO.replace("calls=%fused_computation, metadata={op_name=\"jit(step)/target/embed",
                        "calls=%fused_dynamic_slice, metadata={op_name=\"jit(step)/target/embed")
     assert step_kernels.launches(sync)["dynamic_slice_bytes_per_step"] == 4 * 4  # f32[4] once, in the entry
