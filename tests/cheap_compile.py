@@ -31,7 +31,8 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 # XLA aborts the process on a flag it does not know, before pytest can print a line: jaxlib 0.11's XLA dropped
 # the loop-emitter switch (the fusion emitters are its only path), so the H200 image's pytest died at start-up
 FLAGS = ("--xla_backend_optimization_level=0",
-         *(("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ()),
+         *(("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_use_thunk_runtime=false") if _jaxlib_before(0, 11)
+           else ()),
          "--xla_llvm_disable_expensive_passes=true",
          "--xla_cpu_parallel_codegen_split_count=1")
 

@@ -58,10 +58,20 @@ def _steps(model, spec, prefill: bool, impl=kernels.Impl.PALLAS_INTERPRET) -> li
     return out + [np.asarray(dec.logits)]
 
 
+@pytest.fixture
+def dense_in_place(monkeypatch):
+    """Scanned layers read every dense linear in place, however small (this model's are below the library's
+    threshold, `layer_of.DENSE_IN_PLACE_MIN_BYTES`). Read at trace time: the steps below trace their own programs
+    (no other test traces this config's scanned model with the threshold at its default)."""
+    monkeypatch.setattr(layer_of, "DENSE_IN_PLACE_MIN_BYTES", 0)
+
+
 @pytest.mark.parametrize("weights", ["arrays", "fp4"])
-def test_scanned_experts_in_place_equal_unrolled(models, weights):
-    """Arrays: a decode step (the grouped matmul's tiles). FP4: a prefill (48 selections: the FP4 tile kernel), then
-    a decode step (4 selections: the GEMV)."""
+def test_scanned_experts_in_place_equal_unrolled(models, weights, request):
+    """Arrays: a decode step (the grouped matmul's tiles), the dense linears through the layer matmul. FP4: a
+    prefill (48 selections: the FP4 tile kernel), then a decode step (4 selections: the GEMV)."""
+    if weights == "arrays":
+        request.getfixturevalue("dense_in_place")
     scanned, unrolled = models[weights]
     spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
     got, want = (_steps(m, spec, prefill=weights == "fp4") for m in (scanned, unrolled))
@@ -115,12 +125,13 @@ def test_fp8_linears_take_the_stacks(models):
     assert all(int(k.operands[1].split("x")[0]) == REPEATS and len(k.operands) == 4 for k in stacked)
 
 
-def test_dense_linears_take_the_stacks(models):
+def test_dense_linears_take_the_stacks(models, dense_in_place):
     """The same lowering with bf16-style weights: every dense linear of a scanned layer (attention's, wo_a's groups,
     the compressors', the indexer's, the router and the shared expert) reads its weight in the stack through the
     layer matmul ([REPEATS, in, out], or [REPEATS, groups, in, out] for wo_a, beside the layer index); in the
     published format (FP8 dense) what stays unquantized (wo_a, the router, ...). Before, XLA copied each slice
-    out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/)."""
+    out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/). This model's weights are below
+    the library's size threshold: the fixture lowers it."""
     for weights in ("arrays", "fp4"):
         matmuls = [k for k in _lowered_decode_kernels(models[weights][0]) if k.name == "layer_matmul"]
         stacks = [k.operands[2].split("x") for k in matmuls]  # operands: layer, x, stack
@@ -134,3 +145,9 @@ def test_dense_linears_take_the_stacks(models):
     got = {k.operands[2].rsplit("x", 1)[0] for k in _lowered_decode_kernels(models["arrays"][0])
            if k.name == "layer_matmul"}
     assert got == want, (got, want)
+
+
+def test_small_dense_linears_stay_slices(models):
+    """At the library's threshold (1 MiB a layer) this model's dense weights stay slices: no layer matmul."""
+    assert layer_of.DENSE_IN_PLACE_MIN_BYTES == 1 << 20
+    assert not [k for k in _lowered_decode_kernels(models["arrays"][0]) if k.name == "layer_matmul"]

@@ -83,6 +83,11 @@ class DenseLayerOf(LayerOf):
 # names them) that a scanned body reads in place when the step installs a layer matmul: attention's projections,
 # the compressors' and the indexer's, the router and the shared expert.
 DENSE_LINEARS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj", "gate", "w1", "w2", "w3"})
+# A layer's weight smaller than this stays a slice: copying it costs less than a launch (1 MiB is ~0.5 us at
+# H200 bandwidth), and XLA can still merge its GEMM with its siblings'. Every Flash linear but the indexer's head
+# weights (0.5 MiB) is larger; a test model's are all smaller, so its tests lower the threshold to take the path
+# (interpreted Pallas calls are slow to compile on the CPU).
+DENSE_IN_PLACE_MIN_BYTES = 1 << 20
 
 
 def resolve(tree: Any) -> Any:
@@ -133,7 +138,7 @@ def _under_experts(path) -> bool:
 def _dense_linear(path, w: Any) -> bool:
     name = getattr(path[-1], "key", None) if path else None
     return (name in DENSE_LINEARS and not is_quantized(w) and jnp.issubdtype(w.dtype, jnp.floating)
-            and w.ndim >= 3)
+            and w.ndim >= 3 and w.nbytes // w.shape[0] >= DENSE_IN_PLACE_MIN_BYTES)
 
 
 def reads_in_place(path, w: Any, *, dense: bool = False) -> bool:
