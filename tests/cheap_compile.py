@@ -8,6 +8,8 @@ Measured on the 2-core CI machine (backend compile seconds of one default-model 
 the level-0 flag alone): `--xla_cpu_use_fusion_emitters=false` -> 11.1 s (XLA:CPU's MLIR fusion emitters cost more
 to build than the loop emitters they replace); `--xla_llvm_disable_expensive_passes=true` changes nothing at
 level 0 but keeps the notebooks' earlier setting (scripts/notebook_tools.py).
+`--xla_cpu_use_thunk_runtime=false` is a no-op in jaxlib 0.10.2 (XLA warns it is no longer supported; session 29
+timed it at -11 % on two files and +12 % on the suite: this machine's noise).
 `--xla_cpu_parallel_codegen_split_count=1`: XLA:CPU splits each program's LLVM module into up to 32 parts compiled
 on threads; on the 2-core machine, with two pytest workers already using both cores, the split only adds work.
 One part: the default model's engine warm-up (k = 2, one row bucket, 4 programs, `DS4JAX_COMPILE_THREADS=1`)
@@ -31,8 +33,7 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 # XLA aborts the process on a flag it does not know, before pytest can print a line: jaxlib 0.11's XLA dropped
 # the loop-emitter switch (the fusion emitters are its only path), so the H200 image's pytest died at start-up
 FLAGS = ("--xla_backend_optimization_level=0",
-         *(("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_use_thunk_runtime=false") if _jaxlib_before(0, 11)
-           else ()),
+         *(("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ()),
          "--xla_llvm_disable_expensive_passes=true",
          "--xla_cpu_parallel_codegen_split_count=1")
 
