@@ -60,10 +60,13 @@ def _steps(model, spec, prefill: bool, impl=kernels.Impl.PALLAS_INTERPRET) -> li
 
 @pytest.fixture
 def dense_in_place(monkeypatch):
-    """Scanned layers read every dense linear in place, however small (this model's are below the library's
-    threshold, `layer_of.DENSE_IN_PLACE_MIN_BYTES`). Read at trace time: the steps below trace their own programs
-    (no other test traces this config's scanned model with the threshold at its default)."""
-    monkeypatch.setattr(layer_of, "DENSE_IN_PLACE_MIN_BYTES", 0)
+    """Interpreted, scanned layers read every dense linear in place, however small (this model's are below the
+    interpreter's threshold, `kernels.INTERPRET_IN_PLACE_MIN_BYTES`). Read at trace time, so the jitted steps'
+    caches are cleared on both sides (a program traced at the other threshold would be reused)."""
+    jax.clear_caches()
+    monkeypatch.setattr(kernels, "INTERPRET_IN_PLACE_MIN_BYTES", 0)
+    yield
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("weights", ["arrays", "fp4"])
@@ -125,13 +128,13 @@ def test_fp8_linears_take_the_stacks(models):
     assert all(int(k.operands[1].split("x")[0]) == REPEATS and len(k.operands) == 4 for k in stacked)
 
 
-def test_dense_linears_take_the_stacks(models, dense_in_place):
+def test_dense_linears_take_the_stacks(models):
     """The same lowering with bf16-style weights: every dense linear of a scanned layer (attention's, wo_a's groups,
     the compressors', the indexer's, the router and the shared expert) reads its weight in the stack through the
     layer matmul ([REPEATS, in, out], or [REPEATS, groups, in, out] for wo_a, beside the layer index); in the
     published format (FP8 dense) what stays unquantized (wo_a, the router, ...). Before, XLA copied each slice
-    out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/). This model's weights are below
-    the library's size threshold: the fixture lowers it."""
+    out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/). On a GPU however small they are
+    (each slice's copy was a launch of its own)."""
     for weights in ("arrays", "fp4"):
         matmuls = [k for k in _lowered_decode_kernels(models[weights][0]) if k.name == "layer_matmul"]
         stacks = [k.operands[2].split("x") for k in matmuls]  # operands: layer, x, stack
@@ -147,7 +150,21 @@ def test_dense_linears_take_the_stacks(models, dense_in_place):
     assert got == want, (got, want)
 
 
-def test_small_dense_linears_stay_slices(models):
-    """At the library's threshold (1 MiB a layer) this model's dense weights stay slices: no layer matmul."""
-    assert layer_of.DENSE_IN_PLACE_MIN_BYTES == 1 << 20
-    assert not [k for k in _lowered_decode_kernels(models["arrays"][0]) if k.name == "layer_matmul"]
+def test_interpreted_small_dense_linears_stay_slices(models):
+    """Interpreted (CPU), dense weights below 1 MiB a layer stay slices (the same math; each interpreted call is
+    slow to compile): this model's decode step traces no layer matmul, and with the threshold at 0 it does."""
+    assert kernels.INTERPRET_IN_PLACE_MIN_BYTES == 1 << 20
+    spec = PoolSpec.for_role(CFG, role=Role.TARGET, max_slots=2, max_context=64, page_size=16, dtype="float32")
+    batch = steps.StepBatch(*(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((2,), (2, 1), (2,))))
+
+    def names():
+        jax.clear_caches()  # the jitted step would reuse a trace made at the other threshold
+        jaxpr = jax.make_jaxpr(lambda p, pool, b: steps.decode(p, pool, b, cfg=CFG, spec=spec,
+                                                               kernels="pallas_interpret"))(
+            models["arrays"][0].params, pools.abstract(spec), batch)
+        return str(jaxpr).count("layer_matmul")
+
+    assert names() == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "INTERPRET_IN_PLACE_MIN_BYTES", 0)
+        assert names() > 0

@@ -83,11 +83,6 @@ class DenseLayerOf(LayerOf):
 # names them) that a scanned body reads in place when the step installs a layer matmul: attention's projections,
 # the compressors' and the indexer's, the router and the shared expert.
 DENSE_LINEARS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "weights_proj", "gate", "w1", "w2", "w3"})
-# A layer's weight smaller than this stays a slice: copying it costs less than a launch (1 MiB is ~0.5 us at
-# H200 bandwidth), and XLA can still merge its GEMM with its siblings'. Every Flash linear but the indexer's head
-# weights (0.5 MiB) is larger; a test model's are all smaller, so its tests lower the threshold to take the path
-# (interpreted Pallas calls are slow to compile on the CPU).
-DENSE_IN_PLACE_MIN_BYTES = 1 << 20
 
 
 def resolve(tree: Any) -> Any:
@@ -135,22 +130,22 @@ def _under_experts(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[:len(STACKED_SUBTREE)]) == STACKED_SUBTREE
 
 
-def _dense_linear(path, w: Any) -> bool:
+def _dense_linear(path, w: Any, min_bytes: int) -> bool:
     name = getattr(path[-1], "key", None) if path else None
     return (name in DENSE_LINEARS and not is_quantized(w) and jnp.issubdtype(w.dtype, jnp.floating)
-            and w.ndim >= 3 and w.nbytes // w.shape[0] >= DENSE_IN_PLACE_MIN_BYTES)
+            and w.ndim >= 3 and w.nbytes // w.shape[0] >= min_bytes)
 
 
-def reads_in_place(path, w: Any, *, dense: bool = False) -> bool:
+def reads_in_place(path, w: Any, *, dense_min_bytes: int | None = None) -> bool:
     """Whether a scanned body reads the stacked leaf `w` (at `path` in a layer's params) in its stack: the routed
     experts (under `STACKED_SUBTREE`), the FP8 dense weights (2-D a layer, so [layers, in, out] stacked), whose
-    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization), and with `dense` (a layer
-    matmul is installed) the unquantized dense linears."""
+    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization), and where a layer matmul is
+    installed (`dense_min_bytes` not None) the unquantized dense linears of at least that many bytes a layer."""
     if _under_experts(path):
         return True
     if is_quantized(w):
         return w.format is Format.FP8 and len(w.values.shape) == 3
-    return dense and _dense_linear(path, w)
+    return dense_min_bytes is not None and _dense_linear(path, w, dense_min_bytes)
 
 
 def in_place(path, w: Any, layer: jax.Array) -> LayerOf | QuantizedLayerOf:

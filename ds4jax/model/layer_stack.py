@@ -333,8 +333,8 @@ def _is_slot(x: Any) -> bool:
 
 def _split_in_place(p: Any) -> tuple[Any, Any]:
     """(the member's leaves read in place, None elsewhere; the rest, None where those are): one tree shape."""
-    dense = linear.layer_matmul_installed()
-    kept = lambda path, w: w is not None and reads_in_place(path, w, dense=dense)  # noqa: E731
+    dense = linear.layer_matmul_min_bytes()
+    kept = lambda path, w: w is not None and reads_in_place(path, w, dense_min_bytes=dense)  # noqa: E731
     return (jax.tree_util.tree_map_with_path(lambda path, w: w if kept(path, w) else None, p, is_leaf=_is_slot),
             jax.tree_util.tree_map_with_path(lambda path, w: None if kept(path, w) else w, p, is_leaf=_is_slot))
 

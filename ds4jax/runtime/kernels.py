@@ -169,6 +169,13 @@ def layer_linear(x, w: DenseLayerOf, *, impl: Impl):
         block_sizes=pallas_kernels.Fp8MatmulBlockSizes.get_default(x.dtype, x.shape[-2], arch=kernel_arch(impl)))
 
 
+# Interpreted (CPU), a scanned layer's dense weights below this many bytes a layer stay slices: the math is the
+# same either way, and every interpreted Pallas call is slow to compile, which test models (all of whose weights are
+# small) paid in every scanned test (the mesh worker's first group 45 -> 67 s). On a GPU every one is read in place:
+# a slice's copy is a launch of its own, which at decode costs more than the bytes it saves.
+INTERPRET_IN_PLACE_MIN_BYTES = 1 << 20
+
+
 @contextlib.contextmanager
 def dense_linears(impl: Impl):
     """Trace a step's dense linears with `impl`: under PALLAS / PALLAS_INTERPRET the FP8 ones through the FP8
@@ -179,7 +186,8 @@ def dense_linears(impl: Impl):
         yield
         return
     with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)), \
-            linear.layer_matmul(functools.partial(layer_linear, impl=impl)):
+            linear.layer_matmul(functools.partial(layer_linear, impl=impl),
+                                min_bytes=INTERPRET_IN_PLACE_MIN_BYTES if impl is Impl.PALLAS_INTERPRET else 0):
         yield
 
 

@@ -23,7 +23,8 @@ from ds4jax.model.quantized import Format, dense, is_quantized
 
 # fn(x [m, in], w: FP8 QuantizedWeight [in, out]) -> [m, out] f32, or None: dequantize next to the dot
 _FP8_MATMUL = contextvars.ContextVar("ds4jax_fp8_matmul", default=None)
-# fn(x [m, in] or [g, m, in], w: DenseLayerOf) -> [m, out] / [g, m, out] f32, or None: slice the layer out
+# (fn(x [m, in] or [g, m, in], w: DenseLayerOf) -> [m, out] / [g, m, out] f32, the smallest weight a layer it
+# takes in bytes), or None: slice the layer out
 _LAYER_MATMUL = contextvars.ContextVar("ds4jax_layer_matmul", default=None)
 # Rows up to which a `DenseLayerOf` is read in place: decode and verify steps (8 rows x 4 tokens at k = 3 is 32);
 # a prefill chunk's GEMM is compute-bound, and XLA's own GEMM on the sliced copy serves it.
@@ -41,24 +42,26 @@ def fp8_matmul(fn):
 
 
 @contextlib.contextmanager
-def layer_matmul(fn):
-    """While tracing inside this context, scanned layers keep their dense weights in their stacks (`DenseLayerOf`)
-    and linears of up to `IN_PLACE_ROWS` rows call `fn(x, w)` on them."""
-    token = _LAYER_MATMUL.set(fn)
+def layer_matmul(fn, min_bytes: int = 0):
+    """While tracing inside this context, scanned layers keep their dense weights of at least `min_bytes` a layer
+    in their stacks (`DenseLayerOf`) and linears of up to `IN_PLACE_ROWS` rows call `fn(x, w)` on them."""
+    token = _LAYER_MATMUL.set((fn, min_bytes))
     try:
         yield
     finally:
         _LAYER_MATMUL.reset(token)
 
 
-def layer_matmul_installed() -> bool:
-    return _LAYER_MATMUL.get() is not None
+def layer_matmul_min_bytes() -> int | None:
+    """The smallest weight a layer the installed layer matmul takes, or None when none is installed."""
+    installed = _LAYER_MATMUL.get()
+    return None if installed is None else installed[1]
 
 
 def _in_place(x: jax.Array, w: DenseLayerOf, rows: int):
     """fn(x, w) when installed and `rows` is small enough, else None (the caller slices the layer out)."""
-    fn = _LAYER_MATMUL.get()
-    return fn(x, w) if fn is not None and rows <= IN_PLACE_ROWS else None
+    installed = _LAYER_MATMUL.get()
+    return installed[0](x, w) if installed is not None and rows <= IN_PLACE_ROWS else None
 
 
 def _project(x: jax.Array, w, precision=None) -> jax.Array:
