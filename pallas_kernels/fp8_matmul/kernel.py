@@ -23,12 +23,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels._fp8 import kernel_operand, to_compute
-from pallas_kernels._util import cdiv, edge_bound
+from pallas_kernels._dense_tiles import split_k_program
+from pallas_kernels._util import cdiv
 from pallas_kernels.fp8_matmul.blocks import BlockSizes, tiles
 from pallas_kernels.fp8_matmul.validate import validate_fp8_matmul_static
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
@@ -36,26 +36,15 @@ from pallas_kernels.grouped_matmul.tiles import sum_splits
 
 
 def _kernel(x_ref, v_ref, s_ref, layer_ref, o_ref, *, block, tile_m, block_k, block_n, steps, precision):
-    m, k = x_ref.shape
-    n = v_ref.shape[-1]
     lead = () if layer_ref is None else (layer_ref[0],)  # a stacked weight: the layer, a leading index of the loads
-    m0 = pl.program_id(0) * tile_m
-    n0 = pl.program_id(1) * block_n
-    k_base = pl.program_id(2) * (steps * block_k)
-    dtype = x_ref.dtype
-    m_edge, k_edge, n_edge = edge_bound(m, tile_m), edge_bound(k, block_k), edge_bound(n, block_n)
 
-    def body(i, acc):
-        k0 = pl.multiple_of(k_base + i * block_k, block_k)
-        xk = _backend.load_tile(x_ref, (m0, k0), (tile_m, block_k), (m_edge, k_edge))
+    def load_weight(k0, n0, k_edge, n_edge):
         v = _backend.load_tile(v_ref, (k0, n0), (block_k, block_n), (k_edge, n_edge), lead=lead)
         scale = s_ref[(*lead, k0 // block[0], n0 // block[1])]
-        w = (to_compute(v, jnp.float32) * scale).astype(dtype)  # = the reference's dequantized tile, exactly
-        return acc + lax.dot(xk, w, precision=precision, preferred_element_type=jnp.float32)
+        return (to_compute(v, jnp.float32) * scale).astype(x_ref.dtype)  # = the reference's dequantized tile
 
-    # a static trip count: Triton software-pipelines the weight loads
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((tile_m, block_n), jnp.float32))
-    _backend.store_tile(o_ref, (m0, n0), acc, (m_edge, n_edge))
+    split_k_program(x_ref, o_ref, load_weight, n=v_ref.shape[-1], tile_m=tile_m, block_k=block_k,
+                    block_n=block_n, steps=steps, precision=precision)
 
 
 def _kernel_refs(*refs, stacked: bool, **kw):

@@ -23,11 +23,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
-from pallas_kernels._util import cdiv, edge_bound
+from pallas_kernels._dense_tiles import split_k_program
+from pallas_kernels._util import cdiv
 from pallas_kernels.fp8_matmul.blocks import BlockSizes, tiles
 from pallas_kernels.grouped_matmul.blocks import choose_k_splits
 from pallas_kernels.grouped_matmul.tiles import sum_splits
@@ -38,23 +38,13 @@ _UNBLOCKED = (1 << 30, 1 << 30)  # no scale blocks: any power-of-two tile fits (
 
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, grouped, tile_m, block_k, block_n, steps, precision):
     group = (pl.program_id(3),) if grouped else ()
-    m, k = x_ref.shape[-2:]
-    n = w_ref.shape[-1]
-    m0 = pl.program_id(0) * tile_m
-    n0 = pl.program_id(1) * block_n
-    k_base = pl.program_id(2) * (steps * block_k)
-    dtype = x_ref.dtype
-    m_edge, k_edge, n_edge = edge_bound(m, tile_m), edge_bound(k, block_k), edge_bound(n, block_n)
 
-    def body(i, acc):
-        k0 = pl.multiple_of(k_base + i * block_k, block_k)
-        xk = _backend.load_tile(x_ref, (m0, k0), (tile_m, block_k), (m_edge, k_edge), lead=group)
+    def load_weight(k0, n0, k_edge, n_edge):
         w = _backend.load_tile(w_ref, (k0, n0), (block_k, block_n), (k_edge, n_edge), lead=(layer_ref[0], *group))
-        return acc + lax.dot(xk, w.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
+        return w.astype(x_ref.dtype)
 
-    # a static trip count: Triton software-pipelines the weight loads
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((tile_m, block_n), jnp.float32))
-    _backend.store_tile(o_ref, (m0, n0), acc, (m_edge, n_edge))
+    split_k_program(x_ref, o_ref, load_weight, n=w_ref.shape[-1], tile_m=tile_m, block_k=block_k, block_n=block_n,
+                    steps=steps, precision=precision, x_lead=group)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
