@@ -20,6 +20,8 @@ from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_reference
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """x [m, k] (or [groups, m, k]) times layer `layer` of a `layers`-deep stack of [k, n] weights."""
+
     name: str
     m: int
     k: int
