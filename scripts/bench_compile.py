@@ -113,6 +113,10 @@ def abstract_inputs(cfg, layout: str, program: str, args):
     spec = PoolSpec.for_role(cfg, role=Role.TARGET, max_slots=args.rows, max_context=args.max_context,
                              draft_tokens=k)
     params = P.abstract(cfg, jnp.dtype(args.dtype))
+    if getattr(args, "weights", "bf16") == "published":  # FP8 dense + FP4 experts, as the checkpoint stores them
+        from ds4jax.model.quantize import abstract_quantized
+
+        params = abstract_quantized(cfg, params)
     ranges = stage_ranges(cfg, args)
     if layout == "scanned":  # the layout `Model` keeps by default: leaves stacked per segment member (by stage)
         params = {**params, "layers": layer_stack.stack(

@@ -299,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="flash_slice(n)")
     ap.add_argument("--config", default="flash_slice", choices=("flash_slice", "tiny"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "published"),
+                    help="published: FP8 dense + FP4 experts as the checkpoint stores them (abstract, stacked)")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kernels", default=None, help="reference | pallas (default: the backend's)")
     ap.add_argument("--depth", type=int, default=2, help="scope parts kept from the layer scope on")
@@ -319,7 +321,9 @@ def main(argv=None) -> int:
         with open(stem + ".hlo.txt", "w") as f:
             f.write(text)
         device = f"deviceless {args.deviceless}" if args.deviceless else jax.devices()[0].device_kind
-        title = f"{args.config}({args.layers}) {args.program}, {args.rows} row(s), {device}, jax {jax.__version__}"
+        weights = ", FP8 + FP4 weights" if args.weights == "published" else ""
+        title = (f"{args.config}({args.layers}){weights} {args.program}, {args.rows} row(s), {device}, "
+                 f"jax {jax.__version__}")
     res = launches(text, args.depth)
     res["title"] = title
     with open(stem + ".json", "w") as f:
