@@ -96,6 +96,20 @@ def test_scanned_equals_unrolled_on_the_gpu(models):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def lowered(models):
+    """weights -> the Triton kernels of that scanned model's decode step lowered for an H200, each lowered once
+    for the tests below (the GPU policy reads every dense linear in place: no threshold to patch)."""
+    done = {}
+
+    def kernels_of(weights: str):
+        if weights not in done:
+            done[weights] = _lowered_decode_kernels(models[weights][0])
+        return done[weights]
+
+    return kernels_of
+
+
 def _lowered_decode_kernels(model):
     """The Triton kernels of `model`'s decode step (two rows) lowered for an H200 on this host."""
     from ds4jax.rocm_check.extract import triton_kernels
@@ -110,25 +124,25 @@ def _lowered_decode_kernels(model):
     return triton_kernels(lowered)
 
 
-def test_expert_kernels_take_the_merged_stacks(models):
+def test_expert_kernels_take_the_merged_stacks(lowered):
     """The FP4 decode step lowered for an H200: the GEMV's packed weights are the stacks of the scanned layers,
     REPEATS x experts rows (no per-layer slice feeds a kernel), beside the single layers' own experts."""
-    gemvs = [k for k in _lowered_decode_kernels(models["fp4"][0]) if k.name == "grouped_gemv_fp4"]
+    gemvs = [k for k in lowered("fp4") if k.name == "grouped_gemv_fp4"]
     leading = sorted({int(k.operands[3].split("x")[0]) for k in gemvs})  # operands: group, x even / odd, packed
     assert leading == [CFG.num_routed_experts, REPEATS * CFG.num_routed_experts], leading
 
 
-def test_fp8_linears_take_the_stacks(models):
+def test_fp8_linears_take_the_stacks(lowered):
     """The same lowering: every FP8 dense linear of a scanned layer reads its weight in the stack ([REPEATS, in,
     out] values beside the layer index), none a per-layer slice; the single layers' linears take their 2-D weights."""
-    matmuls = [k for k in _lowered_decode_kernels(models["fp4"][0]) if k.name == "fp8_matmul"]
+    matmuls = [k for k in lowered("fp4") if k.name == "fp8_matmul"]
     ranks = sorted({len(k.operands[1].split("x")) - 1 for k in matmuls})  # operands: x, values, scales[, layer]
     assert ranks == [2, 3], [k.operands for k in matmuls]
     stacked = [k for k in matmuls if len(k.operands[1].split("x")) == 4]
     assert all(int(k.operands[1].split("x")[0]) == REPEATS and len(k.operands) == 4 for k in stacked)
 
 
-def test_dense_linears_take_the_stacks(models):
+def test_dense_linears_take_the_stacks(models, lowered):
     """The same lowering with bf16-style weights: every dense linear of a scanned layer (attention's, wo_a's groups,
     the compressors', the indexer's, the router and the shared expert) reads its weight in the stack through the
     layer matmul ([REPEATS, in, out], or [REPEATS, groups, in, out] for wo_a, beside the layer index); in the
@@ -136,7 +150,7 @@ def test_dense_linears_take_the_stacks(models):
     out of its stack before the GEMM (docs/benchmarks/step_kernels_deviceless/). On a GPU however small they are
     (each slice's copy was a launch of its own)."""
     for weights in ("arrays", "fp4"):
-        matmuls = [k for k in _lowered_decode_kernels(models[weights][0]) if k.name == "layer_matmul"]
+        matmuls = [k for k in lowered(weights) if k.name == "layer_matmul"]
         stacks = [k.operands[2].split("x") for k in matmuls]  # operands: layer, x, stack
         assert {len(s) - 1 for s in stacks} == {3, 4}, [k.operands for k in matmuls]
         assert all(int(s[0]) == REPEATS for s in stacks), stacks
@@ -145,8 +159,7 @@ def test_dense_linears_take_the_stacks(models):
     leaves = jax.tree_util.tree_leaves_with_path(models["arrays"][0].params["layers"].groups[seg])
     want = {"x".join(map(str, w.shape)) for path, w in leaves
             if path[-1].key in layer_of.DENSE_LINEARS and "experts" not in str(path)}
-    got = {k.operands[2].rsplit("x", 1)[0] for k in _lowered_decode_kernels(models["arrays"][0])
-           if k.name == "layer_matmul"}
+    got = {k.operands[2].rsplit("x", 1)[0] for k in lowered("arrays") if k.name == "layer_matmul"}
     assert got == want, (got, want)
 
 
@@ -168,3 +181,18 @@ def test_interpreted_small_dense_linears_stay_slices(models):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "INTERPRET_IN_PLACE_MIN_BYTES", 0)
         assert names() > 0
+
+
+def test_layer_linear_gives_way_to_xla_on_an_automatic_mesh_axis():
+    """The dispatch: a stacked dense linear runs the layer matmul kernel, except where the call would be split over
+    an automatic mesh axis (GSPMD cannot split a custom call), where it is XLA's dot on the layer's slice."""
+    from ds4jax.model.layer_of import DenseLayerOf
+
+    x, stack = jnp.ones((2, 64), jnp.float32), jnp.ones((3, 64, 32), jnp.float32)
+    call = lambda x, s: kernels.layer_linear(  # noqa: E731
+        x, DenseLayerOf(s, jnp.int32(1)), impl=kernels.Impl.PALLAS_INTERPRET)
+    assert "pallas_call" in str(jax.make_jaxpr(call)(x, stack))
+    mesh = jax.sharding.AbstractMesh((2,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(call)(x, stack))
+    assert "pallas_call" not in jaxpr and "dynamic_slice" in jaxpr

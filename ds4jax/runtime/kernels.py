@@ -140,14 +140,20 @@ def _mhc_kernel(x, p, norm_weight, *, cfg, impl: Impl, head: bool):
     return sharded_kernels.replicated(kernel, mhc.raw_mixes(x, p["fn"]), x, p["scale"], p["base"], norm_weight)
 
 
+def _partitioned_automatically() -> bool:
+    """Whether a dense linear traced now would be split over an automatic mesh axis: GSPMD cannot split a custom
+    call, and the dense linears are sharded by their params' specs, so the kernels give way to XLA's dot."""
+    act = sharding.active()
+    return act is not None and any(act.sizes[a] > 1 for a in act.auto)
+
+
 def fp8_linear(x, w, *, impl: Impl):
     """x [m, in] @ an FP8 `QuantizedWeight` [in, out] -> [m, out] f32: dequantize next to the dot (the reference,
     and whenever the call would be partitioned over an automatic mesh axis: GSPMD cannot split a custom call, and
     the dense linears are sharded by their params' specs), or the FP8 matmul kernel reading the stored bytes (a
     scanned layer's `QuantizedLayerOf` in its stack: the kernel takes the layer index)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
-    act = sharding.active()
-    if impl is Impl.REFERENCE or (act is not None and any(act.sizes[a] > 1 for a in act.auto)):
+    if impl is Impl.REFERENCE or _partitioned_automatically():
         w = w.get() if isinstance(w, QuantizedLayerOf) else w
         return pallas_kernels.fp8_matmul_reference(x, w.values, w.scales, block=w.block)
     layer = w.layer if isinstance(w, QuantizedLayerOf) else None
@@ -161,8 +167,7 @@ def layer_linear(x, w: DenseLayerOf, *, impl: Impl):
     matmul kernel reading the stack in place, or (partitioned over an automatic mesh axis, as in `fp8_linear`)
     the reference on the layer's slice."""
     import pallas_kernels
-    act = sharding.active()
-    if act is not None and any(act.sizes[a] > 1 for a in act.auto):
+    if _partitioned_automatically():
         return pallas_kernels.layer_matmul_reference(x, w.stacked, w.index)
     return pallas_kernels.layer_matmul(
         x, w.stacked, w.index, interpret=impl is Impl.PALLAS_INTERPRET,
