@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from ds4jax.serving import sse
+import pytest
+
+pytest.importorskip("starlette", reason="the serve extra is not installed (pip install 'ds4jax[serve]')")
+
+from ds4jax.serving import sse  # noqa: E402
 
 
 def _run(body, inbox, receive):
