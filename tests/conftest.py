@@ -39,6 +39,7 @@ _GPU = _gpu_platform() if "JAX_PLATFORMS" not in os.environ else None
 os.environ.setdefault("JAX_PLATFORMS", f"cpu,{_GPU}" if _GPU else "cpu")
 # Tiny test models run in microseconds; XLA's optimisations only cost compile time here (cheap_compile.py).
 os.environ.setdefault("XLA_FLAGS", cheap_compile.xla_flags(devices=4))
+cheap_compile.relax_gc()  # tracing allocates fast: the collector's default pace cost ~8 % of a test process's CPU
 # `ds4jax generate` / `compare` / `batch` turn on JAX's on-disk compilation cache for the rest of their process;
 # a test calling them in process would leave it on for every later test of its worker (writing into ~/.cache).
 # Tests of the cache name their own directory.

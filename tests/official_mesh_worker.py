@@ -10,9 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds4jax
 os.environ["JAX_PLATFORMS"] = "cpu"
-from cheap_compile import xla_flags  # noqa: E402  (tests/, this script's folder)
+from cheap_compile import relax_gc, xla_flags  # noqa: E402  (tests/, this script's folder)
 
 os.environ["XLA_FLAGS"] = xla_flags(devices=8)
+relax_gc()
 
 import json  # noqa: E402
 
