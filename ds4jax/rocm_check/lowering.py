@@ -86,8 +86,11 @@ def spec_for(case: Case) -> PoolSpec:
                              max_context=MAX_CONTEXT, dtype=jnp.dtype(DTYPES[case.dtype]).name, kv_dtype=case.kv_dtype)
 
 
+@functools.lru_cache(maxsize=4)
 def lower_step(case: Case, gpu: GpuTarget) -> jax.stages.Lowered:
-    """The target step of `case` (decode or prefill) lowered for `gpu`, with the tiles the dispatcher picks there."""
+    """The target step of `case` (decode or prefill) lowered for `gpu`, with the tiles the dispatcher picks there.
+    The last few are kept: a check that reads a lowering's text and then its kernels (`kernels_of`) traces and
+    lowers the Flash step once, not twice (~1.5 CPU s each)."""
     cfg, dtype = MODELS[case.model](), DTYPES[case.dtype]
     rows, tokens = SHAPES[case.shape]
     step = steps.decode if case.shape == "decode" else steps.prefill
