@@ -163,6 +163,30 @@ def test_dense_linears_take_the_stacks(models, lowered):
     assert got == want, (got, want)
 
 
+def test_mhc_kernels_take_the_stacks(models, lowered):
+    """The same lowering: the mHC pre-step of a scanned layer reads its gate scales and biases and its sub-layer's
+    norm weight in their stacks ([REPEATS, 3], [REPEATS, 2m + m*m], [REPEATS, e]) after the layer index; the single
+    layer's call takes its own. As slices (before), each was an asynchronous copy of its own a call (12 of the 15
+    launches a `flash_slice(12)` loop iteration spent slicing, docs/benchmarks/step_kernels_deviceless/)."""
+    e, n = CFG.hidden_size, (2 + CFG.hc_mult) * CFG.hc_mult
+    for weights in ("arrays", "fp4"):
+        pre = {k.operands for k in lowered(weights) if k.name == "mhc_pre"}
+        stacked = {ops for ops in pre if len(ops) == 6}
+        assert stacked and all(ops[0] == "1xi32" and ops[3:] == (f"{REPEATS}x3xf32", f"{REPEATS}x{n}xf32",
+                                                                 f"{REPEATS}x{e}xf32") for ops in stacked), pre
+        assert all(ops[2:] == ("3xf32", f"{n}xf32", f"{e}xf32") for ops in pre - stacked), pre
+        assert len(pre - stacked) == 1, pre  # the single sliding layer (its two calls lower to one kernel)
+
+
+def test_a_mixed_mhc_call_is_refused():
+    """`_mhc_kernel` takes its three small operands all stacked or all arrays: a half-stacked call (a dispatch
+    bug) is an error, not a kernel reading one layer's scale with another's weight."""
+    p = {"fn": jnp.ones((4 * 64, 24)), "scale": layer_of.LayerOf(jnp.ones((2, 3)), jnp.int32(0)),
+         "base": jnp.ones((24,))}
+    with pytest.raises(TypeError, match="all be stacks"):
+        kernels.mhc_pre(jnp.ones((1, 4, 64)), p, jnp.ones((64,)), cfg=CFG, impl=kernels.Impl.PALLAS_INTERPRET)
+
+
 def test_interpreted_small_dense_linears_stay_slices(models):
     """Interpreted (CPU), dense weights below 1 MiB a layer stay slices (the same math; each interpreted call is
     slow to compile): this model's decode step traces no layer matmul, and with the threshold at 0 it does."""

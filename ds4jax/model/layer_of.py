@@ -26,6 +26,8 @@ decode-sized row counts it serves; bigger products, and every other consumer, ta
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -126,8 +128,36 @@ jax.tree_util.register_dataclass(QuantizedLayerOf, data_fields=["values", "scale
                                  meta_fields=["format", "block"])
 
 
+# The mHC pre-step's small f32 operands (the hyper-connections' gate scales and biases, the sub-layers' RMSNorm
+# weights), which a scanned body reads in their stacks where the step installs the mHC kernel (`mhc_in_place`): as
+# slices, each was an asynchronous copy of its own before every kernel call (three a call, two calls a layer at
+# every decode step). The projection weight `fn` stays a slice (XLA's mix matmul folds it into its operand).
+MHC_OPERANDS = frozenset({("hc_attn", "scale"), ("hc_attn", "base"), ("hc_ffn", "scale"), ("hc_ffn", "base"),
+                          ("attn_norm",), ("ffn_norm",)})
+_MHC_IN_PLACE = contextvars.ContextVar("ds4jax_mhc_in_place", default=False)
+
+
+@contextlib.contextmanager
+def mhc_in_place():
+    """While tracing inside this context, scanned bodies get their `MHC_OPERANDS` as `LayerOf`s (the consumer, the
+    mHC kernel's dispatch, reads the layer in the stack)."""
+    token = _MHC_IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _MHC_IN_PLACE.reset(token)
+
+
+def mhc_in_place_installed() -> bool:
+    return _MHC_IN_PLACE.get()
+
+
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", None) for k in path)
+
+
 def _under_experts(path) -> bool:
-    return tuple(getattr(k, "key", None) for k in path[:len(STACKED_SUBTREE)]) == STACKED_SUBTREE
+    return _keys(path[:len(STACKED_SUBTREE)]) == STACKED_SUBTREE
 
 
 def _dense_linear(path, w: Any, min_bytes: int) -> bool:
@@ -136,12 +166,15 @@ def _dense_linear(path, w: Any, min_bytes: int) -> bool:
             and w.ndim >= 3 and w.nbytes // w.shape[0] >= min_bytes)
 
 
-def reads_in_place(path, w: Any, *, dense_min_bytes: int | None = None) -> bool:
+def reads_in_place(path, w: Any, *, dense_min_bytes: int | None = None, mhc: bool = False) -> bool:
     """Whether a scanned body reads the stacked leaf `w` (at `path` in a layer's params) in its stack: the routed
     experts (under `STACKED_SUBTREE`), the FP8 dense weights (2-D a layer, so [layers, in, out] stacked), whose
-    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization), and where a layer matmul is
-    installed (`dense_min_bytes` not None) the unquantized dense linears of at least that many bytes a layer."""
+    linears go through `linear._project` (the FP8 matmul kernel, or a dequantization), where a layer matmul is
+    installed (`dense_min_bytes` not None) the unquantized dense linears of at least that many bytes a layer, and
+    with `mhc` the mHC kernel's operands (`MHC_OPERANDS`)."""
     if _under_experts(path):
+        return True
+    if mhc and _keys(path) in MHC_OPERANDS:
         return True
     if is_quantized(w):
         return w.format is Format.FP8 and len(w.values.shape) == 3
@@ -150,7 +183,7 @@ def reads_in_place(path, w: Any, *, dense_min_bytes: int | None = None) -> bool:
 
 def in_place(path, w: Any, layer: jax.Array) -> LayerOf | QuantizedLayerOf:
     """Layer `layer` of the stacked leaf `w` (one `reads_in_place` keeps) as the scanned body gets it."""
-    if _under_experts(path):
+    if _under_experts(path) or _keys(path) in MHC_OPERANDS:
         return LayerOf(w, layer)
     if is_quantized(w):
         return QuantizedLayerOf(w.values, w.scales, w.format, w.block, layer)

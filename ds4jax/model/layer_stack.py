@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.config import AttentionType, Config, MlpType
+from ds4jax.model import layer_of
 from ds4jax.model.layer_of import in_place, reads_in_place
 from ds4jax.model.layers import linear
 from ds4jax.model.quantized import is_quantized
@@ -333,8 +334,8 @@ def _is_slot(x: Any) -> bool:
 
 def _split_in_place(p: Any) -> tuple[Any, Any]:
     """(the member's leaves read in place, None elsewhere; the rest, None where those are): one tree shape."""
-    dense = linear.layer_matmul_min_bytes()
-    kept = lambda path, w: w is not None and reads_in_place(path, w, dense_min_bytes=dense)  # noqa: E731
+    dense, mhc = linear.layer_matmul_min_bytes(), layer_of.mhc_in_place_installed()
+    kept = lambda path, w: w is not None and reads_in_place(path, w, dense_min_bytes=dense, mhc=mhc)  # noqa: E731
     return (jax.tree_util.tree_map_with_path(lambda path, w: w if kept(path, w) else None, p, is_leaf=_is_slot),
             jax.tree_util.tree_map_with_path(lambda path, w: None if kept(path, w) else w, p, is_leaf=_is_slot))
 
@@ -375,8 +376,10 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
         # `LayerOf`s and `QuantizedLayerOf`s (see layer_of.py)
         kept, sliced = zip(*(_split_in_place(p) for p in group))
 
-        def step(c, xs, seg=seg, kept=kept):
-            rep, members = xs
+        # the repetition counter rides in the carry, not as a scanned arange: each scanned input is sliced per
+        # iteration, on the GPU a launch of its own (an asynchronous copy), while the carry's add fuses
+        def step(state, members, seg=seg, kept=kept):
+            c, rep = state
             ys = []
             for u, p in enumerate(members):
                 p = _join_in_place(p, kept[u], rep)
@@ -384,9 +387,9 @@ def run(cfg: Config, layers: Any, carry: Any, body: Body, *, offset: int = 0) ->
                 with jax.named_scope(at.name):
                     c, y = body(c, p, at)
                 ys.append(y)
-            return c, tuple(ys)
+            return (c, rep + 1), tuple(ys)
 
-        carry, ys = jax.lax.scan(step, carry, (jnp.arange(seg.repeats, dtype=jnp.int32), sliced))
+        (carry, _), ys = jax.lax.scan(step, (carry, jnp.zeros((), jnp.int32)), sliced, length=seg.repeats)
         for u, y in enumerate(ys):
             for r in range(seg.repeats):
                 outs[seg.layer(r, u)] = jax.tree.map(lambda a, r=r: a[r], y)

@@ -26,7 +26,8 @@ import os
 import jax
 
 from ds4jax.model import sharding
-from ds4jax.model.layer_of import DenseLayerOf, QuantizedLayerOf
+from ds4jax.model import layer_of
+from ds4jax.model.layer_of import DenseLayerOf, LayerOf, QuantizedLayerOf
 from ds4jax.model.layers import linear, mhc, moe
 from ds4jax.runtime import sharded_kernels
 from ds4jax.runtime import target as _target
@@ -133,11 +134,21 @@ def mhc_head(x, p, norm_weight, *, cfg, impl: Impl):
 
 
 def _mhc_kernel(x, p, norm_weight, *, cfg, impl: Impl, head: bool):
+    """The kernel on the mixes XLA computes; a scanned layer's operands (`LayerOf`s: `layer_of.mhc_in_place`) are
+    read in their stacks, the layer index passed beside them."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
-    kernel = lambda *args: pallas_kernels.mhc_pre(  # noqa: E731
-        *args, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps, head=head,
-        block_sizes=block_sizes("mhc_pre", x.dtype, kernel_arch(impl)), interpret=impl is Impl.PALLAS_INTERPRET)
-    return sharded_kernels.replicated(kernel, mhc.raw_mixes(x, p["fn"]), x, p["scale"], p["base"], norm_weight)
+    operands = (p["scale"], p["base"], norm_weight)
+    stacked = isinstance(operands[0], LayerOf)
+    if stacked != all(isinstance(a, LayerOf) for a in operands):
+        raise TypeError("mhc_pre: scale, base and norm_weight must all be stacks (LayerOf) or all arrays")
+    kw = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps, head=head,
+              block_sizes=block_sizes("mhc_pre", x.dtype, kernel_arch(impl)), interpret=impl is Impl.PALLAS_INTERPRET)
+    mix = mhc.raw_mixes(x, p["fn"])
+    if stacked:
+        kernel = lambda layer, *args: pallas_kernels.mhc_pre(*args, layer=layer, **kw)  # noqa: E731
+        return sharded_kernels.replicated(kernel, operands[0].index, mix, x, *(a.stacked for a in operands))
+    kernel = lambda *args: pallas_kernels.mhc_pre(*args, **kw)  # noqa: E731
+    return sharded_kernels.replicated(kernel, mix, x, *operands)
 
 
 def _partitioned_automatically() -> bool:
@@ -185,14 +196,16 @@ INTERPRET_IN_PLACE_MIN_BYTES = 1 << 20
 def dense_linears(impl: Impl):
     """Trace a step's dense linears with `impl`: under PALLAS / PALLAS_INTERPRET the FP8 ones through the FP8
     matmul kernel (`linear.fp8_matmul`) and a scanned layer's bf16 / f32 ones read in their stacks by the layer
-    matmul kernel (`linear.layer_matmul`); under REFERENCE nothing is installed (dequantize next to the dot, and
-    slice a scanned layer's weights out of their stacks, as always)."""
+    matmul kernel (`linear.layer_matmul`), as are a scanned layer's mHC operands by the mHC kernel
+    (`layer_of.mhc_in_place`); under REFERENCE nothing is installed (dequantize next to the dot, and slice a
+    scanned layer's weights out of their stacks, as always)."""
     if impl is Impl.REFERENCE:
         yield
         return
     with linear.fp8_matmul(functools.partial(fp8_linear, impl=impl)), \
             linear.layer_matmul(functools.partial(layer_linear, impl=impl),
-                                min_bytes=INTERPRET_IN_PLACE_MIN_BYTES if impl is Impl.PALLAS_INTERPRET else 0):
+                                min_bytes=INTERPRET_IN_PLACE_MIN_BYTES if impl is Impl.PALLAS_INTERPRET else 0), \
+            layer_of.mhc_in_place():  # the mHC kernel's small operands too (`_mhc_kernel`)
         yield
 
 

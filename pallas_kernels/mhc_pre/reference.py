@@ -19,10 +19,13 @@ from pallas_kernels.sinkhorn.reference import sinkhorn_reference
 
 
 def mhc_pre_reference(mix, x, scale, base, norm_weight, *, iters: int, hc_eps: float, rms_eps: float,
-                      head: bool = False, block_sizes=None, interpret=False):
+                      head: bool = False, layer=None, block_sizes=None, interpret=False):
     """mix [..., n] f32, x [..., m, e] -> (post [..., m] f32, comb [..., m, m] f32, out [..., e] x.dtype);
-    `head`: out only."""
+    `head`: out only. `layer`: scale / base / norm_weight are stacks, and their layer `layer` is used."""
     del block_sizes, interpret
+    if layer is not None:
+        scale, base, norm_weight = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+                                    for a in (scale, base, norm_weight))
     m = x.shape[-2]
     x32 = x.astype(jnp.float32)
     rho = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=(-2, -1)) + rms_eps)[..., None]

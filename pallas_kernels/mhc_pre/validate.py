@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sinkhorn.validate import MAX_M
@@ -17,8 +18,9 @@ def _finite_nonneg(name, v):
         raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
 
 
-def validate_mhc_pre_static(mix, x, scale, base, norm_weight, iters, hc_eps, rms_eps, head) -> None:
-    """Raise ValueError naming the offending argument."""
+def validate_mhc_pre_static(mix, x, scale, base, norm_weight, iters, hc_eps, rms_eps, head, layer=None) -> None:
+    """Raise ValueError naming the offending argument. With `layer`, scale / base / norm_weight are stacks: one
+    leading layer axis, the same depth for the three."""
     if x.ndim < 2:
         raise ValueError(f"x must be [..., m, e], got shape {x.shape}")
     m, e = x.shape[-2:]
@@ -28,6 +30,15 @@ def validate_mhc_pre_static(mix, x, scale, base, norm_weight, iters, hc_eps, rms
     if mix.shape != x.shape[:-2] + (n,):
         raise ValueError(f"mix must be {x.shape[:-2] + (n,)} (x's tokens, {'m' if head else '2m + m*m'} outputs), "
                          f"got {mix.shape}")
+    lead = ()
+    if layer is not None:
+        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got shape {jnp.shape(layer)}")
+        lead = scale.shape[:1]
+        if not lead or lead[0] < 1 or base.shape[:1] != lead or norm_weight.shape[:1] != lead:
+            raise ValueError(f"stacked scale / base / norm_weight must share a leading layer axis, got "
+                             f"{scale.shape}, {base.shape}, {norm_weight.shape}")
+        scale, base, norm_weight = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (scale, base, norm_weight))
     if scale.shape != ((1,) if head else (3,)):
         raise ValueError(f"scale must be [{1 if head else 3}], got {scale.shape}")
     if base.shape != (n,):

@@ -76,8 +76,29 @@ def _tolerances(dtype: str):
     return (dict(rtol=2e-5, atol=2e-6) if dtype == "float32" else dict(rtol=1.6e-2, atol=1.6e-2))
 
 
+def stack_with_poison(a, layer: int, layers: int = 3):
+    """`a` as layer `layer` of a [layers, ...] stack whose other layers are NaN (a wrong layer read shows)."""
+    stack = jnp.full((layers,) + a.shape, jnp.nan, a.dtype)
+    return stack.at[layer].set(a)
+
+
 class MhcPreTestBase:
     INTERPRET = True
+
+    def check_stacked(self, case: Case, layer: int = 1):
+        """The stacked form (scale / base / norm_weight as [3, ...] stacks, NaN outside `layer`) gives the
+        unstacked kernel's outputs (to a few ulp: XLA may order the interpreter's sums differently), finite."""
+        mix, x, scale, base, weight = make_inputs(case)
+        kw = dict(iters=ITERS, hc_eps=HC_EPS, rms_eps=RMS_EPS, head=case.head, block_sizes=case.block_sizes,
+                  interpret=self.INTERPRET)
+        want = mhc_pre(mix, x, scale, base, weight, **kw)
+        stacks = [stack_with_poison(a, layer) for a in (scale, base, weight)]
+        got = mhc_pre(mix, x, *stacks, layer=jnp.int32(layer), **kw)
+        ref = mhc_pre_reference(mix, x, *stacks, layer=jnp.int32(layer), **kw)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # NaN only where the tokens are poisoned
+            np.testing.assert_array_equal(np.isfinite(np.asarray(g, np.float32)), np.isfinite(np.asarray(w, np.float32)))
+        chex.assert_trees_all_close(got, want, **_tolerances("float32"))
+        chex.assert_trees_all_close(ref, mhc_pre_reference(mix, x, scale, base, weight, **kw))
 
     def check(self, case: Case):
         args = make_inputs(case)
@@ -126,6 +147,11 @@ class TestMhcPreInterpret(MhcPreTestBase):
                 want = mhc.hc_pre_normed(x, p, weight, cfg)
             chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("case", [c for c in CASES if c.name in (
+        "one_token", "token_tail_ragged_chunks", "m3_padded", "bf16_streams", "head")], ids=str)
+    def test_stacked_reads_its_layer(self, case):
+        self.check_stacked(case, layer=2 if case.head else 1)
+
     def test_no_tokens(self):
         args = make_inputs(Case("empty", (0,), 4, 32))
         post, comb, out = mhc_pre(*args, iters=ITERS, hc_eps=HC_EPS, rms_eps=RMS_EPS, interpret=True)
@@ -146,6 +172,11 @@ class TestMhcPreDevice(MhcPreTestBase):
     ], ids=str)
     def test_matches_reference(self, case):
         self.check(case)
+
+    @pytest.mark.parametrize("case", [Case("decode_b1_flash", (1, 1), 4, 4096, dtype="bfloat16"),
+                                      Case("head_b8", (8,), 4, 4096, head=True, dtype="bfloat16")], ids=str)
+    def test_stacked_reads_its_layer(self, case):
+        self.check_stacked(case)
 
 
 def test_launch_tiles():
@@ -173,3 +204,8 @@ def test_validation_names_the_argument():
         mhc_pre(mix, x, scale, base, weight, **{**kw, "hc_eps": float("nan")})
     with pytest.raises(ValueError, match="power of two"):
         BlockSizes(tile_elements=1000)
+    stacks = [jnp.stack([a, a]) for a in (scale, base, weight)]
+    with pytest.raises(ValueError, match="leading layer axis"):
+        mhc_pre(mix, x, stacks[0], base, stacks[2], layer=jnp.int32(0), **kw)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        mhc_pre(mix, x, *stacks, layer=jnp.zeros(2, jnp.int32), **kw)
