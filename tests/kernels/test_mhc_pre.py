@@ -96,7 +96,8 @@ class MhcPreTestBase:
         got = mhc_pre(mix, x, *stacks, layer=jnp.int32(layer), **kw)
         ref = mhc_pre_reference(mix, x, *stacks, layer=jnp.int32(layer), **kw)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # NaN only where the tokens are poisoned
-            np.testing.assert_array_equal(np.isfinite(np.asarray(g, np.float32)), np.isfinite(np.asarray(w, np.float32)))
+            finite = lambda a: np.isfinite(np.asarray(a, np.float32))  # noqa: E731
+            np.testing.assert_array_equal(finite(g), finite(w))
         chex.assert_trees_all_close(got, want, **_tolerances("float32"))
         chex.assert_trees_all_close(ref, mhc_pre_reference(mix, x, scale, base, weight, **kw))
 
