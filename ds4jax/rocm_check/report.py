@@ -37,12 +37,15 @@ def describe(kernel: TritonKernel, case: Case) -> str:
     """Which layer kind a sparse-attention call serves (from its operands), and whether it writes split partials."""
     if kernel.name != "sparse_attention":
         return ""
-    if len(kernel.operands) == 4:  # q, sink, idx_a, kv_a
+    split = len(kernel.results) > 1
+    # a call that writes split partials takes no sink (the merge, in XLA, adds it)
+    ops = kernel.operands if split else kernel.operands[:1] + kernel.operands[2:]
+    if len(ops) == 3:  # q, idx_a, kv_a
         kind = "sliding"
-    else:  # q, sink, idx_a, idx_b, kv_a, kv_b: kv_b is the C4 or the C128 pool ([layers x entries, d] view)
-        rows_b = int(kernel.operands[5].split("x")[0])
+    else:  # q, idx_a, idx_b, kv_a, kv_b: kv_b is the C4 or the C128 pool ([layers x entries, d] view)
+        rows_b = int(ops[4].split("x")[0])
         kind = "CSA" if rows_b % spec_for(case).c4_entries == 0 else "HCA"
-    return kind + (", split-K" if len(kernel.results) > 1 else "")
+    return kind + (", split-K" if split else "")
 
 
 def rows_for(gpu: GpuTarget, cases: Iterable[Case] = CASES) -> list[Row]:

@@ -42,9 +42,8 @@ def _live_blocks(idx_ref, n: int, block_k: int):
 
 def _sparse_attention_kernel(
     q_ref,  # [block_h, d]
-    sink_ref,  # [block_h] f32
-    *refs,  # idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole pool, [kv_b [rb, d]],
-    # [a's row scales [ra] f32 if FP8], [b's row scales [rb] f32 if FP8], outputs
+    *refs,  # [sink [block_h] f32 if with_sink], idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole
+    # pool, [kv_b [rb, d]], [a's row scales [ra] f32 if FP8], [b's row scales [rb] f32 if FP8], outputs
     na: int,
     nb: int,
     scale: float,
@@ -53,8 +52,10 @@ def _sparse_attention_kernel(
     prefetch: int,
     precision,
     scaled: tuple[bool, bool],
+    with_sink: bool,
 ):
     refs = list(refs)
+    sink_ref = refs.pop(0) if with_sink else None
     if nb:
         idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref = (refs.pop(0) for _ in range(4))
     else:
@@ -203,16 +204,21 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=Non
     def whole(x):
         return pl.BlockSpec(x.shape, lambda hb, ti, si: (0, 0))
 
-    in_specs = [
-        pl.BlockSpec((None, block_h, d), lambda hb, ti, si: (ti, hb, 0)),
-        pl.BlockSpec((block_h,), lambda hb, ti, si: (hb,)),
-    ]
+    # With splits the sink enters only the merge below (XLA), so the kernel does not take it: as an operand of a
+    # custom call a scanned layer's sink (a slice of its stack) was copied into a buffer of its own, a launch per
+    # layer at every decode step; the merge's fusion reads the slice in place.
+    with_sink = n_splits == 1
+    in_specs = [pl.BlockSpec((None, block_h, d), lambda hb, ti, si: (ti, hb, 0))]
+    operands = [q]
+    if with_sink:
+        in_specs.append(pl.BlockSpec((block_h,), lambda hb, ti, si: (hb,)))
+        operands.append(sink)
     if nb:
         in_specs += [row(na), row(nb), whole(kv_a), whole(kv_b)]
-        operands = [q, sink, idx_a, idx_b, kv_a, kv_b]
+        operands += [idx_a, idx_b, kv_a, kv_b]
     else:
         in_specs += [row(na), whole(kv_a)]
-        operands = [q, sink, idx_a, kv_a]
+        operands += [idx_a, kv_a]
     scaled = (scales[0] is not None, scales[1] is not None)
     for row_scale in (scales[0], scales[1] if nb else None):
         if row_scale is not None:
@@ -243,6 +249,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=Non
         prefetch=bs.prefetch,
         precision=_backend.dot_precision(q.dtype),
         scaled=scaled,
+        with_sink=with_sink,
     )
     result = pl.pallas_call(
         kernel,
