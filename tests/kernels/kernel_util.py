@@ -34,6 +34,14 @@ def poison_unused(pool: np.ndarray, used_rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def stack_with_poison(a, layer: int, layers: int):
+    """`a` as layer `layer` of a [layers, ...] stack whose other layers are NaN: a kernel that reads a stacked
+    operand at the wrong layer poisons its result."""
+    import jax.numpy as jnp
+
+    return jnp.full((layers,) + a.shape, jnp.nan, a.dtype).at[layer].set(a)
+
+
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_util import stack_with_poison
 
 from pallas_kernels.fp8_matmul import BlockSizes
 from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_reference
@@ -53,8 +54,7 @@ def make_inputs(case: Case, seed: int = 0):
     lead = (case.groups,) if case.groups else ()
     x = jnp.asarray(rng.standard_normal((*lead, case.m, case.k)), case.dtype)
     w = jnp.asarray(rng.standard_normal((*lead, case.k, case.n)) / np.sqrt(case.k), case.dtype)
-    stack = jnp.stack([w if i == case.layer else jnp.full_like(w, jnp.nan) for i in range(case.layers)])
-    return x, stack, w
+    return x, stack_with_poison(w, case.layer, case.layers), w
 
 
 def check(case: Case, interpret: bool):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_util import stack_with_poison
 
 from pallas_kernels.mhc_pre import BlockSizes, mhc_pre, mhc_pre_reference
 from pallas_kernels.mhc_pre.blocks import launch_tiles
@@ -76,12 +77,6 @@ def _tolerances(dtype: str):
     return (dict(rtol=2e-5, atol=2e-6) if dtype == "float32" else dict(rtol=1.6e-2, atol=1.6e-2))
 
 
-def stack_with_poison(a, layer: int, layers: int = 3):
-    """`a` as layer `layer` of a [layers, ...] stack whose other layers are NaN (a wrong layer read shows)."""
-    stack = jnp.full((layers,) + a.shape, jnp.nan, a.dtype)
-    return stack.at[layer].set(a)
-
-
 class MhcPreTestBase:
     INTERPRET = True
 
@@ -92,7 +87,7 @@ class MhcPreTestBase:
         kw = dict(iters=ITERS, hc_eps=HC_EPS, rms_eps=RMS_EPS, head=case.head, block_sizes=case.block_sizes,
                   interpret=self.INTERPRET)
         want = mhc_pre(mix, x, scale, base, weight, **kw)
-        stacks = [stack_with_poison(a, layer) for a in (scale, base, weight)]
+        stacks = [stack_with_poison(a, layer, 3) for a in (scale, base, weight)]
         got = mhc_pre(mix, x, *stacks, layer=jnp.int32(layer), **kw)
         ref = mhc_pre_reference(mix, x, *stacks, layer=jnp.int32(layer), **kw)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # NaN only where the tokens are poisoned
