@@ -35,7 +35,7 @@ def inputs(tokens: int, key, hidden: int = E):
     k = jax.random.split(key, 5)
     n = 2 * M + M * M
     x = jax.random.normal(k[0], (tokens, M, hidden), jnp.float32).astype(jnp.bfloat16)
-    p = {"fn": jax.random.normal(k[1], (M * hidden, n)) * (2.0 / np.sqrt(M * hidden)),
+    p = {"fn": jax.random.normal(k[1], (n, M * hidden)) * (2.0 / np.sqrt(M * hidden)),
          "scale": jax.random.uniform(k[2], (3,), minval=0.5, maxval=2.0), "base": jax.random.normal(k[3], (n,))}
     return x, p, 1.0 + 0.1 * jax.random.normal(k[4], (hidden,))
 

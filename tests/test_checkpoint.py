@@ -107,7 +107,7 @@ def _block(sd: dict, p: str, cfg: Config, attention: AttentionType, mlp: MlpType
         ffn["tid2eid"] = sd[p + "ffn.gate.tid2eid"]
     else:
         ffn["bias"] = sd[p + "ffn.gate.bias"]
-    hc = {name: {"fn": sd[p + f"{name}_fn"].T, "base": sd[p + f"{name}_base"], "scale": sd[p + f"{name}_scale"]}
+    hc = {name: {"fn": sd[p + f"{name}_fn"], "base": sd[p + f"{name}_base"], "scale": sd[p + f"{name}_scale"]}
           for name in ("hc_attn", "hc_ffn")}
     return {"attn_norm": sd[p + "attn_norm.weight"], "ffn_norm": sd[p + "ffn_norm.weight"], **hc,
             "attn": attn, "ffn": ffn}
@@ -115,7 +115,7 @@ def _block(sd: dict, p: str, cfg: Config, attention: AttentionType, mlp: MlpType
 
 def expected_params(sd: dict, cfg: Config) -> dict:
     """ds4jax params from upstream-named numpy tensors, written directly from the layout docs."""
-    hc_head = lambda p: {"fn": sd[p + "hc_head_fn"].T, "base": sd[p + "hc_head_base"],  # noqa: E731
+    hc_head = lambda p: {"fn": sd[p + "hc_head_fn"], "base": sd[p + "hc_head_base"],  # noqa: E731
                          "scale": sd[p + "hc_head_scale"]}
     tree = {"embed": sd["embed.weight"], "head": sd["head.weight"].T, "norm": sd["norm.weight"],
             "hc_head": hc_head(""),

@@ -181,7 +181,7 @@ def test_mhc_kernels_take_the_stacks(models, lowered):
 def test_a_mixed_mhc_call_is_refused():
     """`_mhc_kernel` takes its three small operands all stacked or all arrays: a half-stacked call (a dispatch
     bug) is an error, not a kernel reading one layer's scale with another's weight."""
-    p = {"fn": jnp.ones((4 * 64, 24)), "scale": layer_of.LayerOf(jnp.ones((2, 3)), jnp.int32(0)),
+    p = {"fn": jnp.ones((24, 4 * 64)), "scale": layer_of.LayerOf(jnp.ones((2, 3)), jnp.int32(0)),
          "base": jnp.ones((24,))}
     with pytest.raises(TypeError, match="all be stacks"):
         kernels.mhc_pre(jnp.ones((1, 4, 64)), p, jnp.ones((64,)), cfg=CFG, impl=kernels.Impl.PALLAS_INTERPRET)

@@ -301,7 +301,7 @@ def test_dispatch_under_a_mesh_uses_shard_map():
     assert "pallas_call" in plain and "shard_map" not in plain
     mhc_cfg = ds4jax.tiny()
     m, e = mhc_cfg.hc_mult, mhc_cfg.hidden_size
-    hc = {"fn": S((m * e, 2 * m + m * m), np.float32), "scale": S((3,), np.float32),
+    hc = {"fn": S((2 * m + m * m, m * e), np.float32), "scale": S((3,), np.float32),
           "base": S((2 * m + m * m,), np.float32)}
     mhc = lambda x, p, w: kernels.mhc_pre(x, p, w, cfg=mhc_cfg, impl=kernels.Impl.PALLAS_INTERPRET)
     mhc_args = (S((2, 3, m, e), np.float32), hc, S((e,), np.float32))

@@ -51,7 +51,13 @@ def test_unstacked_layers_too(orbax_copy, monkeypatch):
     _same(checkpoint.load(CKPT, dtype=jnp.float32), checkpoint.load(orbax_copy, dtype=jnp.float32))
 
 
+def _mhc_fn(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] == "fn"
+
+
 def test_convert_round_trip_keeps_every_byte(orbax_copy, tmp_path):
+    """Every byte but the layout of the mHC fn, which the shipped file keeps from before it changed (each then
+    written as [outputs, m*e], the same bytes transposed)."""
     assert convert.convert(orbax_copy, tmp_path / "p", to="packed") == "packed"
     assert convert.source_format(str(tmp_path / "p")) == "packed"
     a = load_file(os.path.join(CKPT, packed_params.PARAMS_FILE))
@@ -59,7 +65,49 @@ def test_convert_round_trip_keeps_every_byte(orbax_copy, tmp_path):
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype, name
-        np.testing.assert_array_equal(a[name].view(np.uint8), b[name].view(np.uint8))
+        want = np.ascontiguousarray(a[name].T) if _mhc_fn(name) else a[name]
+        np.testing.assert_array_equal(want.view(np.uint8), b[name].view(np.uint8), err_msg=name)
+
+
+def test_the_mhc_fn_of_an_earlier_layout_is_transposed_on_load(orbax_copy, tmp_path):
+    """checkpoints/default (packed) stores every mHC fn as [m*e, outputs], the layout before round 3's session 31;
+    an Orbax checkpoint of that time did too. Both load into [outputs, m*e] and the same model as the current
+    layout; a leaf that is neither layout is still refused."""
+    import orbax.checkpoint as ocp
+
+    from ds4jax.io import orbax_checkpoint
+
+    legacy = {name: shape for name, (shape, _) in packed_params.stored_metadata(CKPT).items() if _mhc_fn(name)}
+    assert legacy and all(shape[0] > shape[1] for shape in legacy.values()), legacy  # the old layout, every one
+    current = checkpoint.load(orbax_copy, dtype=jnp.float32)
+    assert current.params["hc_head"]["fn"].shape == legacy["hc_head.fn"][::-1]
+    _same(checkpoint.load(CKPT, dtype=jnp.float32), current)
+
+    # an Orbax checkpoint in the earlier layout: the current copy's tree with every fn transposed back
+    old = tmp_path / "old"
+    shutil.copytree(orbax_copy, old, ignore=shutil.ignore_patterns(orbax_checkpoint.PARAMS_DIR))
+    tree = jax.tree_util.tree_map_with_path(
+        lambda kp, a: np.ascontiguousarray(np.asarray(a).T) if kp[-1].key == "fn" else np.asarray(a),
+        load_file_tree(orbax_copy))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(os.path.abspath(old), orbax_checkpoint.PARAMS_DIR), tree)
+        ckptr.wait_until_finished()
+    _same(checkpoint.load(old, dtype=jnp.float32), current)
+
+    def square_off(tensors):  # neither [outputs, m*e] nor its transpose
+        tensors["hc_head.fn"] = tensors["hc_head.fn"][:8]
+    with pytest.raises(CheckpointError, match="hc_head.fn"):
+        checkpoint.load(_edited(tmp_path, square_off), dtype=jnp.float32)
+
+
+def load_file_tree(orbax_dir):
+    """The per-layer params tree stored in an Orbax checkpoint, as numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    from ds4jax.io import orbax_checkpoint
+
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(os.path.abspath(orbax_dir), orbax_checkpoint.PARAMS_DIR))
 
 
 def _edited(tmp_path, edit, metadata=None):

@@ -84,9 +84,10 @@ def write_params(params: Any, directory: str) -> None:
     """Orbax write of a params pytree into `directory`/params (synchronous)."""
     import orbax.checkpoint as ocp
 
-    host = layer_stack.unstacked_host(dequantize_tree(params, params["embed"].dtype))  # numpy leaves; a quantized
-    # model is stored as its values (Orbax holds the params layout only): no device placement recorded in the checkpoint;
-    # per-layer dicts: the stored layout does not depend on how a model runs its layers
+    # numpy leaves; a quantized model is stored as its values (Orbax holds the params layout only): no device
+    # placement recorded in the checkpoint; per-layer dicts: the stored layout does not depend on how a model runs
+    # its layers
+    host = layer_stack.unstacked_host(dequantize_tree(params, params["embed"].dtype))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(os.path.abspath(directory), PARAMS_DIR), host)
         ckptr.wait_until_finished()
@@ -116,13 +117,22 @@ def stored_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return _flat(tree)
 
 
-def check_stored(ckpt_dir: str, cfg, dtype: Any, stored: dict[str, tuple]) -> tuple[dict, dict[str, np.dtype]]:
+def stored_transposed(name: str, shape: tuple, want: tuple) -> bool:
+    """Whether stored leaf `name` is an mHC ``fn`` in the layout ds4jax wrote before round 3's session 31, [m*e,
+    outputs] (now [outputs, m*e], the checkpoint's own: `mhc.raw_mixes`). m*e > outputs always, so the shape alone
+    tells the two apart; such a leaf is read, then transposed."""
+    return name.rsplit(".", 1)[-1] == "fn" and len(want) == 2 and want[0] != want[1] and tuple(shape) == want[::-1]
+
+
+def check_stored(ckpt_dir: str, cfg, dtype: Any, stored: dict[str, tuple]
+                 ) -> tuple[dict, dict[str, np.dtype], frozenset[str]]:
     """Check a stored params tree (flat name -> (shape, dtype)) against the config, before any data is read:
     every leaf's path, shape and integer-ness; the MTP block may be absent. Returns the target tree (abstract, in
-    `dtype`'s per-leaf dtypes, without "mtp" when it is absent) and, per name, the dtype to read the data as:
-    the target's for an exact (widening) float cast, which the reader does on the host (it saves an eager convert
-    program per leaf shape: ~0.5 s of a cached `ds4jax generate`), else the stored one (narrowing casts stay with
-    XLA). Shared by the Orbax and the packed (`ds4jax.io.packed_params`) formats."""
+    `dtype`'s per-leaf dtypes, without "mtp" when it is absent), per name the dtype to read the data as (the
+    target's for an exact (widening) float cast, which the reader does on the host: it saves an eager convert
+    program per leaf shape, ~0.5 s of a cached `ds4jax generate`; else the stored one, narrowing casts staying with
+    XLA), and the names stored in an earlier layout that the reader transposes (`stored_transposed`). Shared by the
+    Orbax and the packed (`ds4jax.io.packed_params`) formats."""
     target = abstract(cfg, dtype)
     if not any(k.startswith("mtp.") for k in stored):
         target.pop("mtp", None)  # like safetensors checkpoints, the MTP block is optional
@@ -132,17 +142,19 @@ def check_stored(ckpt_dir: str, cfg, dtype: Any, stored: dict[str, tuple]) -> tu
     if missing or unexpected:
         raise _error(f"{ckpt_dir}: params tree does not match config.json: missing {missing[:5]}, "
                      f"unexpected {unexpected[:5]}")
-    read_as = {}
+    read_as, transposed = {}, set()
     for name, want in wanted.items():
         shape, have = tuple(stored[name][0]), np.dtype(stored[name][1])
-        if shape != tuple(want.shape):
+        if stored_transposed(name, shape, tuple(want.shape)):
+            transposed.add(name)
+        elif shape != tuple(want.shape):
             raise _error(f"{ckpt_dir}: tensor {name} has shape {shape}, config.json implies {tuple(want.shape)}")
         if jnp.issubdtype(want.dtype, jnp.integer) != jnp.issubdtype(have, jnp.integer):
             raise _error(f"{ckpt_dir}: tensor {name} has dtype {have}, expected {np.dtype(want.dtype)}")
         widen = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want.dtype, jnp.floating) and \
             np.dtype(want.dtype).itemsize >= have.itemsize
         read_as[name] = np.dtype(want.dtype) if widen else have
-    return target, read_as
+    return target, read_as, frozenset(transposed)
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Model:
@@ -157,14 +169,16 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
     if layout is None:  # one device holds every weight (a mesh splits them)
         memory.check_fits(*footprint.weights(cfg, dtype))
     stored = stored_metadata(ckpt_dir)
-    target, read_as = check_stored(ckpt_dir, cfg, dtype, {k: (m.shape, m.dtype) for k, m in stored.items()})
+    target, read_as, transposed = check_stored(ckpt_dir, cfg, dtype,
+                                               {k: (m.shape, m.dtype) for k, m in stored.items()})
     wanted = _flat(target)
     device = jax.local_devices()[0]
     placed = {} if layout is None else _flat(layout.param_shardings(cfg, target))
     restore_as = {}
     for name, want in wanted.items():
-        sharding = placed.get(name) or jax.sharding.SingleDeviceSharding(device)
-        restore_as[name] = jax.ShapeDtypeStruct(tuple(want.shape), read_as[name], sharding=sharding)
+        sharding = placed.get(name) or jax.sharding.SingleDeviceSharding(device)  # an mHC fn: replicated
+        shape = tuple(want.shape)[::-1] if name in transposed else tuple(want.shape)
+        restore_as[name] = jax.ShapeDtypeStruct(shape, read_as[name], sharding=sharding)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     restore_tree = jax.tree_util.tree_unflatten(treedef, [restore_as[_keystr(kp)] for kp, _ in flat])
     try:
@@ -172,5 +186,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
             raw = ckptr.restore(os.path.join(os.path.abspath(ckpt_dir), PARAMS_DIR), restore_tree)
     except Exception as e:
         raise _error(f"cannot restore {ckpt_dir}/{PARAMS_DIR}: {type(e).__name__}: {e}") from None
+    if transposed:
+        raw = jax.tree_util.tree_map_with_path(lambda kp, a: a.T if _keystr(kp) in transposed else a, raw)
     params = jax.tree.map(lambda a, t: a if a.dtype == t.dtype else jnp.asarray(a).astype(t.dtype), raw, target)
     return Model(config=cfg, params=layer_stack.for_loader(cfg, params, layout), layout=layout)

@@ -109,11 +109,13 @@ def load(path: str | os.PathLike, dtype: Any = jnp.bfloat16, layout=None) -> Mod
     with _opened(file) as f:
         stored = {name: (tuple(f.get_slice(name).get_shape()), _dtype(f.get_slice(name).get_dtype(), file, name))
                   for name in f.keys()}
-        target, read_as = check_stored(ckpt_dir, cfg, dtype, stored)
+        target, read_as, transposed = check_stored(ckpt_dir, cfg, dtype, stored)
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         names = [_keystr(kp) for kp, _ in flat]
-        try:  # the data is read here, from the file's map: exact widening casts on the host (check_stored)
+        try:  # the data is read here, from the file's map: exact widening casts on the host (check_stored), and
+            # the transpose of a leaf in an earlier layout (the default model's file keeps the mHC fn's old one)
             host = [f.get_tensor(name).astype(read_as[name], copy=False) for name in names]
+            host = [np.ascontiguousarray(a.T) if name in transposed else a for name, a in zip(names, host)]
         except Exception as e:  # truncated data, I/O errors: safetensors raises its own types
             raise CheckpointError(f"cannot read the tensor data ({type(e).__name__}: {e})", source=file) from None
     tree = jax.tree_util.tree_unflatten(treedef, host)

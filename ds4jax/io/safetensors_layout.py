@@ -104,7 +104,7 @@ def _block_names() -> dict[tuple[str, ...], tuple[str, str]]:
         ("ffn", "tid2eid"): ("ffn.gate.tid2eid", SAME),
     }
     for hc in ("hc_attn", "hc_ffn"):
-        names[(hc, "fn")] = (f"{hc}_fn", T)  # checkpoint [(2+m)*m, m*e]
+        names[(hc, "fn")] = (f"{hc}_fn", SAME)  # [(2+m)*m, m*e] in the checkpoint and in ds4jax
         names[(hc, "base")] = (f"{hc}_base", SAME)
         names[(hc, "scale")] = (f"{hc}_scale", SAME)
     for w in ("w1", "w2", "w3"):
@@ -117,7 +117,7 @@ def _block_names() -> dict[tuple[str, ...], tuple[str, str]]:
 
 
 _BLOCK = _block_names()
-_HC_HEAD = {("hc_head", k): (f"hc_head_{k}", T if k == "fn" else SAME) for k in ("fn", "base", "scale")}
+_HC_HEAD = {("hc_head", k): (f"hc_head_{k}", SAME) for k in ("fn", "base", "scale")}
 _TOP = {("embed",): ("embed.weight", SAME), ("head",): ("head.weight", T), ("norm",): ("norm.weight", SAME), **_HC_HEAD}
 _MTP = {
     ("enorm",): ("enorm.weight", SAME), ("hnorm",): ("hnorm.weight", SAME), ("norm",): ("norm.weight", SAME),

@@ -9,12 +9,12 @@ resolved to shardings with `flax.linen` logical-axis rules. From the one descrip
 * `init(cfg, key, dtype)` -> random params (the embedded default model, tests).
 
 Layout (linears are stored ``[in, out]``, the JAX/Flax kernel convention; the loader transposes checkpoint
-``[out, in]`` tensors):
+``[out, in]`` tensors; the mHC ``fn`` stays ``[out, in]`` as the checkpoint has it, see `mhc.raw_mixes`):
 
-    embed [v, e]   head [e, v]   norm [e]   hc_head {fn [m*e, m], base [m], scale [1]}
+    embed [v, e]   head [e, v]   norm [e]   hc_head {fn [m, m*e], base [m], scale [1]}
     layers[i]:
       attn_norm, ffn_norm [e]
-      hc_attn, hc_ffn {fn [m*e, (2+m)*m], base [(2+m)*m], scale [3]}
+      hc_attn, hc_ffn {fn [(2+m)*m, m*e], base [(2+m)*m], scale [3]}
       attn: wq_a [e, l]  q_norm [l]  wq_b [l, h*d]  wkv [e, d]  kv_norm [d]
             wo_a [g, h*d/g, o]  wo_b [g*o, e]  sink [h]
             compressor (CSA/HCA): wkv, wgate [e, c*d]  ape [ratio, c*d]  norm [d]      (c = 2 for CSA, 1 for HCA)
@@ -94,6 +94,13 @@ def _linear(fan_in: int, fan_out: int, axes: tuple[str, str]) -> ParamInfo:
     return ParamInfo((fan_in, fan_out), axes, _normal)
 
 
+def _transposed(init: Initializer) -> Initializer:
+    """`init` drawn for the reversed shape, then transposed: the mHC fn's values are the ones the [m*e, outputs]
+    layout of earlier versions drew from the same key (every random model, and every test seed picked for its
+    margins, stays the same model)."""
+    return lambda key, shape, dtype=jnp.float32: init(key, shape[::-1], dtype).T
+
+
 def _norm(dim: int, axis: str) -> ParamInfo:
     return ParamInfo((dim,), (axis,), _ones, fp32=True)
 
@@ -101,7 +108,7 @@ def _norm(dim: int, axis: str) -> ParamInfo:
 def _hc(cfg: Config, outputs: int, scales: int) -> dict[str, ParamInfo]:
     m, e = cfg.hc_mult, cfg.hidden_size
     return {
-        "fn": ParamInfo((m * e, outputs), ("hc_embed", "hc_mix"), _normal, fp32=True),
+        "fn": ParamInfo((outputs, m * e), ("hc_mix", "hc_embed"), _transposed(_normal), fp32=True),
         "base": ParamInfo((outputs,), ("hc_mix",), _small_normal(0.1), fp32=True),
         "scale": ParamInfo((scales,), ("hc_scale",), _ones, fp32=True),
     }

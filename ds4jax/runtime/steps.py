@@ -164,7 +164,12 @@ def _pooled_block(x, token_ids, p, pool, rows, g, at: LayerAt, cfg: Config, spec
 def _logits(streams, head_params, norm, head, batch: StepBatch, cfg: Config, mode: Logits, impl: Impl):
     if mode is Logits.NONE:
         return None
-    if mode is Logits.LAST:
+    if mode is Logits.LAST and streams.shape[1] == 1:
+        # one position a row (decode): nothing to choose. The clipped index is always 0, but XLA kept the
+        # take_along_axis in the head's mHC mixing product, which it then wrote to memory instead of fusing it
+        # into its reduction (one launch more a step, scripts/step_kernels.py)
+        streams = streams[:, 0]
+    elif mode is Logits.LAST:
         last = jnp.clip(batch.n_tokens - 1, 0, streams.shape[1] - 1)
         streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)[:, 0]
     return logits_from_streams(streams, head_params, norm, head, cfg, functools.partial(mhc_head, cfg=cfg, impl=impl))

@@ -134,7 +134,7 @@ class TestMhcPreInterpret(MhcPreTestBase):
             case = Case("spec", (2, 3), m, e, head=head)
             _, x, scale, base, weight = make_inputs(case)
             n = m if head else 2 * m + m * m
-            p = {"fn": jax.random.normal(jax.random.key(5), (m * e, n)) * 0.05, "scale": scale, "base": base}
+            p = {"fn": jax.random.normal(jax.random.key(5), (n, m * e)) * 0.05, "scale": scale, "base": base}
             kw = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps, head=head)
             got = mhc_pre_reference(mhc.raw_mixes(x, p["fn"]), x, scale, base, weight, **kw)
             if head:

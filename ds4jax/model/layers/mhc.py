@@ -11,19 +11,23 @@ from ds4jax.model.layers.norms import rms_norm
 
 
 def _mixes(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """rho * (fn x_flat) with rho the reciprocal RMS over all m*e values: [..., outputs] float32."""
+    """rho * (fn x_flat) with rho the reciprocal RMS over all m*e values: [..., outputs] float32 (fn [outputs,
+    m*e], as the checkpoint stores it)."""
     flat = x.reshape(x.shape[:-2] + (-1,)).astype(jnp.float32)
     flat = flat * jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + eps)
-    return jnp.einsum("...i,io->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def raw_mixes(x: jax.Array, fn: jax.Array) -> jax.Array:
     """fn x_flat without the reciprocal RMS (a per-token scalar the fused kernel applies after the matmul):
     [..., outputs] float32. A plain einsum, also for one token: fn's few outputs (2m + m*m) make XLA:GPU's
-    strength-reduced form (multiply + two reductions, no [in, out] product written) faster than `linear`'s two-row
-    GEMM (H100, Flash dims, one token: 3.0 against 4.7 us with its pad; `scripts/bench_mhc.py`)."""
+    strength-reduced form (multiply + reduce, no [in, out] product written) faster than `linear`'s two-row GEMM
+    (H100, Flash dims, one token: 3.0 against 4.7 us with its pad; `scripts/bench_mhc.py`). fn is [outputs, m*e],
+    the checkpoint's own layout: the reduction runs along its rows, one kernel; with fn as [m*e, outputs] (ds4jax's
+    layout before session 31) it was a column reduction, which XLA:GPU splits in two kernels (one launch more per
+    call, two calls a layer at decode; `scripts/step_kernels.py`: flash_slice(4) decode 190 -> 181)."""
     flat = x.reshape(x.shape[:-2] + (-1,)).astype(jnp.float32)
-    return jnp.einsum("...i,io->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
