@@ -1,0 +1,92 @@
+"""The decode-step forms written so that XLA fuses one token's small ops (each cut kernel launches a step,
+`scripts/step_kernels.py`): they compute what the plain forms compute, and the dispatch to them really happens.
+
+* `norms.rms_norm_pair`: the query latent's and K=V vector's norms from one reduction;
+* `routed_experts.weighted_sum`: one token's routed output without a scatter-add;
+* the mHC fn as [outputs, m*e] (the checkpoint's layout): its product is a reduction along rows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ds4jax
+from ds4jax.model import params as P
+from ds4jax.model.config import AttentionType, MlpType
+from ds4jax.model.layers import attention, mhc, moe, norms
+from ds4jax.runtime import routed_experts
+
+
+def _primitives(fn, *args) -> list[str]:
+    return [str(e.primitive) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+
+@pytest.mark.parametrize("la, lb", [(1024, 512), (128, 64), (96, 64), (24, 40)])
+def test_rms_norm_pair_equals_two_norms(la, lb):
+    k = jax.random.split(jax.random.key(la + lb), 4)
+    a = jax.random.normal(k[0], (2, 3, la), jnp.float32) * 3.0
+    b = jax.random.normal(k[1], (2, 3, lb), jnp.float32) * 0.1
+    wa, wb = 1 + 0.1 * jax.random.normal(k[2], (la,)), 1 + 0.1 * jax.random.normal(k[3], (lb,))
+    got = norms.rms_norm_pair(a, wa, b, wb, 1e-6)
+    want = norms.rms_norm(a, wa, 1e-6), norms.rms_norm(b, wb, 1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    pieces = (la + lb) // np.gcd(la, lb)
+    sums = _primitives(lambda *xs: norms.rms_norm_pair(*xs, 1e-6), a, wa, b, wb).count("reduce_sum")
+    # one reduction for both, or the two norms' own where the rows share no piece size that keeps it small
+    assert sums == (1 if pieces <= norms.PAIR_PIECES else 2), (la, lb, sums)
+
+
+def test_project_qkv_takes_the_pair():
+    """The dispatch: the attention's two norms of one input go through `rms_norm_pair` (one reduce_sum before
+    the query's per-head norm), and give what the two separate norms give."""
+    cfg = ds4jax.tiny()
+    p = P.init(cfg, jax.random.key(0))["layers"][0]["attn"]
+    x = jax.random.normal(jax.random.key(1), (1, 1, cfg.hidden_size))
+    pos = jnp.zeros((1, 1), jnp.int32)
+    inv = attention.layer_inv_freq(cfg, AttentionType.SLIDING)
+    prims = _primitives(lambda x: attention.project_qkv(x, pos, p, cfg, inv), x)
+    assert prims.count("reduce_sum") == 2, prims  # the pair's, the query heads'
+    q_latent, _, kv = attention.project_qkv(x, pos, p, cfg, inv)
+    lin = lambda w: jnp.einsum("...i,io->...o", x, w)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(q_latent), np.asarray(norms.rms_norm(lin(p["wq_a"]), p["q_norm"],
+                                                                                 cfg.rms_norm_eps)), rtol=1e-5)
+    assert kv.shape == (1, 1, cfg.head_dim)
+
+
+@pytest.mark.parametrize("kind", [MlpType.TOPK, MlpType.HASH])
+def test_one_token_routed_output_is_a_weighted_sum(kind):
+    """One token through the grouped kernels (interpreted): the same output as the reference strategies, and no
+    scatter-add in its program (several tokens keep the scatter)."""
+    cfg = ds4jax.tiny()
+    params = P.init(cfg, jax.random.key(0))
+    p = params["layers"][2 if kind is MlpType.TOPK else 0]["ffn"]
+    for rows in (1, 3):
+        x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
+        ids = jax.random.randint(jax.random.key(rows + 1), (rows,), 0, cfg.vocab_size)
+        routing = moe.route(x, ids, p, cfg, kind)
+        run = lambda x: routed_experts.routed_experts_grouped(x, routing, p["experts"], cfg,  # noqa: E731
+                                                              interpret=True)
+        want = np.asarray(moe.routed_experts(x, routing, p["experts"], cfg, "ragged"))
+        np.testing.assert_allclose(np.asarray(run(x)), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+        assert ("scatter-add" in _primitives(run, x)) == (rows > 1), rows
+
+
+def test_weighted_sum():
+    y = jnp.arange(12.0).reshape(3, 4)
+    w = jnp.array([0.5, -1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(routed_experts.weighted_sum(y, w)), np.asarray((w @ y)[None]))
+
+
+def test_mhc_fn_is_outputs_by_inputs():
+    """[outputs, m*e] as the checkpoint stores it; the mixes are fn @ flat(x)."""
+    cfg = ds4jax.tiny()
+    m, e = cfg.hc_mult, cfg.hidden_size
+    tree = P.abstract(cfg)
+    assert tree["layers"][0]["hc_attn"]["fn"].shape == (2 * m + m * m, m * e)
+    assert tree["hc_head"]["fn"].shape == (m, m * e)
+    fn = jax.random.normal(jax.random.key(0), (2 * m + m * m, m * e))
+    x = jax.random.normal(jax.random.key(1), (2, m, e))
+    np.testing.assert_allclose(np.asarray(mhc.raw_mixes(x, fn)), np.asarray(x.reshape(2, -1) @ fn.T), rtol=1e-5,
+                               atol=1e-5)
