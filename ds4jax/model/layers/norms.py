@@ -26,11 +26,15 @@ def rms_norm_pair(a: jax.Array, wa: jax.Array, b: jax.Array, wb: jax.Array, eps:
     """`rms_norm(a, wa)`, `rms_norm(b, wb)` for two vectors of one token (the query latent and the K=V vector,
     projected from the same input), their sums of squares from one reduction: both rows are cut into pieces of
     gcd(len a, len b) values, each piece reduced (one kernel over both), and a's and b's pieces added up as
-    elementwise sums, which XLA fuses into the consumers. At decode each norm's reduction was a kernel launch of
-    its own (two a layer, `scripts/step_kernels.py`); the same sums, added in another order (float32)."""
+    elementwise sums, which XLA fuses into the consumers. At decode batch 1 each norm's reduction was a kernel
+    launch of its own (two a layer, `scripts/step_kernels.py`); the same sums, added in another order (float32).
+
+    One token only: with several rows XLA splits the two projections' merged GEMM along k, and the concatenation
+    here then kept the split's sum as a kernel of its own where the two reductions had taken it in (decode at 8
+    rows and verify at 4 tokens: one launch more a layer); there the two norms run as before."""
     la, lb = a.shape[-1], b.shape[-1]
     g = math.gcd(la, lb)
-    if a.shape[:-1] != b.shape[:-1] or (la + lb) // g > PAIR_PIECES:
+    if a.shape[:-1] != b.shape[:-1] or math.prod(a.shape[:-1]) != 1 or (la + lb) // g > PAIR_PIECES:
         return rms_norm(a, wa, eps), rms_norm(b, wb, eps)
     both = jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=-1)
     pieces = jnp.sum(jnp.square(both.reshape(*both.shape[:-1], (la + lb) // g, g)), axis=-1)
