@@ -26,12 +26,8 @@ def pool(kv: jax.Array, gate: jax.Array, p: dict, positions: jax.Array, inv_freq
 
     positions: [...] the entry positions (w*ratio). `rounding` (entries -> entries, None = none) is the last
     step: ``numerics="official"``'s FP8 of main entries or Hadamard + FP4 of indexer keys (`official_numerics`)."""
-    # the softmax's division after the weighted sum (one divide per channel instead of per slot): at decode XLA
-    # then computes the weights and the weighted sum in one kernel (the HCA pool went from five kernel launches,
-    # the max, the denominator, the weights, the weighted sum and the norm's reduction, to four)
-    g = gate.astype(jnp.float32)
-    e = jnp.exp(g - jax.lax.stop_gradient(jnp.max(g, axis=-2, keepdims=True)))  # as jax.nn.softmax
-    pooled = (jnp.sum(kv.astype(jnp.float32) * e, axis=-2) / jnp.sum(e, axis=-2)).astype(kv.dtype)
+    weights = jax.nn.softmax(gate.astype(jnp.float32), axis=-2)
+    pooled = jnp.sum(kv.astype(jnp.float32) * weights, axis=-2).astype(kv.dtype)
     entries = apply_rope(rms_norm(pooled, p["norm"], eps), positions, inv_freq)
     return entries if rounding is None else rounding(entries)
 
