@@ -2,7 +2,8 @@
 `scripts/step_kernels.py`): they compute what the plain forms compute, and the dispatch to them really happens.
 
 * `norms.rms_norm_pair`: the query latent's and K=V vector's norms from one reduction;
-* `routed_experts.weighted_sum`: one token's routed output without a scatter-add;
+* `routed_experts.weighted_sum`: one token's routed output without a scatter-add, its gate / up call given the
+  token's row itself (`grouped_matmul(..., tile_rows=)` broadcasts it in the kernel);
 * the mHC fn as [outputs, m*e] (the checkpoint's layout): its product is a reduction along rows.
 """
 
@@ -20,6 +21,24 @@ from ds4jax.runtime import routed_experts
 
 def _primitives(fn, *args) -> list[str]:
     return [str(e.primitive) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+
+def _pallas_operands(fn, *args) -> list[list[tuple]]:
+    """The operand shapes of every pallas_call in fn's program (nested jits included), in order."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if str(e.primitive) == "pallas_call":
+                found.append([tuple(v.aval.shape) for v in e.invars])
+            for param in e.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (2, 3)])
@@ -73,6 +92,9 @@ def test_one_token_routed_output_is_a_weighted_sum(kind):
         want = np.asarray(moe.routed_experts(x, routing, p["experts"], cfg, "ragged"))
         np.testing.assert_allclose(np.asarray(run(x)), want, atol=1e-5 * np.abs(want).max(), rtol=0)
         assert ("scatter-add" in _primitives(run, x)) == (rows > 1), rows
+        # the gate / up call: one token's row itself (broadcast in the kernel), several tokens' sorted tile rows
+        gate_up_x = _pallas_operands(run, x)[0][1]
+        assert (gate_up_x == (1, cfg.hidden_size)) == (rows == 1), (rows, gate_up_x)
 
 
 def test_weighted_sum():
