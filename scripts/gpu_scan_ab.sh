@@ -14,8 +14,9 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_parts.sh  # wheels, OUT, the session log, part NAME SECONDS CMD...
 bench=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 scripts/bench_quantized.py --quantized-only
        --layers "${LAYERS:-12}" --cases decode_b1_ctx2048,decode_b8_ctx2048)
-part device "${1:-120}" python3 -m pytest -q -m device -p no:cacheprovider tests/kernels/test_mhc_pre.py \
-    tests/kernels/test_layer_matmul.py tests/test_layer_of.py
+# DEVICE_TESTS: the test paths of the device part (default: the scanned path's kernels and the one-token forms')
+part device "${1:-120}" python3 -m pytest -q -m device -p no:cacheprovider ${DEVICE_TESTS:-tests/kernels/test_mhc_pre.py \
+    tests/kernels/test_layer_matmul.py tests/kernels/test_grouped_matmul.py tests/test_layer_of.py}
 if [ -n "${BEFORE:-}" ]; then
     part before "${2:-220}" bash -c "cd '$BEFORE' && PYTHONPATH=. ${bench[*]} --out '$OUT/before'"
 fi
