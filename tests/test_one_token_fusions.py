@@ -23,14 +23,15 @@ def _primitives(fn, *args) -> list[str]:
     return [str(e.primitive) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
 
 
-def _pallas_operands(fn, *args) -> list[list[tuple]]:
-    """The operand shapes of every pallas_call in fn's program (nested jits included), in order."""
+def _equations(fn, *args) -> list:
+    """Every equation of fn's program, nested jits' included (not a pallas_call's kernel body), in order."""
     found = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
+            found.append(e)
             if str(e.primitive) == "pallas_call":
-                found.append([tuple(v.aval.shape) for v in e.invars])
+                continue
             for param in e.params.values():
                 for sub in param if isinstance(param, (tuple, list)) else (param,):
                     inner = getattr(sub, "jaxpr", sub)
@@ -39,6 +40,11 @@ def _pallas_operands(fn, *args) -> list[list[tuple]]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def _pallas_operands(fn, *args) -> list[list[tuple]]:
+    """The operand shapes of every pallas_call in fn's program, in order."""
+    return [[tuple(v.aval.shape) for v in e.invars] for e in _equations(fn, *args) if str(e.primitive) == "pallas_call"]
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (2, 3)])
@@ -77,13 +83,13 @@ def test_project_qkv_takes_the_pair():
 
 
 @pytest.mark.parametrize("kind", [MlpType.TOPK, MlpType.HASH])
-def test_one_token_routed_output_is_a_weighted_sum(kind):
-    """One token through the grouped kernels (interpreted): the same output as the reference strategies, and no
-    scatter-add in its program (several tokens keep the scatter)."""
+def test_few_tokens_routed_output_is_a_weighted_sum(kind):
+    """One token, and a few (up to a tile's 16 rows), through the grouped kernels (interpreted): the same output
+    as the reference strategies, and neither a sort nor a scatter-add in the program (37 tokens keep both)."""
     cfg = ds4jax.tiny()
     params = P.init(cfg, jax.random.key(0))
     p = params["layers"][2 if kind is MlpType.TOPK else 0]["ffn"]
-    for rows in (1, 3):
+    for rows in (1, 3, 16, 37):
         x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
         ids = jax.random.randint(jax.random.key(rows + 1), (rows,), 0, cfg.vocab_size)
         routing = moe.route(x, ids, p, cfg, kind)
@@ -91,10 +97,23 @@ def test_one_token_routed_output_is_a_weighted_sum(kind):
                                                               interpret=True)
         want = np.asarray(moe.routed_experts(x, routing, p["experts"], cfg, "ragged"))
         np.testing.assert_allclose(np.asarray(run(x)), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-        assert ("scatter-add" in _primitives(run, x)) == (rows > 1), rows
-        # the gate / up call: one token's row itself (broadcast in the kernel), several tokens' sorted tile rows
+        prims = {str(e.primitive) for e in _equations(run, x)}
+        assert ("scatter-add" in prims) == ("sort" in prims) == (rows > 16), (rows, prims)
+        # the gate / up call: one token's row itself (broadcast in the kernel), else tiles of 16 rows
         gate_up_x = _pallas_operands(run, x)[0][1]
         assert (gate_up_x == (1, cfg.hidden_size)) == (rows == 1), (rows, gate_up_x)
+
+
+def test_shared_tiles():
+    """Tile s: selection s's expert where s is its first selection, rows = the tokens that chose it; `first` maps
+    every selection to that tile. A repeated expert within a token (a hash table may have one) is one row."""
+    experts = jnp.array([[3, 1], [1, 4], [3, 3]], jnp.int32)
+    group, rows, first = routed_experts.shared_tiles(experts, 4)
+    np.testing.assert_array_equal(np.asarray(group), [3, 1, -1, 4, -1, -1])
+    np.testing.assert_array_equal(np.asarray(first), [0, 1, 1, 3, 0, 0])
+    want = np.zeros((6, 4), bool)
+    want[0, [0, 2]] = want[1, [0, 1]] = want[3, 1] = True
+    np.testing.assert_array_equal(np.asarray(rows), want)
 
 
 def test_weighted_sum():

@@ -22,6 +22,7 @@ DECODE_TILE = 16  # Triton's smallest matmul extent: a decode selection fills on
 PREFILL_TILE = 64
 PREFILL_ABOVE = 256  # selections above which tiles of 64 rows pay off (several tokens per expert)
 GEMV_SELECTIONS = 64  # FP4 experts: up to this many selections (decode up to batch 10 at k=6) one row each
+SHARED_TILE_SELECTIONS = 96  # up to this many selections of <= 16 tokens: `shared_tiles`, no sort
 
 
 def tile_rows(selections: int) -> int:
@@ -109,6 +110,8 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     if n * k <= GEMV_SELECTIONS and _all_fp4((p["w1"], p["w3"], p["w2"])):
         return _fp4_selections(x, routing, p, cfg, interpret, arch, offset)
     tile_m = tile_rows(n * k)
+    if 1 < n <= tile_m and n * k <= SHARED_TILE_SELECTIONS:
+        return _few_tokens(x, routing, p, cfg, interpret, arch, offset, tile_m)
     if n == 1:
         src, tile_group = one_token_tiles(routing.experts[0], tile_m)
     else:
@@ -130,6 +133,43 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
         return weighted_sum(y.reshape(k, tile_m, -1)[:, 0], routing.weights[0])
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
+
+
+def shared_tiles(experts: jax.Array, tile_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A few tokens' selections experts [n, k] (n <= tile_m) as tiles without a sort: tile s belongs to selection
+    s's expert and is live where s is that expert's first selection; row r of a live tile is token r, live where
+    token r chose that expert (a token's k experts are distinct, so an expert has at most n <= tile_m rows).
+    Returns (tile_group [n*k]: the expert, -1 = not its first selection; rows [n*k, tile_m] bool; first [n*k]: the
+    tile holding each selection's product)."""
+    n, k = experts.shape
+    flat = experts.reshape(-1).astype(jnp.int32)
+    s = jnp.arange(n * k, dtype=jnp.int32)
+    first = jnp.min(jnp.where(flat[:, None] == flat[None, :], s[None, :], n * k), axis=1)
+    live = first == s
+    chose = jnp.any(experts[None, :, :] == flat[:, None, None], axis=-1)  # [n*k, n]
+    rows = jnp.pad(chose, ((0, 0), (0, tile_m - n))) & live[:, None]
+    return jnp.where(live, flat, -1), rows, first
+
+
+def _few_tokens(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool, arch: str | None,
+                offset: jax.Array | int, tile_m: int) -> jax.Array:
+    """`routed_experts_grouped` for 2..tile_m tokens (decode at a few rows, a speculative verify's k + 1 tokens):
+    tiles from `shared_tiles` instead of `sort_into_tiles`, each used expert read once as there, and each token's
+    products gathered back by index and weighted in selection order instead of a scatter-add. The sort, its
+    counts, searches and scatters were ~9 kernel launches a layer at these sizes (`scripts/step_kernels.py`)."""
+    n, k = routing.experts.shape
+    tile_group, rows, first = shared_tiles(routing.experts, tile_m)
+    if not isinstance(offset, int):  # a scanned layer: this layer's experts on the merged axis (-1 stays empty)
+        tile_group = jnp.where(tile_group >= 0, tile_group + offset, -1)
+    xp = jnp.pad(x, ((0, tile_m - n), (0, 0)))
+    xs = jnp.where(rows[..., None], xp[None], 0).astype(x.dtype).reshape(n * k * tile_m, -1)
+    gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret, arch)
+    h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
+    (y,) = _grouped(h, (p["w2"],), tile_group, interpret, arch)
+    # token t's product with its j-th expert: row t of the tile of that expert's first selection
+    picked = y.reshape(n * k, tile_m, -1)[first.reshape(n, k), jnp.arange(n)[:, None]]  # [n, k, e]
+    w = routing.weights.astype(jnp.float32)
+    return sum(picked[:, j].astype(jnp.float32) * w[:, j:j + 1] for j in range(k))
 
 
 def weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
