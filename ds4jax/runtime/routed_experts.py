@@ -3,9 +3,12 @@
 The n·k (token, expert) selections are sorted by expert and padded so every tile of `tile_m` rows has one expert;
 `pallas_kernels.grouped_matmul` then reads each used expert's weights once per tile — at decode exactly the
 selected experts, nothing else — for the gate and up projections together, then the down projection. The
-result, weighted, is scattered back to the tokens (padding rows are dropped). Quantized experts (a checkpoint
-loaded with ``weights="checkpoint"``) are read as stored: FP4 through `pallas_kernels.grouped_matmul_fp4` (packed
-bytes), FP8 (base checkpoints) through `pallas_kernels.grouped_matmul_fp8` (E4M3 + block scales).
+result, weighted, is scattered back to the tokens (padding rows are dropped). Decode-sized batches skip the
+sort: one token's k selections take a tile each (`one_token_tiles`), 2 to 16 tokens a tile per used expert with
+a row per token (`shared_tiles`), and their products are gathered back and weighted without a scatter. Quantized
+experts (a checkpoint loaded with ``weights="checkpoint"``) are read as stored: FP4 through
+`pallas_kernels.grouped_matmul_fp4` (packed bytes), FP8 (base checkpoints) through
+`pallas_kernels.grouped_matmul_fp8` (E4M3 + block scales).
 """
 
 from __future__ import annotations
