@@ -67,7 +67,7 @@ def test_rms_norm_pair_equals_two_norms(la, lb, lead):
 
 def test_project_qkv_takes_the_pair():
     """The dispatch: the attention's two norms of one input go through `rms_norm_pair` (one reduce_sum before
-    the query's per-head norm), and give what the two separate norms give."""
+    the query's per-head norm) where XLA computes both projections, and give what the two separate norms give."""
     cfg = ds4jax.tiny()
     p = P.init(cfg, jax.random.key(0))["layers"][0]["attn"]
     x = jax.random.normal(jax.random.key(1), (1, 1, cfg.hidden_size))
@@ -75,6 +75,10 @@ def test_project_qkv_takes_the_pair():
     inv = attention.layer_inv_freq(cfg, AttentionType.SLIDING)
     prims = _primitives(lambda x: attention.project_qkv(x, pos, p, cfg, inv), x)
     assert prims.count("reduce_sum") == 2, prims  # the pair's, the query heads'
+    # FP8 weights (a kernel's outputs on the GPU: two buffers the concatenation would copy) take the two norms
+    from ds4jax.model.quantize import quantize_fp8
+    fp8 = dict(p, wq_a=quantize_fp8(p["wq_a"], (32, 32)), wkv=quantize_fp8(p["wkv"], (32, 32)))
+    assert _primitives(lambda x: attention.project_qkv(x, pos, fp8, cfg, inv), x).count("reduce_sum") == 3
     q_latent, _, kv = attention.project_qkv(x, pos, p, cfg, inv)
     lin = lambda w: jnp.einsum("...i,io->...o", x, w)  # noqa: E731
     np.testing.assert_allclose(np.asarray(q_latent), np.asarray(norms.rms_norm(lin(p["wq_a"]), p["q_norm"],

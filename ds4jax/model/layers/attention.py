@@ -16,7 +16,7 @@ from ds4jax.model.config import AttentionType, Config
 from ds4jax.model.layers import compressor, indexer
 from ds4jax.model import official_numerics as numerics
 from ds4jax.model.layers.linear import grouped_f32, linear
-from ds4jax.model.layers.norms import rms_norm_pair, unweighted_rms_norm
+from ds4jax.model.layers.norms import rms_norm, rms_norm_pair, unweighted_rms_norm
 from ds4jax.model.layers.rope import apply_rope, inv_frequencies
 
 
@@ -30,8 +30,15 @@ def project_qkv(x: jax.Array, positions: jax.Array, p: dict, cfg: Config, inv_fr
     Under ``numerics="official"`` the inputs of the FP8 linears and kv's non-rope dims are rounded
     (`official_numerics`); q_latent is returned unrounded (the indexer's wq_b rounds its own input)."""
     xq = numerics.round_act(x, cfg)
-    q_latent, kv = rms_norm_pair(linear(xq, p["wq_a"]), p["q_norm"], linear(xq, p["wkv"]), p["kv_norm"],
-                                 cfg.rms_norm_eps)
+    q_raw, kv_raw = linear(xq, p["wq_a"]), linear(xq, p["wkv"])
+    if isinstance(p["wq_a"], jax.Array) and isinstance(p["wkv"], jax.Array):
+        # XLA's own dots, which it merges into one GEMM: the pair's concatenation is that GEMM's output
+        q_latent, kv = rms_norm_pair(q_raw, p["q_norm"], kv_raw, p["kv_norm"], cfg.rms_norm_eps)
+    else:
+        # kernels' outputs (FP8 weights, a scanned layer's weights read in their stacks): two buffers, which the
+        # pair's concatenation would copy (one launch more a layer: `scripts/step_kernels.py`, published format)
+        q_latent = rms_norm(q_raw, p["q_norm"], cfg.rms_norm_eps)
+        kv = rms_norm(kv_raw, p["kv_norm"], cfg.rms_norm_eps)
     q = linear(numerics.round_act(q_latent, cfg), p["wq_b"])
     q = q.reshape(x.shape[:-1] + (cfg.num_heads, cfg.head_dim))
     q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), positions, inv_freq)
