@@ -63,23 +63,12 @@ def _all_fp4(ws: tuple) -> bool:
     return all(is_quantized(w) and w.format is Format.FP4 for w in ws)
 
 
-def _plain(ws: tuple) -> bool:
-    return not any(is_quantized(w) for w in ws)
-
-
-def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, arch: str | None = None,
-             tile_rows: int | None = None) -> tuple[jax.Array, ...]:
+def _grouped(x: jax.Array, ws: tuple, tile_group: jax.Array, interpret: bool, arch: str | None = None
+             ) -> tuple[jax.Array, ...]:
     """The grouped matmul for the weights' storage: FP4 experts through the kernel that reads the packed bytes,
     FP8 experts (base checkpoints) through the one that reads E4M3 + block scales; arrays as they are (a mix of
-    formats, which no checkpoint has, would be dequantized whole first). `tile_rows`: x is one row, every row
-    of tiles of that many rows (arrays only: `pallas_kernels.grouped_matmul`'s)."""
+    formats, which no checkpoint has, would be dequantized whole first)."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
-    if tile_rows is not None:
-        if not _plain(ws):
-            raise TypeError("one row for every tile (tile_rows) is the bf16 / f32 grouped kernel's only")
-        tiles = pallas_kernels.GroupedMatmulBlockSizes.get_default(x.dtype, tile_rows, arch=arch)
-        return pallas_kernels.grouped_matmul(x, tuple(dense(w, x.dtype) for w in ws), tile_group, block_sizes=tiles,
-                                             interpret=interpret, tile_rows=tile_rows)
     tile_m = x.shape[0] // tile_group.shape[0]
     if _all_fp4(ws):
         tiles = pallas_kernels.GroupedMatmulFp4BlockSizes.get_default(x.dtype, tile_m, arch=arch)
@@ -123,13 +112,10 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
         tile_group = jnp.where(tile_group >= 0, tile_group + offset, -1)
     live = src >= 0
     token = jnp.where(live, src // k, n)  # padding rows: out of range, dropped by the scatter below
-    if n == 1 and _plain((p["w1"], p["w3"])):
-        # the token's row for every row of its tiles, broadcast in the kernel (the rows below each tile's first
-        # are ignored); the [k * tile_m, e] copy with zero rows built here before was a kernel launch a layer
-        gate, up = _grouped(x, (p["w1"], p["w3"]), tile_group, interpret, arch, tile_rows=tile_m)
-    else:
-        xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
-        gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret, arch)
+    # (one token's row broadcast in the kernel instead of this copy saved a launch a layer, but failed its device
+    # test on an H100 in session 31: reverted, docs/benchmarks/step_kernels_deviceless/README.md)
+    xs = jnp.where(live[:, None], x[jnp.minimum(token, n - 1)], 0).astype(x.dtype)
+    gate, up = _grouped(xs, (p["w1"], p["w3"]), tile_group, interpret, arch)
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
     (y,) = _grouped(h, (p["w2"],), tile_group, interpret, arch)
     if n == 1:  # tile i's first row is selection i

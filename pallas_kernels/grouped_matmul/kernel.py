@@ -6,10 +6,6 @@ tiles [block_k, block_n] straight from the [experts, k, n] weight array and mult
 Decode (a few selections): every selected expert's weights are read once, nothing else (an empty tile, group -1,
 reads no weight); k splits keep enough programs streaming. Prefill: tiles of 64 rows make it a grouped GEMM.
 Several weights of one shape (gate and up projections) share the x loads and the launch.
-
-One row for every tile (`tile_rows`): x is [1, k] and every row of every tile is that row (one token's k
-selections at decode batch 1). The kernel broadcasts the row it loads; the [tiles * tile_m, k] copy of x the
-caller built before (one row a tile, zeros below) was a kernel launch of its own in every MoE layer.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from pallas_kernels.grouped_matmul.tiles import split_outputs, sum_splits, write
 from pallas_kernels.grouped_matmul.validate import validate_grouped_matmul_static
 
 
-def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, precision, tile_m: int):
+def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, precision):
     w_refs, o_refs = refs[:n_w], refs[n_w:]
     block_n = o_refs[0].shape[1]
     g = group_ref[0]
@@ -37,8 +33,6 @@ def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, p
     def body(i, accs):
         k0 = pl.multiple_of(k_base + i * block_k, block_k)
         xk = x_ref[:, pl.ds(k0, block_k)]
-        if xk.shape[0] != tile_m:  # one row for every tile's rows
-            xk = jnp.broadcast_to(xk, (tile_m, block_k))
         return tuple(
             acc + lax.dot(xk, w[g, pl.ds(k0, block_k), pl.ds(n0, block_n)], precision=precision,
                           preferred_element_type=jnp.float32)
@@ -47,24 +41,22 @@ def _kernel(group_ref, x_ref, *refs, n_w: int, block_k: int, k_per_split: int, p
     write_tile(g, o_refs, k_per_split // block_k, body)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "tile_rows"))
-def grouped_matmul(x, ws, tile_group, *, block_sizes=None, interpret=False, tile_rows=None):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def grouped_matmul(x, ws, tile_group, *, block_sizes=None, interpret=False):
     """y[r] = x[r] @ w[tile_group[r // tile_m]] for each w in `ws` (see `reference`).
 
     Args:
-      x: [rows, k] bf16/f32, rows = tiles * tile_m, sorted and padded by group; or, with `tile_rows`, [1, k]: the
-        row of every row of every tile (tile_m = tile_rows).
+      x: [rows, k] bf16/f32, rows = tiles * tile_m, sorted and padded by group.
       ws: tuple of [groups, k, n] (x's dtype). tile_group: [tiles] i32 group of each tile, -1 = empty tile.
-      block_sizes: `BlockSizes` (static) or None. interpret: Pallas interpreter. tile_rows: see x (static).
+      block_sizes: `BlockSizes` (static) or None. interpret: Pallas interpreter.
     Returns:
-      tuple of [tiles * tile_m, n] f32, one per weight; empty tiles give zeros.
+      tuple of [rows, n] f32, one per weight; empty tiles give zeros.
     """
     ws = tuple(ws)
-    validate_grouped_matmul_static(x, ws, tile_group, tile_rows)
-    k = x.shape[1]
+    validate_grouped_matmul_static(x, ws, tile_group)
+    rows, k = x.shape
     n = ws[0].shape[2]
     tiles = tile_group.shape[0]
-    rows = x.shape[0] if tile_rows is None else tiles * tile_rows
     tile_m = rows // tiles
     bs = block_sizes or BlockSizes.get_default(x.dtype, tile_m)
     block_n, block_k = min(bs.block_n, n), min(bs.block_k, k)
@@ -76,10 +68,9 @@ def grouped_matmul(x, ws, tile_group, *, block_sizes=None, interpret=False, tile
     out_specs, out_shape = split_outputs(len(ws), k_splits=k_splits, rows=rows, tile_m=tile_m, n=n, block_n=block_n)
     out = pl.pallas_call(
         functools.partial(_kernel, n_w=len(ws), block_k=block_k, k_per_split=k // k_splits,
-                          precision=_backend.dot_precision(x.dtype), tile_m=tile_m),
+                          precision=_backend.dot_precision(x.dtype)),
         grid=(tiles, n_blocks, k_splits),
-        in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)),
-                  pl.BlockSpec((tile_m, k), lambda t, j, s: (t, 0)) if tile_rows is None else whole(x)]
+        in_specs=[pl.BlockSpec((1,), lambda t, j, s: (t,)), pl.BlockSpec((tile_m, k), lambda t, j, s: (t, 0))]
         + [whole(w) for w in ws],
         out_specs=out_specs,
         out_shape=out_shape,

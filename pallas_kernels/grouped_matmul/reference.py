@@ -11,13 +11,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def grouped_matmul_reference(x, ws, tile_group, *, block_sizes=None, interpret=False, tile_rows=None):
-    """x [r, k], ws: tuple of [g, k, n], tile_group [tiles] i32 (-1 = empty) -> tuple of [r, n] f32. With
-    `tile_rows`, x is [1, k], every row of tiles of `tile_rows` rows (r = tiles * tile_rows)."""
+def grouped_matmul_reference(x, ws, tile_group, *, block_sizes=None, interpret=False):
+    """x [r, k], ws: tuple of [g, k, n], tile_group [tiles] i32 (-1 = empty) -> tuple of [r, n] f32."""
     del block_sizes, interpret
     tiles = tile_group.shape[0]
-    if tile_rows is not None:
-        x = jnp.broadcast_to(x, (tiles * tile_rows, x.shape[1]))
     tile_m = x.shape[0] // tiles
     live = tile_group >= 0
     xt = x.reshape(tiles, tile_m, -1)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def validate_grouped_matmul_static(x, ws, tile_group, tile_rows=None) -> None:
+def validate_grouped_matmul_static(x, ws, tile_group) -> None:
     """Raise ValueError naming the offending argument."""
     if x.ndim != 2:
         raise ValueError(f"x must be [rows, k], got shape {x.shape}")
-    if tile_rows is not None and (x.shape[0] != 1 or tile_rows < 1):
-        raise ValueError(f"with tile_rows (={tile_rows}, >= 1) x must be one row [1, k], got shape {x.shape}")
     if not ws:
         raise ValueError("ws must hold at least one weight")
     for i, w in enumerate(ws):
@@ -18,10 +16,7 @@ def validate_grouped_matmul_static(x, ws, tile_group, tile_rows=None) -> None:
             raise ValueError(f"ws[{i}] must be [groups, k={x.shape[1]}, n] like ws[0], got shape {w.shape}")
         if w.dtype != x.dtype:
             raise ValueError(f"ws[{i}] dtype {w.dtype} must equal x dtype {x.dtype}")
-    if tile_rows is None:
-        validate_tiles(x, tile_group)
-    elif tile_group.ndim != 1 or tile_group.dtype != jnp.int32 or tile_group.shape[0] == 0:
-        raise ValueError(f"tile_group must be [tiles] int32, got {tile_group.dtype}{list(tile_group.shape)}")
+    validate_tiles(x, tile_group)
 
 
 def validate_tiles(x, tile_group) -> None:
