@@ -124,7 +124,9 @@ def test_shared_tiles():
 def test_weighted_sum():
     y = jnp.arange(12.0).reshape(3, 4)
     w = jnp.array([0.5, -1.0, 2.0])
-    np.testing.assert_array_equal(np.asarray(routed_experts.weighted_sum(y, w)), np.asarray((w @ y)[None]))
+    np.testing.assert_array_equal(np.asarray(routed_experts.weighted_sum(y[None], w[None])), np.asarray((w @ y)[None]))
+    two = routed_experts.weighted_sum(jnp.stack([y, 2 * y]), jnp.stack([w, -w]))  # each token its own weights
+    np.testing.assert_array_equal(np.asarray(two), np.asarray(jnp.stack([w @ y, -2 * (w @ y)])))
 
 
 def test_mhc_fn_is_outputs_by_inputs():

@@ -119,7 +119,7 @@ def routed_experts_grouped(x: jax.Array, routing: Routing, p: dict, cfg: Config,
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
     (y,) = _grouped(h, (p["w2"],), tile_group, interpret, arch)
     if n == 1:  # tile i's first row is selection i
-        return weighted_sum(y.reshape(k, tile_m, -1)[:, 0], routing.weights[0])
+        return weighted_sum(y.reshape(1, k, tile_m, -1)[:, :, 0], routing.weights)
     weight = jnp.where(live, routing.weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y * weight[:, None], mode="drop")
 
@@ -157,18 +157,17 @@ def _few_tokens(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret:
     (y,) = _grouped(h, (p["w2"],), tile_group, interpret, arch)
     # token t's product with its j-th expert: row t of the tile of that expert's first selection
     picked = y.reshape(n * k, tile_m, -1)[first.reshape(n, k), jnp.arange(n)[:, None]]  # [n, k, e]
-    w = routing.weights.astype(jnp.float32)
-    return sum(picked[:, j].astype(jnp.float32) * w[:, j:j + 1] for j in range(k))
+    return weighted_sum(picked, routing.weights)
 
 
 def weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
-    """One token's routed output: its k selections' rows y [k, e] weighted and added up, [1, e] float32, as k-1
-    elementwise adds (k is small) in selection order. XLA fuses them with the shared expert's add into one
-    elementwise kernel; the scatter-add onto a zero row it replaced was a kernel of its own, and XLA folded the
-    shared expert's output into the scatter's initial value, a convert kernel more (two launches a layer at decode
-    batch 1, `scripts/step_kernels.py`)."""
+    """A few tokens' routed outputs: each token's k selections' rows y [n, k, e] weighted by weights [n, k] and
+    added up, [n, e] float32, as k-1 elementwise adds (k is small) in selection order. XLA fuses them with the
+    shared expert's add into one elementwise kernel; the scatter-add onto zero rows it replaced was a kernel of its
+    own, and XLA folded the shared expert's output into the scatter's initial value, a convert kernel more (two
+    launches a layer at decode batch 1, `scripts/step_kernels.py`)."""
     w = weights.astype(jnp.float32)
-    return sum(y[j].astype(jnp.float32) * w[j] for j in range(y.shape[0]))[None]
+    return sum(y[:, j].astype(jnp.float32) * w[:, j:j + 1] for j in range(y.shape[1]))
 
 
 def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interpret: bool,
@@ -187,7 +186,7 @@ def _fp4_selections(x: jax.Array, routing: Routing, p: dict, cfg: Config, interp
     h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
     (y,) = pallas_kernels.grouped_gemv_fp4(h, pairs(p["w2"]), experts, block_sizes=tiles, interpret=interpret)
     if n == 1:
-        return weighted_sum(y, routing.weights[0])
+        return weighted_sum(y[None], routing.weights)
     return jnp.sum((y * routing.weights.reshape(-1)[:, None].astype(jnp.float32)).reshape(n, k, -1), axis=1)
 
 

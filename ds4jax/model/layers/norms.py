@@ -10,8 +10,12 @@ PAIR_PIECES = 8  # `rms_norm_pair` cuts both rows into at most this many equal p
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Weighted RMSNorm; the (float32) weight multiplies in float32 before the single cast."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return _normalized(x, weight, jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True), eps)
+
+
+def _normalized(x: jax.Array, weight: jax.Array, mean_square: jax.Array, eps: float) -> jax.Array:
+    """x times the reciprocal RMS from its `mean_square` [..., 1] (float32), then the weight, then one cast."""
+    x32 = x.astype(jnp.float32) * jax.lax.rsqrt(mean_square + eps)
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
@@ -39,9 +43,8 @@ def rms_norm_pair(a: jax.Array, wa: jax.Array, b: jax.Array, wb: jax.Array, eps:
     both = jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=-1)
     pieces = jnp.sum(jnp.square(both.reshape(*both.shape[:-1], (la + lb) // g, g)), axis=-1)
 
-    def norm(x, w, first, count):
-        ss = sum(pieces[..., i:i + 1] for i in range(first, first + count))
-        x32 = x.astype(jnp.float32) * jax.lax.rsqrt(ss / x.shape[-1] + eps)
-        return (w.astype(jnp.float32) * x32).astype(x.dtype)
+    def mean_square(first, count, length):
+        return sum(pieces[..., i:i + 1] for i in range(first, first + count)) / length
 
-    return norm(a, wa, 0, la // g), norm(b, wb, la // g, lb // g)
+    return (_normalized(a, wa, mean_square(0, la // g, la), eps),
+            _normalized(b, wb, mean_square(la // g, lb // g, lb), eps))
