@@ -5,7 +5,9 @@ start[b] = pool.lengths[slot]. Per layer:
 
 1. SWA: the ring is read *before* this chunk writes it (snapshot), and keys are [ring rows ; fresh chunk rows],
    so a token never sees a row overwritten by a later token of its own chunk. The ring is then rewritten with
-   the last rows of the chunk (a gather per ring row, so duplicate positions never race in a scatter).
+   the last rows of the chunk (a gather per ring row, so duplicate positions never race in a scatter). Where
+   the ring has room for the chunk beyond the window (`ring_in_place`: decode always) the chunk's rows are
+   written first instead and the kernel reads the ring in place (`SlotRing`): no snapshot copy.
 2. Compressors: the entries whose window closes inside the chunk are pooled from [state ring ; fresh tokens] and
    written to the paged pool, so windows straddling chunk boundaries give the same entries as a full forward.
    The state ring is then rewritten like the SWA ring.
@@ -106,6 +108,59 @@ class PagedLayer(NamedTuple):
         return jnp.where(rows >= 0, rows + self.layer * self.rows, -1)
 
 
+def ring_in_place(ring_rows: int, window: int, chunk: int) -> bool:
+    """Whether a chunk may write its keys into the SWA ring before its queries read it: the rows it overwrites
+    hold positions before start + chunk - ring_rows, which no query of the chunk sees (its window starts at
+    start - window + 1) when ring_rows >= window + chunk - 1. Decode (one token) always may."""
+    return ring_rows >= window + chunk - 1
+
+
+class SlotRing(NamedTuple):
+    """A per-slot ring array of every layer [layers, S, R, ...] (the SWA keys, or their row scales [layers, S,
+    R]), the running layer's index and each step row's slot [B] (S = the null slot of a padding row).
+
+    Where `ring_in_place` allows it, attention writes the chunk's rows into it and the kernel reads the ring in
+    place through a free reshape to [layers * S * R, ...]. The snapshot way (`LayerPools.ring` as the gathered
+    [B, R, d]) copies the slot's ring, concatenates it with the fresh rows for the kernel and writes the whole
+    ring back: three launches a layer at decode against one (`scripts/step_kernels.py`)."""
+    pool: jax.Array
+    layer: int | jax.Array
+    slots: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.pool.shape[2]
+
+    def flat(self) -> jax.Array:
+        return self.pool.reshape(-1, *self.pool.shape[3:])
+
+    def flat_rows(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
+        """Rows of `flat()` that hold positions [B, ...] of each row's slot; -1 where not ok or the slot is null
+        (a row of the null slot would be another layer's, or past the array)."""
+        n_slots = self.pool.shape[1]
+        lead = (-1,) + (1,) * (positions.ndim - 1)
+        live = (self.slots < n_slots).reshape(lead)
+        first = ((self.layer * n_slots + self.slots) * self.rows).reshape(lead)
+        return jnp.where(ok & live, first + jnp.mod(positions, self.rows), -1)
+
+    def write(self, values: jax.Array, g: ChunkGeometry) -> SlotRing:
+        """The chunk's rows values [B, C, ...] written at their positions; padding tokens and null slots write
+        nothing. One row is a dynamic_update_slice that writes the old row back when it must not write (a
+        scatter with mode="drop" costs XLA:GPU a kernel more, see `steps._set_slot_rows`)."""
+        n_slots = self.pool.shape[1]
+        values = values.astype(self.pool.dtype)
+        if values.shape[:2] == (1, 1):
+            write = g.valid[0, 0] & (self.slots[0] < n_slots)
+            start = (self.layer, jnp.where(write, self.slots[0], 0), jnp.mod(g.positions[0, 0], self.rows))
+            start += (0,) * (self.pool.ndim - 3)
+            old = jax.lax.dynamic_slice(self.pool, start, (1, 1, 1) + self.pool.shape[3:])
+            new = jax.lax.dynamic_update_slice(self.pool, jnp.where(write, values.reshape(old.shape), old), start)
+        else:
+            slots = jnp.where(g.valid & (self.slots < n_slots)[:, None], self.slots[:, None], n_slots)  # [B, C]
+            new = self.pool.at[self.layer, slots, jnp.mod(g.positions, self.rows)].set(values, mode="drop")
+        return self._replace(pool=new)
+
+
 class CompressorState(NamedTuple):
     kv: jax.Array  # [B, Rs, c*w] raw kv projections of recent tokens
     gate: jax.Array  # [B, Rs, c*w] gate projections + ape
@@ -168,14 +223,14 @@ class LayerPools(NamedTuple):
     """What one layer reads and writes (fields named by `pool_layout.POOL_ARRAYS`; None where the layer has no
     such array): slot rings gathered for the step's rows, paged pools whole with the layer's index. The *_scale
     fields exist with an FP8 KV cache only (`kv_quant`): the float32 scale of each row of the array they follow."""
-    ring: jax.Array  # [B, R, d]
+    ring: jax.Array | SlotRing  # [B, R, d] gathered, or the whole ring array in place (`ring_in_place`)
     entries: PagedLayer | None = None  # C4 (CSA) or C128 (HCA) entries
     state_kv: jax.Array | None = None  # [B, Rs, c*w] compressor ring
     state_gate: jax.Array | None = None
     index_entries: PagedLayer | None = None  # indexer keys (CSA)
     index_state_kv: jax.Array | None = None
     index_state_gate: jax.Array | None = None
-    ring_scale: jax.Array | None = None  # [B, R]
+    ring_scale: jax.Array | SlotRing | None = None  # [B, R] (or in place, as `ring`)
     entries_scale: PagedLayer | None = None
     index_entries_scale: PagedLayer | None = None
 
@@ -207,19 +262,13 @@ def window_rows(g: ChunkGeometry, ring_rows: int, window: int) -> jax.Array:
     return jnp.where((p >= 0) & g.valid[..., None], rows, -1)
 
 
-def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Config, kind: AttentionType, *,
-                     page_size: int, max_entries: int, window: int, impl: Impl):
-    """x [B, C, e] normalised -> (y [B, C, e], updated LayerPools, indexer selection [B, C, n] or None).
-
-    Attention runs over two row lists per query (the kernels' interface): list A indexes this step's
-    [ring ; fresh] SWA buffer, list B indexes the compressed pool in place (all visible HCA entries, or the
-    CSA entries the indexer selected)."""
-    b, chunk, _ = x.shape
-    inv_freq = layer_inv_freq(cfg, kind)
-    q_latent, q, kv = project_qkv(x, g.positions, p, cfg, inv_freq)
+def _swa_snapshot(kv, pools: LayerPools, g: ChunkGeometry, window: int):
+    """The SWA keys of a chunk that reads the slots' rings before writing them: (the [ring ; fresh] buffer of
+    every row [B * (R + C), d], its row scales or None, pools with the rewritten rings, the rows each query
+    attends [B, C, window])."""
     ring_rows = pools.ring.shape[1]
     ring_ok = ring_positions(g.start, ring_rows) >= 0
-    swa_scale = table_scale = None  # row scales of the two row lists with an FP8 cache
+    swa_scale = None
     if pools.fp8:  # the chunk's keys are quantized before anything reads them, its own queries included
         kv_stored, kv_scale = kv_quant.quantize(kv, pools.ring.dtype)
         swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0),
@@ -232,7 +281,38 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
         swa = jnp.concatenate([jnp.where(ring_ok[..., None], pools.ring, 0).astype(kv.dtype),
                                jnp.where(g.valid[..., None], kv, 0)], axis=1)  # [B, R + C, d]
         new = pools._replace(ring=rewrite_ring(pools.ring, kv, g))
-    idx_a = window_rows(g, ring_rows, window)
+    return swa.reshape(-1, kv.shape[-1]), swa_scale, new, window_rows(g, ring_rows, window)
+
+
+def _swa_in_place(kv, pools: LayerPools, g: ChunkGeometry, window: int):
+    """`_swa_snapshot` for rings in place (`ring_in_place`): the chunk's keys written first (quantized with an
+    FP8 cache), then the window's rows read from the whole ring array."""
+    ring, ring_scale = pools.ring, pools.ring_scale
+    if pools.fp8:
+        kv, kv_scale = kv_quant.quantize(kv, ring.pool.dtype)
+        ring_scale = ring_scale.write(kv_scale, g)
+    ring = ring.write(kv, g)
+    p = g.positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, C, W]
+    idx = ring.flat_rows(p, (p >= 0) & g.valid[..., None])
+    return (ring.flat(), None if ring_scale is None else ring_scale.flat(),
+            pools._replace(ring=ring, ring_scale=ring_scale), idx)
+
+
+def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Config, kind: AttentionType, *,
+                     page_size: int, max_entries: int, window: int, impl: Impl):
+    """x [B, C, e] normalised -> (y [B, C, e], updated LayerPools, indexer selection [B, C, n] or None).
+
+    Attention runs over two row lists per query (the kernels' interface): list A indexes this step's
+    [ring ; fresh] SWA buffer (or the rings in place, `SlotRing`), list B indexes the compressed pool in place
+    (all visible HCA entries, or the CSA entries the indexer selected)."""
+    b, chunk, _ = x.shape
+    inv_freq = layer_inv_freq(cfg, kind)
+    q_latent, q, kv = project_qkv(x, g.positions, p, cfg, inv_freq)
+    if isinstance(pools.ring, SlotRing):
+        swa, swa_scale, new, idx_a = _swa_in_place(kv, pools, g, window)
+    else:
+        swa, swa_scale, new, idx_a = _swa_snapshot(kv, pools, g, window)
+    table_scale = None  # the compressed pool's row scales with an FP8 cache
     selection, table = None, jnp.zeros((0, cfg.head_dim), kv.dtype)
     idx_b = jnp.zeros((b, chunk, 0), jnp.int32)
     if kind is not AttentionType.SLIDING:
@@ -285,7 +365,7 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
             visible = all_ids[:, None, :] < n_visible[..., None]  # [B, C, capacity]
             idx_b = jnp.where(visible, paged.flat_rows(rows_of)[:, None, :], -1)
     o = kernels.sparse_attention(
-        q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa.reshape(-1, cfg.head_dim),
+        q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa,
         idx_a.reshape(b * chunk, -1), table if pools.fp8 else table.astype(kv.dtype), idx_b.reshape(b * chunk, -1),
         p["sink"], scale=cfg.head_dim**-0.5, impl=impl, kv_a_scale=swa_scale,
         kv_b_scale=table_scale).reshape(q.shape)

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from ds4jax.model.config import AttentionType, Config, MlpType
 from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, dense_linears, mhc_head, mhc_pre, resolve, routed_experts
-from ds4jax.runtime import data_parallel, pool_layout as layout
-from ds4jax.runtime.pooled_attention import LayerPools, PagedLayer, attention_pooled, geometry
+from ds4jax.runtime import data_parallel, kv_quant, pool_layout as layout
+from ds4jax.runtime.pooled_attention import (LayerPools, PagedLayer, SlotRing, attention_pooled, geometry,
+                                             ring_in_place)
 from ds4jax.model import layer_stack
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.model.layer_stack import LayerAt
@@ -92,15 +93,23 @@ def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batc
         raise PoolError(f"{name}: {b} rows exceed the pool's {spec.max_slots} slots")
 
 
-def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt) -> LayerPools:
+_SWA_FIELDS = ("ring", "ring_scale")  # the SWA ring's `LayerPools` fields (keys and their FP8 scales)
+
+
+def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt, swa_in_place: bool) -> LayerPools:
     """A layer's view of the pools (arrays and fields from `pool_layout`): slot rings of the step's `rows`
-    (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index."""
+    (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index. With
+    `swa_in_place` (`pooled_attention.ring_in_place`) the SWA ring whole as well (`SlotRing`), which attention
+    writes and reads in place."""
     fields = {}
     for a in layout.of_layer(at.attention):
         arr, i = getattr(pool, a.name), at.rank(a.layers)
         if not arr.shape[0]:  # no layers: a scale array without an FP8 cache (the field stays None)
             continue
-        fields[a.field] = _slot_rows(arr, i, rows) if a.per_slot else PagedLayer(arr, i)
+        if swa_in_place and a.field in _SWA_FIELDS:
+            fields[a.field] = SlotRing(arr, i, rows)
+        else:
+            fields[a.field] = _slot_rows(arr, i, rows) if a.per_slot else PagedLayer(arr, i)
     return LayerPools(**fields)
 
 
@@ -137,7 +146,9 @@ def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) ->
         value = getattr(new, a.field)
         if value is None:  # not loaded (`_load_layer`)
             continue
-        if a.per_slot:
+        if isinstance(value, SlotRing):  # written in place by attention
+            changes[a.name] = value.pool
+        elif a.per_slot:
             arr, i = getattr(pool, a.name), at.rank(a.layers)
             changes[a.name] = _set_slot_rows(arr, i, rows, value.astype(arr.dtype))
         else:
@@ -145,9 +156,19 @@ def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) ->
     return pool.replace(**changes)
 
 
+def _swa_in_place(pool: KVPool, cfg: Config, chunk: int, dtype) -> bool:
+    """Whether a step of `chunk` tokens writes the SWA ring and reads it in place (`pooled_attention.SlotRing`):
+    the ring has room for the chunk beyond the window (`ring_in_place`: decode always), and it stores the
+    chunk's keys as attention reads them (an FP8 ring: they are quantized first either way; else a ring of the
+    step's dtype. A bf16 ring under an f32 model keeps the snapshot, which reads the fresh keys unrounded)."""
+    ring = pool.swa_kv
+    return ring_in_place(ring.shape[2], cfg.sliding_window, chunk) and (
+        ring.dtype == dtype or kv_quant.is_fp8(ring.dtype))
+
+
 def _pooled_block(x, token_ids, p, pool, rows, g, at: LayerAt, cfg: Config, spec: PoolSpec, impl: Impl):
     """`model.block` with the pooled attention; returns (streams, pool with this layer updated, selection)."""
-    layer_pools = _load_layer(pool, rows, at)
+    layer_pools = _load_layer(pool, rows, at, _swa_in_place(pool, cfg, g.positions.shape[1], x.dtype))
 
     def attention(h):
         y, new, selection = attention_pooled(
