@@ -10,7 +10,7 @@ start[b] = pool.lengths[slot]. Per layer:
    written first instead and the kernel reads the ring in place (`SlotRing`): no snapshot copy.
 2. Compressors: the entries whose window closes inside the chunk are pooled from [state ring ; fresh tokens] and
    written to the paged pool, so windows straddling chunk boundaries give the same entries as a full forward.
-   The state ring is then rewritten like the SWA ring.
+   The state ring is then rewritten like the SWA ring, or, in place, written first and the windows read from it.
 3. Compressed keys: HCA attends to all visible entries; CSA runs the indexer over the request's indexer keys and
    attends to the selected entries. Attention and indexer go through `ds4jax.runtime.kernels` (Pallas or reference).
 
@@ -116,13 +116,14 @@ def ring_in_place(ring_rows: int, window: int, chunk: int) -> bool:
 
 
 class SlotRing(NamedTuple):
-    """A per-slot ring array of every layer [layers, S, R, ...] (the SWA keys, or their row scales [layers, S,
-    R]), the running layer's index and each step row's slot [B] (S = the null slot of a padding row).
+    """A per-slot ring array of every layer [layers, S, R, ...] (the SWA keys or their row scales [layers, S, R],
+    a compressor's state), the running layer's index and each step row's slot [B] (S = the null slot of a
+    padding row).
 
-    Where `ring_in_place` allows it, attention writes the chunk's rows into it and the kernel reads the ring in
-    place through a free reshape to [layers * S * R, ...]. The snapshot way (`LayerPools.ring` as the gathered
-    [B, R, d]) copies the slot's ring, concatenates it with the fresh rows for the kernel and writes the whole
-    ring back: three launches a layer at decode against one (`scripts/step_kernels.py`)."""
+    Where `ring_in_place` allows it, the chunk's rows are written into it first and its reads take the ring in
+    place through a free reshape to [layers * S * R, ...]. The snapshot way (the slot's ring gathered as
+    [B, R, ...]) copies the slot's ring, concatenates or selects it with the fresh rows and writes the whole
+    ring back: the SWA keys took three launches a layer at decode against one (`scripts/step_kernels.py`)."""
     pool: jax.Array
     layer: int | jax.Array
     slots: jax.Array
@@ -162,8 +163,8 @@ class SlotRing(NamedTuple):
 
 
 class CompressorState(NamedTuple):
-    kv: jax.Array  # [B, Rs, c*w] raw kv projections of recent tokens
-    gate: jax.Array  # [B, Rs, c*w] gate projections + ape
+    kv: jax.Array | SlotRing  # [B, Rs, c*w] raw kv projections of recent tokens (or the rings in place)
+    gate: jax.Array | SlotRing  # [B, Rs, c*w] gate projections + ape
 
 
 def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int, overlap: bool, width: int,
@@ -174,8 +175,7 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
     b, chunk, _ = x.shape
     kv, gate = compressor.project(x, p)
     gate = gate + p["ape"].astype(gate.dtype)[g.positions % ratio]
-    rows = state.kv.shape[1]
-    span = 2 * ratio if overlap else ratio
+    span = window_span(ratio, overlap)
     e_max = chunk // ratio + 1
     first = g.start // ratio  # [B]
     ids = first[:, None] + jnp.arange(e_max, dtype=jnp.int32)[None, :]  # [B, E]
@@ -183,16 +183,12 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
     # token position of every slot of every new entry
     offset = -ratio if overlap else 0
     pos = ids[..., None] * ratio + offset + jnp.arange(span, dtype=jnp.int32)  # [B, E, span]
-    fresh_idx = jnp.clip(pos - g.start[:, None, None], 0, chunk - 1)
-    from_fresh = pos >= g.start[:, None, None]
-    ring_idx = jnp.mod(pos, rows)
-
-    def gather(fresh, ring):
-        f = jnp.take_along_axis(fresh, fresh_idx.reshape(b, -1)[..., None], axis=1).reshape(pos.shape + (-1,))
-        r = jnp.take_along_axis(ring, ring_idx.reshape(b, -1)[..., None], axis=1).reshape(pos.shape + (-1,))
-        return jnp.where(from_fresh[..., None], f.astype(jnp.float32), r.astype(jnp.float32))
-
-    slot_kv, slot_gate = gather(kv, state.kv), gather(gate, state.gate)  # [B, E, span, c*w]
+    if isinstance(state.kv, SlotRing):  # rings in place: the chunk written first, then every window read from them
+        new_state = CompressorState(state.kv.write(kv, g), state.gate.write(gate, g))
+        slot_kv, slot_gate = _ring_slots(new_state.kv, pos), _ring_slots(new_state.gate, pos)
+    else:
+        slot_kv, slot_gate = _snapshot_slots(kv, state.kv, pos, g), _snapshot_slots(gate, state.gate, pos, g)
+        new_state = CompressorState(rewrite_ring(state.kv, kv, g), rewrite_ring(state.gate, gate, g))
     if overlap:  # previous window uses the first half of the channels, the current window the second half
         first_half = (jnp.arange(span) < ratio)[None, None, :, None]
         slot_kv = jnp.where(first_half, slot_kv[..., :width], slot_kv[..., width:])
@@ -204,8 +200,30 @@ def compress_chunk(x, p, state: CompressorState, g: ChunkGeometry, *, ratio: int
     slot_kv = jnp.where(ok[..., None, None], slot_kv, 0.0)
     slot_gate = jnp.where(ok[..., None, None], slot_gate, 0.0)
     entries = compressor.pool(slot_kv.astype(x.dtype), slot_gate, p, ids * ratio, inv_freq, eps, rounding)
-    new_state = CompressorState(rewrite_ring(state.kv, kv, g), rewrite_ring(state.gate, gate, g))
     return entries, ids, ok, new_state
+
+
+def window_span(ratio: int, overlap: bool) -> int:
+    """Tokens in one compressor window: 2 ratio with CSA's overlap, else ratio."""
+    return 2 * ratio if overlap else ratio
+
+
+def _snapshot_slots(fresh, ring, pos, g: ChunkGeometry) -> jax.Array:
+    """Values at positions pos [B, E, span] from [a slot's ring (read before the chunk writes it) ; the chunk's
+    fresh rows]: f32 [B, E, span, c*w]."""
+    b, chunk = fresh.shape[:2]
+    fresh_idx = jnp.clip(pos - g.start[:, None, None], 0, chunk - 1).reshape(b, -1)
+    f = jnp.take_along_axis(fresh, fresh_idx[..., None], axis=1).reshape(pos.shape + (-1,))
+    r = jnp.take_along_axis(ring, jnp.mod(pos, ring.shape[1]).reshape(b, -1)[..., None], axis=1)
+    from_fresh = pos >= g.start[:, None, None]
+    return jnp.where(from_fresh[..., None], f.astype(jnp.float32), r.reshape(f.shape).astype(jnp.float32))
+
+
+def _ring_slots(ring: SlotRing, pos) -> jax.Array:
+    """Values at positions pos [B, E, span] from rings in place that hold the chunk: f32 [B, E, span, c*w].
+    A negative position or a null slot reads some row (the callers mask those slots)."""
+    rows = jnp.maximum(ring.flat_rows(pos, pos >= 0), 0)
+    return ring.flat().at[rows].get(mode="promise_in_bounds").astype(jnp.float32)
 
 
 def write_entries(paged: PagedLayer, entries, ids, ok, g: ChunkGeometry, ratio: int, page_size: int) -> PagedLayer:

@@ -27,7 +27,7 @@ from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, dense_linears, mhc_head, mhc_pre, resolve, routed_experts
 from ds4jax.runtime import data_parallel, kv_quant, pool_layout as layout
 from ds4jax.runtime.pooled_attention import (LayerPools, PagedLayer, SlotRing, attention_pooled, geometry,
-                                             ring_in_place)
+                                             ring_in_place, window_span)
 from ds4jax.model import layer_stack
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.model.layer_stack import LayerAt
@@ -93,24 +93,43 @@ def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batc
         raise PoolError(f"{name}: {b} rows exceed the pool's {spec.max_slots} slots")
 
 
-_SWA_FIELDS = ("ring", "ring_scale")  # the SWA ring's `LayerPools` fields (keys and their FP8 scales)
-
-
-def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt, swa_in_place: bool) -> LayerPools:
+def _load_layer(pool: KVPool, rows: jax.Array, at: LayerAt, in_place: frozenset) -> LayerPools:
     """A layer's view of the pools (arrays and fields from `pool_layout`): slot rings of the step's `rows`
-    (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index. With
-    `swa_in_place` (`pooled_attention.ring_in_place`) the SWA ring whole as well (`SlotRing`), which attention
-    writes and reads in place."""
+    (the null slot max_slots of a padding row reads zeros), paged pools whole with the layer's index. The
+    rings named in `in_place` (`_in_place_rings`) whole as well (`SlotRing`): attention writes and reads them in
+    place."""
     fields = {}
     for a in layout.of_layer(at.attention):
         arr, i = getattr(pool, a.name), at.rank(a.layers)
         if not arr.shape[0]:  # no layers: a scale array without an FP8 cache (the field stays None)
             continue
-        if swa_in_place and a.field in _SWA_FIELDS:
+        if a.field in in_place:
             fields[a.field] = SlotRing(arr, i, rows)
         else:
             fields[a.field] = _slot_rows(arr, i, rows) if a.per_slot else PagedLayer(arr, i)
     return LayerPools(**fields)
+
+
+def _in_place_rings(pool: KVPool, kind: AttentionType, cfg: Config, chunk: int, dtype) -> frozenset:
+    """The `LayerPools` fields of the per-slot rings that a step of `chunk` tokens writes and reads in place
+    (`pooled_attention.SlotRing`): a ring with room for the chunk beyond the span its reads need
+    (`ring_in_place`: the SWA window, a compressor's window; decode always) that stores the chunk's values as
+    they are read. That is an FP8 SWA ring (the keys are quantized first either way) or one of the step's dtype,
+    and a compressor ring of a dtype that holds the step's exactly; otherwise the snapshot, which reads the fresh
+    values unrounded (a bf16 ring under an f32 model)."""
+    fields = set()
+    ring = pool.swa_kv
+    if ring_in_place(ring.shape[2], cfg.sliding_window, chunk) and (ring.dtype == dtype or
+                                                                   kv_quant.is_fp8(ring.dtype)):
+        fields |= {"ring", "ring_scale"}
+    if kind is not AttentionType.SLIDING:
+        span = window_span(cfg.compress_ratio_of(kind), kind is AttentionType.CSA)
+        for a in layout.of_layer(kind):
+            arr = getattr(pool, a.name)
+            if a.group == "states" and ring_in_place(arr.shape[2], span, chunk) and (
+                    jnp.promote_types(dtype, arr.dtype) == arr.dtype):
+                fields.add(a.field)
+    return frozenset(fields)
 
 
 def _slot_rows(arr: jax.Array, i, rows: jax.Array) -> jax.Array:
@@ -156,19 +175,10 @@ def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) ->
     return pool.replace(**changes)
 
 
-def _swa_in_place(pool: KVPool, cfg: Config, chunk: int, dtype) -> bool:
-    """Whether a step of `chunk` tokens writes the SWA ring and reads it in place (`pooled_attention.SlotRing`):
-    the ring has room for the chunk beyond the window (`ring_in_place`: decode always), and it stores the
-    chunk's keys as attention reads them (an FP8 ring: they are quantized first either way; else a ring of the
-    step's dtype. A bf16 ring under an f32 model keeps the snapshot, which reads the fresh keys unrounded)."""
-    ring = pool.swa_kv
-    return ring_in_place(ring.shape[2], cfg.sliding_window, chunk) and (
-        ring.dtype == dtype or kv_quant.is_fp8(ring.dtype))
-
-
 def _pooled_block(x, token_ids, p, pool, rows, g, at: LayerAt, cfg: Config, spec: PoolSpec, impl: Impl):
     """`model.block` with the pooled attention; returns (streams, pool with this layer updated, selection)."""
-    layer_pools = _load_layer(pool, rows, at, _swa_in_place(pool, cfg, g.positions.shape[1], x.dtype))
+    in_place = _in_place_rings(pool, at.attention, cfg, g.positions.shape[1], x.dtype)
+    layer_pools = _load_layer(pool, rows, at, in_place)
 
     def attention(h):
         y, new, selection = attention_pooled(
