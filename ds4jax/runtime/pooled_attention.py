@@ -115,6 +115,17 @@ def ring_in_place(ring_rows: int, window: int, chunk: int) -> bool:
     return ring_rows >= window + chunk - 1
 
 
+def set_row(arr: jax.Array, index: tuple, value: jax.Array, write: jax.Array) -> jax.Array:
+    """arr[index] = value where `write` (a bool scalar), else arr unchanged; index: scalars of arr's leading axes
+    (clamped into range when `write` is false). One dynamic_update_slice that writes the old row back when it must
+    not write: XLA:GPU made a one-row scatter with mode="drop" an update plus a kernel of its own for the bounds
+    or the old row, per array and layer; this form fuses into one kernel with the row's computation."""
+    start = tuple(index) + (0,) * (arr.ndim - len(index))
+    size = (1,) * len(index) + arr.shape[len(index):]
+    old = jax.lax.dynamic_slice(arr, start, size)
+    return jax.lax.dynamic_update_slice(arr, jnp.where(write, value.reshape(size).astype(arr.dtype), old), start)
+
+
 class SlotRing(NamedTuple):
     """A per-slot ring array of every layer [layers, S, R, ...] (the SWA keys or their row scales [layers, S, R],
     a compressor's state), the running layer's index and each step row's slot [B] (S = the null slot of a
@@ -152,10 +163,7 @@ class SlotRing(NamedTuple):
         values = values.astype(self.pool.dtype)
         if values.shape[:2] == (1, 1):
             write = g.valid[0, 0] & (self.slots[0] < n_slots)
-            start = (self.layer, jnp.where(write, self.slots[0], 0), jnp.mod(g.positions[0, 0], self.rows))
-            start += (0,) * (self.pool.ndim - 3)
-            old = jax.lax.dynamic_slice(self.pool, start, (1, 1, 1) + self.pool.shape[3:])
-            new = jax.lax.dynamic_update_slice(self.pool, jnp.where(write, values.reshape(old.shape), old), start)
+            new = set_row(self.pool, (self.layer, self.slots[0], jnp.mod(g.positions[0, 0], self.rows)), values, write)
         else:
             slots = jnp.where(g.valid & (self.slots < n_slots)[:, None], self.slots[:, None], n_slots)  # [B, C]
             new = self.pool.at[self.layer, slots, jnp.mod(g.positions, self.rows)].set(values, mode="drop")
@@ -227,13 +235,17 @@ def _ring_slots(ring: SlotRing, pos) -> jax.Array:
 
 
 def write_entries(paged: PagedLayer, entries, ids, ok, g: ChunkGeometry, ratio: int, page_size: int) -> PagedLayer:
-    """Scatter new entries [B, E, w] (or their scales [B, E]) into the layer's rows in place. Padding entries and entries without a page
-    go to the out-of-range row N, which mode="drop" discards (host validation guarantees real rows exist)."""
+    """Scatter new entries [B, E, w] (or their scales [B, E]) into the layer's rows in place. Padding entries and
+    entries without a page go to the out-of-range row N, which mode="drop" discards (host validation guarantees
+    real rows exist). One entry (decode at batch 1) is a `set_row`."""
     n = paged.rows
     rows = entry_rows(g.page_table, ids, ratio, page_size, n // (page_size // ratio))
-    rows = jnp.where(ok & (rows >= 0), rows, n)
-    new = paged.pool.at[paged.layer, rows.reshape(-1)].set(
-        entries.reshape(-1, *paged.pool.shape[2:]).astype(paged.pool.dtype), mode="drop")
+    write = ok & (rows >= 0)
+    values = entries.reshape(-1, *paged.pool.shape[2:])
+    if values.shape[0] == 1:
+        return paged._replace(pool=set_row(paged.pool, (paged.layer, rows.reshape(())), values, write.reshape(())))
+    new = paged.pool.at[paged.layer, jnp.where(write, rows, n).reshape(-1)].set(values.astype(paged.pool.dtype),
+                                                                               mode="drop")
     return paged._replace(pool=new)
 
 

@@ -27,7 +27,7 @@ from ds4jax.runtime.executable_cache import cached_jit
 from ds4jax.runtime.kernels import Impl, dense_linears, mhc_head, mhc_pre, resolve, routed_experts
 from ds4jax.runtime import data_parallel, kv_quant, pool_layout as layout
 from ds4jax.runtime.pooled_attention import (LayerPools, PagedLayer, SlotRing, attention_pooled, geometry,
-                                             ring_in_place, window_span)
+                                             ring_in_place, set_row, window_span)
 from ds4jax.model import layer_stack
 from ds4jax.model.forward import block, embed, logits_from_streams, mtp_inputs
 from ds4jax.model.layer_stack import LayerAt
@@ -151,10 +151,7 @@ def _set_slot_rows(arr: jax.Array, i, rows: jax.Array, value: jax.Array) -> jax.
     row's write."""
     if rows.shape[0] != 1:
         return arr.at[i, rows].set(value, mode="drop")
-    inside = rows[0] < arr.shape[1]
-    start = (i, jnp.where(inside, rows[0], 0)) + (0,) * (arr.ndim - 2)
-    old = jax.lax.dynamic_slice(arr, start, (1, 1) + arr.shape[2:])
-    return jax.lax.dynamic_update_slice(arr, jnp.where(inside, value.reshape(old.shape), old), start)
+    return set_row(arr, (i, rows[0]), value, rows[0] < arr.shape[1])
 
 
 def _store_layer(pool: KVPool, new: LayerPools, rows: jax.Array, at: LayerAt) -> KVPool:
