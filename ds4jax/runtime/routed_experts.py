@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ds4jax.model.config import Config
 from ds4jax.model.layer_of import LayerOf
@@ -51,12 +52,13 @@ def sort_into_tiles(experts: jax.Array, num_experts: int, tile_m: int) -> tuple[
     return src, jnp.where(first_row < ends[-1], group, -1)
 
 
-def one_token_tiles(experts: jax.Array, tile_m: int) -> tuple[jax.Array, jax.Array]:
+def one_token_tiles(experts: jax.Array, tile_m: int) -> tuple[np.ndarray, jax.Array]:
     """`sort_into_tiles` for one token's k selections, without the sort: tile i holds selection i in its first row
     (the grouped kernels need no order between tiles). At decode batch 1 the sort, counts, searches and scatters
-    were ~9 kernel launches a layer for 6 selections."""
-    rows = jnp.arange(experts.shape[0] * tile_m, dtype=jnp.int32)
-    return jnp.where(rows % tile_m == 0, rows // tile_m, -1), experts.astype(jnp.int32)
+    were ~9 kernel launches a layer for 6 selections. The row map depends on shapes only: a NumPy constant (as an
+    iota comparison XLA:GPU computed it in a kernel of its own, which every layer's row copy then read)."""
+    rows = np.arange(experts.shape[0] * tile_m, dtype=np.int32)
+    return np.where(rows % tile_m == 0, rows // tile_m, -1).astype(np.int32), experts.astype(jnp.int32)
 
 
 def _all_fp4(ws: tuple) -> bool:
