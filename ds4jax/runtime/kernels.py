@@ -72,16 +72,17 @@ def block_sizes(op: str, dtype, arch: str | None):
 
 
 def _given(**scales) -> dict:
-    """The row scales of FP8 pools that are present (an FP8 KV cache), by keyword."""
+    """The optional operands that are present (an FP8 KV cache's row scales, a row offset), by keyword."""
     return {name: value for name, value in scales.items() if value is not None}
 
 
 def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale: float, impl: Impl, kv_a_scale=None,
-                     kv_b_scale=None):
+                     kv_b_scale=None, a_base=None):
     """q [t, h, d] attends to rows kv_a[idx_a[t]] and kv_b[idx_b[t]] (-1 = unused) with a sink -> [t, h, d].
-    An FP8 pool comes with its row scales (kv_*_scale [rows] f32); the kernels read it as stored."""
+    An FP8 pool comes with its row scales (kv_*_scale [rows] f32); the kernels read it as stored. a_base: None
+    or an int32 scalar added to idx_a's valid slots."""
     import pallas_kernels  # here, not at the top: see __getattr__ below
-    scales = _given(kv_a_scale=kv_a_scale, kv_b_scale=kv_b_scale)
+    scales = _given(kv_a_scale=kv_a_scale, kv_b_scale=kv_b_scale, a_base=a_base)
     if impl is Impl.REFERENCE:
         return pallas_kernels.sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, **scales)
 

@@ -146,14 +146,24 @@ class SlotRing(NamedTuple):
     def flat(self) -> jax.Array:
         return self.pool.reshape(-1, *self.pool.shape[3:])
 
-    def flat_rows(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
-        """Rows of `flat()` that hold positions [B, ...] of each row's slot; -1 where not ok or the slot is null
-        (a row of the null slot would be another layer's, or past the array)."""
+    @property
+    def base(self) -> int | jax.Array:
+        """The running layer's first row in `flat()`."""
+        return self.layer * self.pool.shape[1] * self.rows
+
+    def layer_rows(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
+        """Rows counted from `base` that hold positions [B, ...] of each row's slot (the same for every layer);
+        -1 where not ok or the slot is null (a row of the null slot would be another layer's, or past the
+        array)."""
         n_slots = self.pool.shape[1]
         lead = (-1,) + (1,) * (positions.ndim - 1)
         live = (self.slots < n_slots).reshape(lead)
-        first = ((self.layer * n_slots + self.slots) * self.rows).reshape(lead)
-        return jnp.where(ok & live, first + jnp.mod(positions, self.rows), -1)
+        return jnp.where(ok & live, (self.slots * self.rows).reshape(lead) + jnp.mod(positions, self.rows), -1)
+
+    def flat_rows(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
+        """`layer_rows` as rows of `flat()`."""
+        rows = self.layer_rows(positions, ok)
+        return jnp.where(rows >= 0, rows + self.base, -1)
 
     def write(self, values: jax.Array, g: ChunkGeometry) -> SlotRing:
         """The chunk's rows values [B, C, ...] written at their positions; padding tokens and null slots write
@@ -323,7 +333,7 @@ def _swa_in_place(kv, pools: LayerPools, g: ChunkGeometry, window: int):
         ring_scale = ring_scale.write(kv_scale, g)
     ring = ring.write(kv, g)
     p = g.positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, C, W]
-    idx = ring.flat_rows(p, (p >= 0) & g.valid[..., None])
+    idx = ring.layer_rows(p, (p >= 0) & g.valid[..., None])  # from the layer's first row (the kernel's a_base)
     return (ring.flat(), None if ring_scale is None else ring_scale.flat(),
             pools._replace(ring=ring, ring_scale=ring_scale), idx)
 
@@ -338,8 +348,10 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
     b, chunk, _ = x.shape
     inv_freq = layer_inv_freq(cfg, kind)
     q_latent, q, kv = project_qkv(x, g.positions, p, cfg, inv_freq)
+    a_base = None  # list A's rows from this row of `swa` (the rings in place: the layer's first)
     if isinstance(pools.ring, SlotRing):
         swa, swa_scale, new, idx_a = _swa_in_place(kv, pools, g, window)
+        a_base = jnp.asarray(pools.ring.base, jnp.int32)
     else:
         swa, swa_scale, new, idx_a = _swa_snapshot(kv, pools, g, window)
     table_scale = None  # the compressed pool's row scales with an FP8 cache
@@ -398,5 +410,5 @@ def attention_pooled(x, pools: LayerPools, g: ChunkGeometry, p: dict, cfg: Confi
         q.reshape(b * chunk, cfg.num_heads, cfg.head_dim), swa,
         idx_a.reshape(b * chunk, -1), table if pools.fp8 else table.astype(kv.dtype), idx_b.reshape(b * chunk, -1),
         p["sink"], scale=cfg.head_dim**-0.5, impl=impl, kv_a_scale=swa_scale,
-        kv_b_scale=table_scale).reshape(q.shape)
+        kv_b_scale=table_scale, a_base=a_base).reshape(q.shape)
     return output_projection(o, g.positions, p, cfg, inv_freq), new, selection

@@ -42,8 +42,9 @@ def _live_blocks(idx_ref, n: int, block_k: int):
 
 def _sparse_attention_kernel(
     q_ref,  # [block_h, d]
-    *refs,  # [sink [block_h] f32 if with_sink], idx_a [na] i32 (-1 = unused), [idx_b [nb]], kv_a [ra, d] whole
-    # pool, [kv_b [rb, d]], [a's row scales [ra] f32 if FP8], [b's row scales [rb] f32 if FP8], outputs
+    *refs,  # [a_base [1] i32 if based], [sink [block_h] f32 if with_sink], idx_a [na] i32 (-1 = unused),
+    # [idx_b [nb]], kv_a [ra, d] whole pool, [kv_b [rb, d]], [a's row scales [ra] f32 if FP8], [b's row scales
+    # [rb] f32 if FP8], outputs
     na: int,
     nb: int,
     scale: float,
@@ -53,8 +54,10 @@ def _sparse_attention_kernel(
     precision,
     scaled: tuple[bool, bool],
     with_sink: bool,
+    based: bool,
 ):
     refs = list(refs)
+    a_base = refs.pop(0)[0] if based else None  # list A's row offset (a [1] i32 operand)
     sink_ref = refs.pop(0) if with_sink else None
     if nb:
         idx_a_ref, idx_b_ref, kv_a_ref, kv_b_ref = (refs.pop(0) for _ in range(4))
@@ -93,10 +96,10 @@ def _sparse_attention_kernel(
         )  # [block_h, d]
         return alpha[:, None] * acc + pv, m_new, alpha * den + jnp.sum(p, axis=1)
 
-    def walk(kv_ref, scale_ref, idx_ref, n, lo, hi, carry):
-        """Blocks [lo, hi) of one list. With prefetch P, the gathers of blocks blk+1..blk+P are in flight
-        (loop-carried registers) while block blk is computed, and the index slots one block further
-        ahead; loads past `hi` are masked off (no memory traffic)."""
+    def walk(kv_ref, scale_ref, idx_ref, n, lo, hi, carry, base=None):
+        """Blocks [lo, hi) of one list (its rows counted from `base`, if given). With prefetch P, the gathers of
+        blocks blk+1..blk+P are in flight (loop-carried registers) while block blk is computed, and the index
+        slots one block further ahead; loads past `hi` are masked off (no memory traffic)."""
 
         def ids_of(blk):
             slot = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -105,6 +108,7 @@ def _sparse_attention_kernel(
 
         def fetch(ids):
             valid = ids >= 0
+            ids = ids if base is None else ids + base
             rows = _fp8.to_compute(_backend.gather_rows(kv_ref, ids, valid), q_ref.dtype)  # unused slots: 0, never read
             row_scale = None if scale_ref is None else _backend.load_1d(scale_ref, ids, valid, 0.0)
             return rows, valid, row_scale
@@ -130,7 +134,7 @@ def _sparse_attention_kernel(
     )
     # Global block ids: [0, a_blocks) are list A, [a_blocks, ...) list B.
     live_a = _live_blocks(idx_a_ref, na, block_k)
-    carry = walk(kv_a_ref, scale_a_ref, idx_a_ref, na, first, jnp.minimum(last, live_a), carry)
+    carry = walk(kv_a_ref, scale_a_ref, idx_a_ref, na, first, jnp.minimum(last, live_a), carry, a_base)
     if nb:
         live_b = _live_blocks(idx_b_ref, nb, block_k)
         carry = walk(
@@ -151,7 +155,7 @@ def _sparse_attention_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
-def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None, kv_b_scale=None,
+def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None, kv_b_scale=None, a_base=None,
                      block_sizes=None, interpret=False):
     """Sparse MQA attention with a sink over rows gathered from two pools (see `reference`).
 
@@ -159,12 +163,15 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=Non
       q: [t, h, d] bf16/f32. kv_a: [ra, d] (q's dtype, or FP8 E4M3 with kv_a_scale). idx_a: [t, na] i32, -1 = unused.
       kv_b: [rb, d] (likewise). idx_b: [t, nb] i32 (nb may be 0). sink: [h] f32. scale: static float.
       kv_a_scale, kv_b_scale: [ra] / [rb] f32 row scales of an FP8 pool (row = value * scale), else None.
+      a_base: None, or an int32 scalar (traced) added to every valid slot of idx_a: list A's rows of one layer
+        of a pool of layers, whose index rows are then the same for every layer (one XLA kernel computes them
+        for all; with the offset in the rows, a kernel each).
       block_sizes: `BlockSizes` (static) or None for defaults. interpret: run the Pallas interpreter.
     Returns:
       out: [t, h, d] in q.dtype; 0 for a token without valid rows.
     """
     validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, kv_a_scale=kv_a_scale,
-                                     kv_b_scale=kv_b_scale)
+                                     kv_b_scale=kv_b_scale, a_base=a_base)
     bs = block_sizes or BlockSizes.get_default(q.dtype)
     t, h, d = q.shape
     if t == 0:
@@ -210,6 +217,11 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=Non
     with_sink = n_splits == 1
     in_specs = [pl.BlockSpec((None, block_h, d), lambda hb, ti, si: (ti, hb, 0))]
     operands = [q]
+    based = a_base is not None
+    if based:
+        base = jnp.asarray(a_base, jnp.int32).reshape(1)
+        in_specs.append(pl.BlockSpec(base.shape, lambda hb, ti, si: (0,)))
+        operands.append(base)
     if with_sink:
         in_specs.append(pl.BlockSpec((block_h,), lambda hb, ti, si: (hb,)))
         operands.append(sink)
@@ -250,6 +262,7 @@ def sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=Non
         precision=_backend.dot_precision(q.dtype),
         scaled=scaled,
         with_sink=with_sink,
+        based=based,
     )
     result = pl.pallas_call(
         kernel,

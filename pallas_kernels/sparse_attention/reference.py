@@ -60,18 +60,21 @@ def finalize_partials(acc, m, den, sink, out_dtype):
 
 
 def sparse_attention_reference(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None, kv_b_scale=None,
-                               block_sizes=None, interpret=False):
+                               a_base=None, block_sizes=None, interpret=False):
     """Attention of each token over the valid rows of A and B (see module docstring).
 
     Args:
       q: [t, h, d] bf16/f32. kv_a: [ra, d]. idx_a: [t, na] i32 (-1 unused). kv_b: [rb, d].
       idx_b: [t, nb] i32 (-1 unused; nb may be 0). sink: [h] f32. scale: logit scale (1/sqrt(d) in V4).
       kv_a_scale, kv_b_scale: [ra] / [rb] f32 row scales of an FP8 E4M3 pool (row = value * scale), else None.
+      a_base: None, or an int32 scalar added to every valid slot of idx_a (list A's rows counted from a_base).
       block_sizes, interpret: ignored (same signature as the kernel).
     Returns:
       out: [t, h, d] in q.dtype.
     """
     del block_sizes, interpret
+    if a_base is not None:
+        idx_a = jnp.where(idx_a >= 0, idx_a + a_base, -1)
     rows_a, valid_a = _gather_rows(kv_a, idx_a, kv_a_scale)
     rows_b, valid_b = _gather_rows(kv_b, idx_b, kv_b_scale)
     rows = jnp.concatenate([rows_a, rows_b], axis=1)  # [t, n, d]

@@ -13,8 +13,10 @@ _FLOATS = (jnp.bfloat16, jnp.float32)
 
 
 def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None,
-                                     kv_b_scale=None) -> None:
+                                     kv_b_scale=None, a_base=None) -> None:
     """Raise ValueError naming the offending argument."""
+    if a_base is not None and (jnp.shape(a_base) != () or not jnp.issubdtype(jnp.result_type(a_base), jnp.integer)):
+        raise ValueError(f"a_base must be an integer scalar, got {a_base!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [t, h, d], got shape {q.shape}")
     t, h, d = q.shape
@@ -38,10 +40,13 @@ def validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale
 
 
 def validate_sparse_attention_dynamic(q, kv_a, idx_a, kv_b, idx_b, sink, *, scale, kv_a_scale=None,
-                                      kv_b_scale=None) -> None:
-    """Value checks (host sync; for tests and debugging): every index is -1 or a row of its pool."""
+                                      kv_b_scale=None, a_base=None) -> None:
+    """Value checks (host sync; for tests and debugging): every index is -1 or a row of its pool (list A's
+    counted from a_base)."""
     validate_sparse_attention_static(q, kv_a, idx_a, kv_b, idx_b, sink, scale=scale, kv_a_scale=kv_a_scale,
-                                     kv_b_scale=kv_b_scale)
+                                     kv_b_scale=kv_b_scale, a_base=a_base)
+    if a_base is not None:
+        idx_a = np.where(np.asarray(idx_a) >= 0, np.asarray(idx_a) + int(a_base), -1)
     for name, idx, rows in (("idx_a", idx_a, kv_a.shape[0]), ("idx_b", idx_b, kv_b.shape[0])):
         idx = np.asarray(idx)
         if idx.size and (idx.min() < -1 or idx.max() >= rows):

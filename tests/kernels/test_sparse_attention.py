@@ -226,6 +226,24 @@ class TestSparseAttentionInterpret(SparseAttentionTestBase):
         out = sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, scale=0.1, interpret=True)
         assert (np.asarray(out) == 0).all()
 
+    @pytest.mark.parametrize("splits", [1, 2])
+    def test_a_base(self, splits):
+        """List A's rows counted from a_base (a layer of a stacked pool) read what the offset rows read, and
+        the same as the reference; the rows before a_base are NaN-poisoned (never read)."""
+        case = Case("a_base", t=3, h=4, d=32, na=8, nb=8)
+        q, kv_a, idx_a, kv_b, idx_b, sink = make_inputs(case)
+        base = 5
+        stacked = jnp.concatenate([jnp.full((base, kv_a.shape[1]), jnp.nan, kv_a.dtype), kv_a])
+        shifted = jnp.where(idx_a >= 0, idx_a + base, -1)
+        tiles = BlockSizes(block_k=8, num_splits=splits)
+        want = sparse_attention(q, stacked, shifted, kv_b, idx_b, sink, scale=0.1, block_sizes=tiles, interpret=True)
+        got = sparse_attention(q, stacked, idx_a, kv_b, idx_b, sink, scale=0.1, a_base=jnp.int32(base),
+                               block_sizes=tiles, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        ref = sparse_attention_reference(q, stacked, idx_a, kv_b, idx_b, sink, scale=0.1, a_base=base)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-5, atol=1e-5)
+        validate_sparse_attention_dynamic(q, stacked, idx_a, kv_b, idx_b, sink, scale=0.1, a_base=base)
+
     def test_no_tokens(self):
         q = jnp.zeros((0, 4, 32))
         kv, idx = jnp.zeros((5, 32)), jnp.zeros((0, 3), jnp.int32)
