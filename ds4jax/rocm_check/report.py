@@ -38,8 +38,11 @@ def describe(kernel: TritonKernel, case: Case) -> str:
     if kernel.name != "sparse_attention":
         return ""
     split = len(kernel.results) > 1
+    ops = list(kernel.operands)
+    if len(ops) > 1 and ops[1] == "1xi32":  # list A's row offset (`a_base`: SWA rings read in place)
+        del ops[1]
     # a call that writes split partials takes no sink (the merge, in XLA, adds it)
-    ops = kernel.operands if split else kernel.operands[:1] + kernel.operands[2:]
+    ops = ops if split else ops[:1] + ops[2:]
     if len(ops) == 3:  # q, idx_a, kv_a
         kind = "sliding"
     else:  # q, idx_a, idx_b, kv_a, kv_b: kv_b is the C4 or the C128 pool ([layers x entries, d] view)
