@@ -4,7 +4,8 @@
 * `norms.rms_norm_pair`: the query latent's and K=V vector's norms from one reduction;
 * `routed_experts.weighted_sum`: one token's routed output without a scatter-add; 2 to 16 tokens' experts without a
   sort (`routed_experts.shared_tiles`);
-* the mHC fn as [outputs, m*e] (the checkpoint's layout): its product is a reduction along rows.
+* the mHC fn as [outputs, m*e] (the checkpoint's layout): its product is a reduction along rows;
+* the SWA and compressor state rings written first and read in place at decode (`pooled_attention.SlotRing`).
 """
 
 import jax
@@ -140,3 +141,66 @@ def test_mhc_fn_is_outputs_by_inputs():
     x = jax.random.normal(jax.random.key(1), (2, m, e))
     np.testing.assert_allclose(np.asarray(mhc.raw_mixes(x, fn)), np.asarray(x.reshape(2, -1) @ fn.T), rtol=1e-5,
                                atol=1e-5)
+
+
+def _pooled_logits(model, spec, ids, lengths, decode_steps: int) -> list[np.ndarray]:
+    """Logits of a prefill of two requests (ids [2, T], lengths) and `decode_steps` greedy decode steps, on
+    NaN-poisoned pools."""
+    from ds4jax.runtime import pools, steps
+
+    book, pool = pools.PoolBook(spec, model.config.vocab_size), pools.poisoned(spec)
+    for s in (0, 1):
+        book.admit(s)
+        book.reserve(s, spec.max_context)
+    pool = book.sync(pool)
+    run = dict(cfg=model.config, spec=spec)
+    rows = jnp.asarray([0, 1])
+    out, pool = steps.prefill(model.params, pool, steps.StepBatch(rows, jnp.asarray(ids), jnp.asarray(lengths)), **run)
+    book.commit([0, 1], list(lengths))
+    logits = [np.asarray(out.logits)]
+    for _ in range(decode_steps):
+        nxt = jnp.argmax(out.logits, -1).astype(jnp.int32)[:, None]
+        out, pool = steps.decode(model.params, pool, steps.StepBatch(rows, nxt, jnp.asarray([1, 1])), **run)
+        book.commit([0, 1], [1, 1])
+        logits.append(np.asarray(out.logits))
+    return logits
+
+
+def test_rings_in_place_at_decode(monkeypatch):
+    """A decode step writes its token's rows into the SWA ring and the compressors' state rings first and reads
+    them in place (`pooled_attention.SlotRing`); a chunk the ring has no room for beyond the window (a prefill, a
+    verify on a ring of window rows) gathers the slot's ring as before. The dispatch per layer kind, and the same
+    logits either way over a prefill and enough decode steps to wrap the SWA ring (window 8) and close compressor
+    windows (ratios 4 and 128: the C4 ones), on NaN-poisoned pools."""
+    from ds4jax.model.handle import Model
+    from ds4jax.runtime import pools, steps
+    from ds4jax.runtime.pool_spec import PoolSpec
+
+    cfg = ds4jax.tiny()
+    spec = PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64, page_size=16,
+                             dtype="float32")
+    pool = pools.abstract(spec)
+    states = {"state_kv", "state_gate"}
+    want = {AttentionType.SLIDING: {"ring", "ring_scale"}, AttentionType.HCA: {"ring", "ring_scale"} | states,
+            AttentionType.CSA: {"ring", "ring_scale"} | states | {"index_state_kv", "index_state_gate"}}
+    for kind, fields in want.items():
+        assert steps._in_place_rings(pool, kind, cfg, 1, jnp.float32) == fields, kind
+        assert "ring" not in steps._in_place_rings(pool, kind, cfg, 2, jnp.float32), kind  # no room for 2
+    # an SWA ring of another dtype than the step's (a bf16 pool under an f32 model) keeps the snapshot, which
+    # reads the fresh keys unrounded; the compressors' state rings (f32 in such a pool) hold f32 exactly
+    bf16 = pools.abstract(PoolSpec.for_role(cfg, role=ds4jax.Role.TARGET, max_slots=2, max_context=64,
+                                            page_size=16, dtype="bfloat16"))
+    assert steps._in_place_rings(bf16, AttentionType.CSA, cfg, 1, jnp.float32) == want[AttentionType.CSA] - {
+        "ring", "ring_scale"}
+
+    model = Model(cfg, P.init(cfg, jax.random.key(2)))
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+    jax.clear_caches()  # the choice is made at trace time: no program traced the other way may be reused
+    in_place = _pooled_logits(model, spec, ids, [20, 13], decode_steps=10)
+    jax.clear_caches()
+    monkeypatch.setattr(steps, "_in_place_rings", lambda *a: frozenset())
+    gathered = _pooled_logits(model, spec, ids, [20, 13], decode_steps=10)
+    jax.clear_caches()
+    for a, b in zip(in_place, gathered):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
