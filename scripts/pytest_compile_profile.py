@@ -3,6 +3,7 @@ tracing, lowering and XLA-compiling (its `jax.monitoring` events) and the test's
 
     PYTHONPATH=scripts python -m pytest -n 2 -p pytest_compile_profile [tests...]
     python scripts/pytest_compile_profile.py /tmp/ds4jax-compile-profile   # the summary
+    python scripts/pytest_compile_profile.py --totals DIR                  # the sums in two lines (.ci/run)
 
 Each pytest process (xdist workers included) writes `<DS4JAX_COMPILE_PROFILE or /tmp/ds4jax-compile-profile>/
 <worker>.json` when it ends: {test id: {"wall", "cpu", "events": {event: seconds}, "programs": {name: [compiles,
@@ -104,5 +105,32 @@ def summary(directory: str, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def totals(directory: str, top: int = 8) -> str:
+    """The suite's sums (test processes only: subprocesses show in their tests' wall time) and the programs that
+    cost the most XLA seconds: where a run's time went, in a few lines (printed by .ci/run)."""
+    sums, programs = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
+    for path in glob.glob(os.path.join(directory, "*.json")):
+        with open(path) as f:
+            for record in json.load(f).values():
+                sums.update(wall=record["wall"], cpu=record["cpu"])
+                sums.update({k: v for k, v in record["events"].items() if k in _TOTALS})
+                for name, (n, seconds) in record["programs"].items():
+                    programs[name][0] += n
+                    programs[name][1] += seconds
+    head = ", ".join(f"{label} {sums[key]:,.0f} s" for key, label in _TOTALS.items())
+    lines = [f"in the test processes: tests' wall {sums['wall']:,.0f} s, CPU {sums['cpu']:,.0f} s; time in {head}",
+             "programs with the most XLA seconds: " + "; ".join(
+                 f"{name} {seconds:.0f} s / {n}" for name, (n, seconds) in
+                 sorted(programs.items(), key=lambda kv: -kv[1][1])[:top])]
+    return "\n".join(lines)
+
+
+_TOTALS = {"backend_compile_duration": "XLA compile", "jaxpr_trace_duration": "tracing",
+           "jaxpr_to_mlir_module_duration": "lowering", "cache_retrieval_time_sec": "cache loads"}
+
+
 if __name__ == "__main__":
-    print(summary(sys.argv[1] if len(sys.argv) > 1 else _DIR))
+    if "--totals" in sys.argv:
+        print(totals(([a for a in sys.argv[1:] if a != "--totals"] or [_DIR])[0]))
+    else:
+        print(summary(sys.argv[1] if len(sys.argv) > 1 else _DIR))

@@ -31,3 +31,15 @@ def test_the_controllers_empty_records_do_not_replace_the_workers(tmp_path):
     (tmp_path / "main.json").write_text(json.dumps({"t::slow": _record(0.0, 0.0, {})}))
     line = profile.summary(str(tmp_path)).splitlines()[1]
     assert line.startswith("   9.0 |") and line.endswith("t::slow"), line
+
+
+def test_totals_sum_every_worker(tmp_path):
+    """The two lines .ci/run prints: the test processes' sums and the programs by XLA seconds."""
+    slow = dict(_record(9.0, 7.0, {"jit(decode_loop)": [2, 3.0], "jit(prefill_call)": [1, 4.0]}))
+    slow["events"]["jaxpr_trace_duration"] = 1.5
+    (tmp_path / "gw0.json").write_text(json.dumps({"t::fast": _record(1.0, 0.5, {"jit(decode_loop)": [1, 0.5]})}))
+    (tmp_path / "gw1.json").write_text(json.dumps({"t::slow": slow}))
+    (tmp_path / "main.json").write_text(json.dumps({"t::slow": _record(0.0, 0.0, {})}))
+    sums, programs = profile.totals(str(tmp_path)).splitlines()
+    assert "tests' wall 10 s" in sums and "XLA compile 8 s" in sums and "tracing 2 s" in sums, sums
+    assert programs.index("jit(prefill_call) 4 s / 1") < programs.index("jit(decode_loop) 4 s / 3"), programs
