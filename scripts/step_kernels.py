@@ -169,6 +169,12 @@ def scope(op_name: str, depth: int) -> str:
     return "/".join(["(outside layers)"] + parts[: depth - 1])
 
 
+# a copy of an array with a zero dimension (`f32[0,1024]`): XLA:GPU runs a `copy` instruction as a device-to-device
+# memcpy thunk, not a kernel, and this one moves no bytes (zero-size pool arrays, e.g. the row scales of an FP8 KV
+# cache the pool does not have, come back from a step as constants copied into their donated buffers)
+_ZERO_ELEMENTS = re.compile(r"^\w+\[(?:[\d,]*,)?0(?:,[\d,]*)?\]")
+
+
 def launches(text: str, depth: int = 2) -> dict:
     """Launching instructions per scheduled computation, grouped by scope; and totals per step (a loop body's count
     times its trip count where known)."""
@@ -177,7 +183,7 @@ def launches(text: str, depth: int = 2) -> dict:
     chain = frames(text)
     per_comp, by_scope, by_kind, by_source = {}, collections.Counter(), collections.Counter(), collections.Counter()
     by_layer = collections.Counter()
-    total = unknown = sliced = 0
+    total = unknown = sliced = empty = 0
     for name, mult in runs.items():
         items = []
         for iname, opcode, line in comps[name]["instrs"]:
@@ -195,6 +201,8 @@ def launches(text: str, depth: int = 2) -> dict:
             src = source(chain(int(frame.group(1)))) if frame else "(no stack frame)"
             items.append({"name": iname, "kind": kind, "scope": where, "source": src})
             weight = mult or 1
+            if opcode == "copy" and _ZERO_ELEMENTS.search(typed.group(3) if typed else ""):
+                empty += weight
             by_scope[where] += weight
             by_kind[kind] += weight
             by_source[src] += weight
@@ -206,6 +214,7 @@ def launches(text: str, depth: int = 2) -> dict:
         else:
             total += len(items) * mult
     return {"per_step": total, "in_loops_of_unknown_trip": unknown, "dynamic_slice_bytes_per_step": sliced,
+            "zero_element_copies_per_step": empty,
             "by_scope": dict(by_scope.most_common()),
             "by_kind": dict(by_kind.most_common()), "by_source": dict(by_source.most_common()),
             "by_layer": dict(sorted(by_layer.items())), "computations": per_comp}
@@ -269,10 +278,12 @@ def compile_step(args) -> str:
 
 
 def render(res: dict, title: str) -> str:
-    unknown = res["in_loops_of_unknown_trip"]
+    unknown, empty = res["in_loops_of_unknown_trip"], res.get("zero_element_copies_per_step", 0)
     lines = [f"# Kernel launches per step: {title}", "",
              f"**{res['per_step']}** launches per step (static count from the optimized HLO: loop bodies times their "
-             f"trip count{f'; {unknown} in loops of unknown trip count' if unknown else ''}).",
+             f"trip count{f'; {unknown} in loops of unknown trip count' if unknown else ''}"
+             f"{f'; {empty} of them copies of zero-element arrays: memcpys of no bytes, not kernels' if empty else ''}"
+             ").",
              "", f"Dynamic-slice fusions write {res.get('dynamic_slice_bytes_per_step', 0) / 1e6:,.1f} MB a step "
              f"(slices copied into buffers of their own, e.g. a scanned layer's weights cut out of their stacks).",
              "", "| layer (scope; a scanned body counts once per layer it runs) | launches per step |", "|---|---|"]

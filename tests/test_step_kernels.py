@@ -93,3 +93,15 @@ def test_dynamic_slice_copies_are_weighed_by_their_results_and_trips():
     sync = HLO.replace("calls=%fused_computation, metadata={op_name=\"jit(step)/target/embed",
                        "calls=%fused_dynamic_slice, metadata={op_name=\"jit(step)/target/embed")
     assert step_kernels.launches(sync)["dynamic_slice_bytes_per_step"] == 4 * 4  # f32[4] once, in the entry
+
+
+def test_copies_of_zero_element_arrays_are_counted_apart():
+    """A zero-element array's copy (a zero-size pool array returned into its donated buffer) stays in the count
+    and is reported apart: a memcpy of no bytes, not a kernel. Other copies are not."""
+    copies = ('  %z = f32[0,1024]{1,0} copy(%c0)\n  %y = f32[3,0]{1,0} copy(%c1)\n'
+              '  %n = f32[10,40]{1,0} copy(%c2)\n')
+    entry = "  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1"
+    res = step_kernels.launches(HLO.replace(entry, copies + entry))
+    assert res["per_step"] == step_kernels.launches(HLO)["per_step"] + 3
+    assert res["zero_element_copies_per_step"] == 2 and step_kernels.launches(HLO)["zero_element_copies_per_step"] == 0
+    assert "2 of them copies of zero-element arrays: memcpys" in step_kernels.render(res, "t")
