@@ -72,7 +72,7 @@ def _validate_static(cfg: Config, spec: PoolSpec, role: Role, pool: KVPool, batc
             (AttentionType.CSA, cfg.csa_ratio, spec.indexer_state_rows, "indexer_state_rows"),
             (AttentionType.HCA, cfg.hca_ratio, spec.c128_state_rows, "c128_state_rows"),
         ):
-            span = 2 * ratio if kind is AttentionType.CSA else ratio
+            span = window_span(ratio, kind is AttentionType.CSA)
             if cfg.layers_of(kind) and rows < span + max(spec.draft_tokens - 2, 0):
                 raise PoolError(f"{name}: spec.{what}={rows} cannot hold a {span}-token window plus "
                                 f"{spec.draft_tokens} speculative tokens")
