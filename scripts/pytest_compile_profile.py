@@ -105,6 +105,11 @@ def summary(directory: str, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+# the events `totals` sums, and their names in its line
+_TOTALS = {"backend_compile_duration": "XLA compile", "jaxpr_trace_duration": "tracing",
+           "jaxpr_to_mlir_module_duration": "lowering", "cache_retrieval_time_sec": "cache loads"}
+
+
 def totals(directory: str, top: int = 8) -> str:
     """The suite's sums (test processes only: subprocesses show in their tests' wall time) and the programs that
     cost the most XLA seconds: where a run's time went, in a few lines (printed by .ci/run)."""
@@ -123,10 +128,6 @@ def totals(directory: str, top: int = 8) -> str:
                  f"{name} {seconds:.0f} s / {n}" for name, (n, seconds) in
                  sorted(programs.items(), key=lambda kv: -kv[1][1])[:top])]
     return "\n".join(lines)
-
-
-_TOTALS = {"backend_compile_duration": "XLA compile", "jaxpr_trace_duration": "tracing",
-           "jaxpr_to_mlir_module_duration": "lowering", "cache_retrieval_time_sec": "cache loads"}
 
 
 if __name__ == "__main__":
