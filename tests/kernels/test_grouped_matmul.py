@@ -7,7 +7,6 @@ the same cases on a GPU.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,8 +61,8 @@ class TestGroupedMatmulDevice(GroupedMatmulTestBase):
     @pytest.mark.parametrize("case", [
         Case("flash_decode", groups=16, k=1024, n=512, tile_m=16, tile_group=(3, 9, 1, 15, 0, -1), live_rows=(1,) * 6,
              dtype="bfloat16"),
-        Case("flash_prefill", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1), live_rows=(64, 9, 64, 3, 0),
-             dtype="bfloat16"),
+        Case("flash_prefill", groups=8, k=512, n=256, tile_m=64, tile_group=(0, 0, 5, 7, -1),
+             live_rows=(64, 9, 64, 3, 0), dtype="bfloat16"),
     ], ids=str)
     def test_matches_reference(self, case):
         self.check(case)
